@@ -1,0 +1,5 @@
+import sys
+
+from commfuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""The ``commfuse`` command.
+
+Subcommands register themselves in ``COMMANDS``: a name, a one-line help, a
+function that adds its arguments and one that runs it. Later parts of the
+library (backends, bench, conformance, simulate) add theirs the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from commfuse import __version__
+from commfuse.errors import CommfuseError
+
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: list[Command] = []
+
+
+def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser], None]):
+    def register(run: Callable[[argparse.Namespace], int]):
+        COMMANDS.append((name, help, arguments, run))
+        return run
+
+    return register
+
+
+# -- commfuse schedule -----------------------------------------------------
+
+
+def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+    from commfuse.schedule import Algorithm, Collective
+
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = sub.add_parser("show", help="print the step table of one schedule")
+    show.add_argument("collective", choices=[c.value for c in Collective])
+    show.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
+    show.add_argument("--algorithm", "-a", default="ring", choices=[a.value for a in Algorithm])
+    show.add_argument("--parts", type=int, default=1, help="slices per shard (ring algorithms; the paper's m)")
+    show.add_argument("--chunks", type=int, default=1, help="collectives the data is sliced into (sliced)")
+    dump = sub.add_parser("dump", help="regenerate the schedules/ catalog from the builders")
+    dump.add_argument("--dir", type=Path, default=Path("schedules"), help="catalog folder (default: ./schedules)")
+    dump.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
+
+
+@command("schedule", "show schedules and regenerate the schedules/ catalog", _schedule_arguments)
+def _schedule(args: argparse.Namespace) -> int:
+    from commfuse.schedule import _catalog, build, render
+
+    if args.action == "show":
+        s = build(args.collective, args.world_size, algorithm=args.algorithm, parts=args.parts, chunks=args.chunks)
+        sys.stdout.write(render(s))
+        return 0
+    if args.check:
+        stale = _catalog.check(args.dir)
+        for rel in stale:
+            print(f"differs from the builder: {args.dir / rel}")
+        print(f"{len(_catalog.files()) - len(stale)} of {len(_catalog.files())} catalog files match")
+        return 1 if stale else 0
+    changed = _catalog.dump(args.dir)
+    print(f"wrote {len(changed)} of {len(_catalog.files())} files under {args.dir}")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="commfuse",
+        description="Communication-computation overlap by decomposing collectives into ring steps.",
+    )
+    p.add_argument("--version", action="version", version=f"commfuse {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help, arguments, run in COMMANDS:
+        sp = sub.add_parser(name, help=help, description=help)
+        arguments(sp)
+        sp.set_defaults(run=run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if not getattr(args, "run", None):
+        p.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except CommfuseError as e:
+        print(f"commfuse: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The backend-agnostic schedule core: pure Python, imports no torch.
+
+``build`` makes a :class:`Schedule` (what every rank does at every step),
+``render`` prints it as a step table, and the ``*_ref`` functions define what
+each collective means over per-rank lists.
+"""
+
+from commfuse.schedule._builders import ALGORITHMS, build
+from commfuse.schedule._ir import Algorithm, Collective, CollectiveCall, Schedule, SliceId, Step, Transfer
+from commfuse.schedule._reference import all_gather_ref, all_to_all_ref, reduce_scatter_ref, run_schedule
+from commfuse.schedule._render import render
+from commfuse.schedule._ring import Ring
+from commfuse.schedule._validate import validate
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "Collective",
+    "CollectiveCall",
+    "Ring",
+    "Schedule",
+    "SliceId",
+    "Step",
+    "Transfer",
+    "all_gather_ref",
+    "all_to_all_ref",
+    "build",
+    "reduce_scatter_ref",
+    "render",
+    "run_schedule",
+    "validate",
+]
