@@ -1,14 +1,39 @@
 """commfuse: communication-computation overlap by collective decomposition.
 
 The schedule core (``commfuse.schedule``) is pure Python; everything that needs
-torch is imported on first use, so ``import commfuse`` stays cheap.
+torch is imported on first use, so ``import commfuse`` stays cheap and never
+pulls torch or a vendor runtime by itself.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from commfuse import schedule
 from commfuse.errors import CommfuseError
 
 __version__ = "0.1.0"
 
-__all__ = ["CommfuseError", "__version__", "schedule"]
+_LAZY = {
+    "all_gather_matmul": "commfuse.ops",
+    "matmul_reduce_scatter": "commfuse.ops",
+    "all_gather_consume": "commfuse.ops",
+    "produce_reduce_scatter": "commfuse.ops",
+    "all_to_all_consume": "commfuse.ops",
+    "choose_algorithm": "commfuse.ops",
+    "backends": None,
+    "ops": None,
+    "launch": None,
+}
+
+__all__ = ["CommfuseError", "__version__", "schedule", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'commfuse' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = importlib.import_module(f"commfuse.{name}") if module is None else getattr(
+        importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,128 @@
+"""Launch a function on N local ranks, each a real process in one gloo group.
+
+The parent process owns the rendezvous ``TCPStore`` on a port the kernel
+picks (port 0), so concurrent launches never race for a port; the children
+join it as clients. Every child sets ``torch.set_num_threads(threads)``,
+initialises the process group, runs ``fn(rank, world_size, *args)`` and sends
+back its result or its traceback. The parent waits at most ``timeout``
+seconds, then kills every child that is still running and says which ranks
+did not finish: a launch never hangs and never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_module
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from commfuse.errors import CommfuseError
+
+
+class LaunchError(CommfuseError, RuntimeError):
+    """One or more ranks raised, died or did not finish."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a failed rank may leave the group unusable
+                pass
+        results.put((rank, True, value))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Raises
+    :class:`LaunchError` naming every rank that raised, died or timed out,
+    unless ``allow_failures``, in which case a failed rank's entry is the
+    ``LaunchError``-style message string prefixed with ``"FAILED: "``.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, store.port, args, results, threads, backend, env or {}),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(left, 0.5))
+                got[rank] = (ok, value)
+            except queue_module.Empty:
+                # a rank that died without reporting (SIGKILL, abort) never will
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+                if dead:
+                    time.sleep(0.2)  # let a just-exited rank's report arrive
+                    while True:
+                        try:
+                            rank, ok, value = results.get_nowait()
+                            got[rank] = (ok, value)
+                        except queue_module.Empty:
+                            break
+                    for r in dead:
+                        if r not in got:
+                            got[r] = (False, f"died with exit code {procs[r].exitcode} without reporting")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        del store
+    failures = {r: v for r, (ok, v) in got.items() if not ok}
+    for r in range(world_size):
+        if r not in got:
+            failures[r] = f"did not finish within {timeout:g} s (killed)"
+    if failures and not allow_failures:
+        lines = [f"rank {r}: {msg.strip().splitlines()[0] if msg.strip() else msg}" for r, msg in sorted(failures.items())]
+        details = "\n\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
+        raise LaunchError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(lines) + "\n\n" + details,
+                          failures)
+    return [got[r][1] if got.get(r, (False,))[0] else f"FAILED: {failures[r]}" for r in range(world_size)]

@@ -1,0 +1,68 @@
+"""The Backend protocol: what the executor asks of a transport.
+
+A backend moves tensors; it never decides what to move. The executor gives it
+one step's transfers at a time and later asks for what arrived. The protocol
+is shaped so that eager transports (gloo, NCCL, HCCL: post now, a handle to
+wait on later) and traced ones (XLA: a transfer *is* a ``collective_permute``
+that returns a new lazy tensor, with nothing to wait on) fit the same executor
+without special cases:
+
+* ``post(sends, recvs)`` starts a step's point-to-point transfers and returns
+  a :class:`Handle`. ``recvs`` carries, per transfer, a buffer the backend may
+  receive into (eager) or ignore (traced);
+* ``Handle.wait(timeout)`` returns the received tensors, in ``recvs`` order.
+  An eager backend returns its buffers once the data is there (host-blocking on
+  gloo, stream-ordered on NCCL/HCCL); a traced backend returns the tensors its
+  permutes produced, immediately;
+* ``collective(kind, inputs, outputs)`` does the same for one whole
+  collective (the ``vanilla`` and ``sliced`` baselines); ``wait`` returns the
+  outputs.
+
+Because every transfer of a step carries its ``shift`` and ``channel`` (see
+``commfuse.schedule.Transfer``), a traced backend can turn a step's messages
+on one channel into one permutation, ``Ring.pairs(shift)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from commfuse.schedule import Collective, Transfer
+
+
+@runtime_checkable
+class Handle(Protocol):
+    def wait(self, timeout: float) -> list["torch.Tensor"]:
+        """Block until done (at most ``timeout`` seconds; raise ``TimeoutError`` after) and return what arrived."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    rank: int  # this process's rank in the group
+    world_size: int
+    device: "torch.device"
+
+    def post(
+        self,
+        sends: Sequence[tuple["Transfer", "torch.Tensor"]],
+        recvs: Sequence[tuple["Transfer", "torch.Tensor"]],
+    ) -> Handle:
+        """Start one step's transfers together; ``Transfer.peer`` is a rank of the group."""
+
+    def collective(
+        self, kind: "Collective", inputs: Sequence["torch.Tensor"], outputs: Sequence["torch.Tensor"]
+    ) -> Handle:
+        """Start one whole collective over the group.
+
+        all_gather: ``inputs = [mine]``, ``outputs`` one per rank;
+        reduce_scatter: ``inputs`` one partial per rank, ``outputs = [mine]`` (sum);
+        all_to_all: ``inputs`` one block per destination, ``outputs`` one per source.
+        """
+
+    def empty(self, shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
+        """A receive buffer on the backend's device."""
