@@ -64,6 +64,52 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- commfuse backends -----------------------------------------------------
+
+
+def _backends_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+@command("backends", "list the backends found (built-in and plugins) and whether each runs here", _backends_arguments)
+def _backends(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from commfuse import backends
+
+    rows = []
+    for s in backends.specs():
+        avail = backends.availability(s.name)
+        row = {
+            "name": s.name,
+            "distribution": s.distribution,
+            "device_types": list(s.device_types),
+            "available": avail.ok,
+            "reason": avail.reason,
+            "fix": avail.fix,
+            "detail": avail.detail,
+            "priority": s.priority,
+            "description": s.description,
+            "install_hint": s.install_hint,
+            "capabilities": dataclasses.asdict(s.capabilities),
+        }
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [("NAME", "DISTRIBUTION", "DEVICES", "AVAILABLE", "DETAILS")]
+    for r in rows:
+        details = r["detail"] if r["available"] else r["reason"] + (f" (fix: {r['fix']})" if r["fix"] else "")
+        table.append(
+            (r["name"], r["distribution"], ",".join(r["device_types"]), "yes" if r["available"] else "no", details)
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
 # -- entry point -----------------------------------------------------------
 
 

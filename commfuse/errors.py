@@ -23,3 +23,31 @@ class InvalidScheduleError(CommfuseError, AssertionError):
 
 class CommfuseTypeError(CommfuseError, TypeError):
     """An argument of the wrong type."""
+
+
+class PluginError(CommfuseError, ValueError):
+    """A backend plugin or one of its records is malformed, or two plugins clash."""
+
+
+class BackendUnavailableError(CommfuseError, RuntimeError):
+    """The backend asked for is not installed, cannot run here, or none fits the device."""
+
+
+class CommfuseWarning(UserWarning):
+    """Something was skipped but commfuse carried on (e.g. a broken backend plugin)."""
+
+
+class CommfuseValueError(CommfuseError, ValueError):
+    """An argument with a bad value: a wrong dim, shape, size, dtype or device."""
+
+
+class CommunicationError(CommfuseError, RuntimeError):
+    """A transfer or collective failed; the message names rank, step, peers and collective."""
+
+
+class CommfuseTimeoutError(CommunicationError, TimeoutError):
+    """A wait ran past its timeout; the message names who waited on what."""
+
+
+class MismatchError(CommunicationError, ValueError):
+    """Ranks called one op with different collectives, algorithms, shapes or dtypes."""

@@ -144,8 +144,9 @@ def _resolve(collective: Collective, algorithm, world_size: int, slice_bytes: in
     if name == "auto":
         name, reason = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None))
     if report is not None:
-        report.update(algorithm=name if (parts, chunks) == (1, 1) or name == "sliced" and chunks == 2 else
-                      f"{name}:{parts if name != 'sliced' else chunks}", reason=reason, world_size=world_size)
+        count = chunks if name == "sliced" else parts
+        shown = name if count == (2 if name == "sliced" else 1) else f"{name}:{count}"
+        report.update(algorithm=shown, reason=reason, world_size=world_size)
     return name, parts, chunks
 
 
@@ -234,8 +235,7 @@ def all_gather_matmul(
         return (gathered, results) if return_gathered else results
 
     if n == 1:
-        if report is not None:
-            _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)
+        _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return finish(a, [torch.matmul(a, bi) for bi in bs])
 
     slice_bytes = a.numel() * a.element_size()
@@ -343,8 +343,7 @@ def matmul_reduce_scatter(
     be = _backend(backend, group, a.device)
     n = 1 if be is None else be.world_size
     if n == 1:
-        if report is not None:
-            _resolve(Collective.REDUCE_SCATTER, algorithm, 1, 0, be, report)
+        _resolve(Collective.REDUCE_SCATTER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return torch.matmul(a, b)
     sizes = split_sizes(out_shape[sd], n)
     per_rank = 1
@@ -455,8 +454,7 @@ def all_gather_consume(
     be = _backend(backend, group, shard.device)
     n = 1 if be is None else be.world_size
     if n == 1:
-        if report is not None:
-            _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)
+        _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return [consumer(shard, 0)]
     name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, shard.numel() * shard.element_size(), be, report)
     meta = [dtype_code(shard.dtype), d, shard.ndim, *shard.shape]
@@ -499,8 +497,7 @@ def produce_reduce_scatter(
     be = _backend(backend, group, None)
     n = 1 if be is None else be.world_size
     if n == 1:
-        if report is not None:
-            _resolve(Collective.REDUCE_SCATTER, algorithm, 1, 0, be, report)
+        _resolve(Collective.REDUCE_SCATTER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return _tensor("producer(0)", producer(0))
     name, parts, chunks = _parse_algorithm(algorithm, Collective.REDUCE_SCATTER)
     first: dict[str, Any] = {}
@@ -599,8 +596,7 @@ def all_to_all_consume(
                 f"chunks[{i}] has shape {list(c.shape)} but chunks[0] has {list(chunks[0].shape)}; all chunks must match"
             )
     if n == 1:
-        if report is not None:
-            _resolve(Collective.ALL_TO_ALL, algorithm, 1, 0, be, report)
+        _resolve(Collective.ALL_TO_ALL, algorithm, 1, 0, be, report)  # validates `algorithm`
         return [consumer(chunks[0], 0)]
     if chunks[0].ndim == 0:
         raise CommfuseValueError("chunks are 0-d tensors; give them at least one dim")

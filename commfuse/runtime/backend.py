@@ -43,6 +43,7 @@ class Handle(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     name: str
+    capabilities: object  # commfuse.plugins.Capabilities (set by commfuse.backends.get when the object has none)
     rank: int  # this process's rank in the group
     world_size: int
     device: "torch.device"

@@ -60,6 +60,8 @@ class _Handle:
 class C10dBackend:
     """Transfers through a ``torch.distributed`` process group."""
 
+    capabilities = None  # set from the plugin record by ``commfuse.backends.get``
+
     def __init__(self, group=None, device=None, *, name: str = "gloo") -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise BackendUnavailableError(

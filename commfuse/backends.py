@@ -1,0 +1,171 @@
+"""Pick a backend: by name, or by the device the tensors live on.
+
+Every backend, built-in or installed, arrives through the plugin system
+(:mod:`commfuse.plugins`). ``get(device=...)`` takes, among the available
+backends that handle the device type, the one with the highest priority, so an
+installed vendor plugin (``commfuse-cuda``) wins over the generic
+``accelerator`` path for the same device.
+
+Asking for a backend that is not installed, or cannot run here, raises
+:class:`~commfuse.errors.BackendUnavailableError` saying what to install or fix.
+torch is imported only when a device has to be looked at or a backend made.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
+from commfuse.plugins import manager
+from commfuse.plugins.types import ACCELERATOR, Availability, BackendSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: Vendor backends commfuse knows of but does not ship, by backend name -> distribution.
+#: Each serves the device type of its own name. Used only to say how to install them.
+KNOWN_BACKENDS = {
+    "cuda": "commfuse-cuda",
+    "npu": "commfuse-npu",
+    "xla": "commfuse-xla",
+}
+
+__all__ = ["KNOWN_BACKENDS", "availability", "available", "get", "install_hint", "spec", "specs"]
+
+
+def specs() -> list[BackendSpec]:
+    """Every backend found, sorted by name, whether or not it can run here."""
+    return list(manager.backend_specs().values())
+
+
+def spec(name: str) -> BackendSpec:
+    """The spec of the installed backend ``name``; raises ``BackendUnavailableError`` saying how to install it."""
+    if not isinstance(name, str):
+        raise CommfuseTypeError(f"backend name must be a string, got {type(name).__name__} {name!r}")
+    found = manager.backend_specs()
+    if name in found:
+        return found[name]
+    message = f"no commfuse backend named {name!r} is installed (installed: {', '.join(found) or 'none'})"
+    hint = install_hint(name)
+    if hint:
+        message += f"; to install it: {hint}"
+    else:
+        close = difflib.get_close_matches(name, list(found) + list(KNOWN_BACKENDS), n=1)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
+    raise BackendUnavailableError(message)
+
+
+def install_hint(name: str) -> str:
+    """How to install the known vendor backend ``name``, or "" when commfuse does not know it."""
+    distribution = KNOWN_BACKENDS.get(name)
+    if distribution is None:
+        return ""
+    return f"pip install {distribution} (or pip install -e backends/{name} from a checkout)"
+
+
+def availability(name: str) -> Availability:
+    """Whether the installed backend ``name`` can run here (checked once per discovery)."""
+    return manager.registry().availability(spec(name))
+
+
+def available() -> list[str]:
+    """Names of the backends that can run here, sorted."""
+    registry = manager.registry()
+    return [name for name, s in registry.specs.items() if registry.availability(s).ok]
+
+
+def get(name: str | None = None, device: object = None, *, group: object = None) -> object:
+    """A backend object, chosen by ``name`` or by ``device``.
+
+    ``device`` is a ``torch.device``, a device string ("cpu", "cuda:1") or a
+    tensor (its ``.device``). With a name, the device (if any) must be one the
+    backend handles; without one, the available backend of highest priority
+    for the device type is taken (ties broken by name), and with neither the
+    device type is "cpu". The factory gets ``group`` and the device as a
+    ``torch.device``, or ``None`` when the caller gave no device.
+    """
+    registry = manager.registry()
+    if name is not None:
+        chosen = spec(name)
+        avail = registry.availability(chosen)
+        if not avail.ok:
+            message = f"backend {name!r} (from {chosen.distribution!r}) is installed but cannot run here"
+            fix = f"; to fix: {avail.fix}" if avail.fix else ""
+            raise BackendUnavailableError(f"{message}: {avail.reason}{fix}")
+        if device is not None and not chosen.matches(_device_type(device)):
+            raise BackendUnavailableError(
+                f"backend {name!r} runs on device types {chosen.device_types}, not on {_device_type(device)!r} "
+                f"(device {device!r})"
+            )
+        return _made(chosen, group, device)
+
+    device_type = _device_type("cpu" if device is None else device)
+    candidates = sorted(
+        (s for s in registry.specs.values() if s.matches(device_type)), key=lambda s: (-s.priority, s.name)
+    )
+    for candidate in candidates:
+        if registry.availability(candidate).ok:
+            return _made(candidate, group, device)
+    raise BackendUnavailableError(_no_backend_message(device_type, registry))
+
+
+def _made(chosen: BackendSpec, group, device):
+    """Call the factory; the backend object carries its spec's name and capabilities unless it sets its own."""
+    backend = chosen.factory(group=group, device=_torch_device(device))
+    if getattr(backend, "capabilities", None) is None:
+        try:
+            backend.capabilities = chosen.capabilities
+        except AttributeError:  # a slotted backend without the attribute keeps what it has
+            pass
+    return backend
+
+
+def _no_backend_message(device_type: str, registry: manager.Registry) -> str:
+    lines = [f"no available commfuse backend handles device type {device_type!r}; considered:"]
+    for s in registry.specs.values():
+        avail = registry.availability(s)
+        if s.matches(device_type):
+            why = f"unavailable: {avail.reason}" + (f" (fix: {avail.fix})" if avail.fix else "")
+        else:
+            why = f"handles device types {', '.join(s.device_types)}, not {device_type!r}"
+            if ACCELERATOR in s.device_types:
+                # Say what "accelerator" means here, which is the interesting part.
+                why += f" ({avail.detail})" if avail.ok else f" (here: {avail.reason})"
+        lines.append(f"  - {s.name} (from {s.distribution!r}): {why}")
+    known = [n for n in KNOWN_BACKENDS if n == device_type and n not in registry.specs]
+    for n in known:
+        lines.append(f"a backend for {device_type!r} devices exists: {install_hint(n)}")
+    return "\n".join(lines)
+
+
+def _device_type(device: object) -> str:
+    """The device type of a device string, torch.device or tensor; strings need no torch."""
+    if isinstance(device, str):
+        return device.split(":", 1)[0]
+    import torch
+
+    if isinstance(device, torch.Tensor):
+        return device.device.type
+    if isinstance(device, torch.device):
+        return device.type
+    raise CommfuseTypeError(
+        f"device must be a torch.device, a device string such as 'cpu' or 'cuda:0', or a tensor, "
+        f"got {type(device).__name__} {device!r}"
+    )
+
+
+def _torch_device(device: object) -> torch.device | None:
+    if device is None:
+        return None
+    import torch
+
+    if isinstance(device, torch.Tensor):
+        return device.device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except (RuntimeError, ValueError) as e:
+            raise CommfuseValueError(f"device {device!r} is not a device torch knows: {e}") from None
+    return device

@@ -1,0 +1,204 @@
+"""The records a backend plugin hands to commfuse: frozen, validated on creation.
+
+A plugin yields :class:`BackendSpec` records from its ``commfuse_backends`` hook.
+Every field is checked in ``__post_init__`` so a malformed record fails where it
+is made, with a message that names the field and the bad value, instead of
+somewhere deep in the executor later. Sequences given as lists are stored as
+tuples so the records stay hashable and immutable.
+
+Nothing here imports torch; :meth:`BackendSpec.matches` does so lazily, and only
+for the generic ``"accelerator"`` device type.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from commfuse.errors import CommfuseTypeError, PluginError
+from commfuse.schedule import Collective
+
+#: How a backend runs a schedule: step by step from Python, or traced into a graph (XLA).
+EXECUTIONS = ("eager", "traced")
+#: The whole collectives a backend may support natively.
+COLLECTIVES = tuple(c.value for c in Collective)
+#: The device type that stands for whatever non-CPU device ``torch.accelerator`` reports.
+ACCELERATOR = "accelerator"
+
+# Backend names, device types and fused-op names: lowercase identifiers.
+_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+def _check_type(owner: str, field: str, value: object, kind: type | tuple[type, ...], what: str) -> None:
+    # bool is an int subclass: an int field must not silently accept True.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise CommfuseTypeError(f"{owner}.{field} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def _str_tuple(owner: str, field: str, value: object) -> tuple[str, ...]:
+    """``value`` as a tuple of strings; a bare string is refused (("cpu",), not "cpu")."""
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise CommfuseTypeError(
+            f"{owner}.{field} must be a tuple of strings, got {type(value).__name__} {value!r}"
+            + (f" (write ({value!r},) for a single entry)" if isinstance(value, str) else "")
+        )
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise CommfuseTypeError(
+                f"{owner}.{field} must hold only strings, got {type(item).__name__} {item!r} in {items!r}"
+            )
+    return items
+
+
+def _identifiers(owner: str, field: str, items: tuple[str, ...]) -> None:
+    for item in items:
+        if not _IDENTIFIER.match(item):
+            raise PluginError(
+                f"{owner}.{field} entries must be lowercase identifiers (a-z, 0-9, _; starting with a letter), "
+                f"got {item!r} in {items!r}"
+            )
+    if len(set(items)) != len(items):
+        raise PluginError(f"{owner}.{field} lists an entry twice: {items!r}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the executor and the conformance suite read these, never the vendor name.
+
+    The defaults describe the most modest backend: host-driven, one stream,
+    one link direction at a time, no native fused kernels, no claim of overlap.
+    """
+
+    #: Both directions of a link are usable at once (the bidirectional ring pays off).
+    bidirectional_links: bool = False
+    #: Fused collective+GEMM kernels the backend has, e.g. ("all_gather_matmul", "matmul_reduce_scatter").
+    native_fused_ops: tuple[str, ...] = ()
+    #: "eager" (the executor walks the steps) or "traced" (the schedule is lowered into a graph).
+    execution: str = "eager"
+    #: Communication runs on its own stream, ordered against compute by the backend.
+    streams: bool = False
+    #: Whole collectives the backend supports natively (used by the "vanilla" and "sliced" baselines).
+    collectives: tuple[str, ...] = COLLECTIVES
+    #: Transfers make progress while the host computes; the conformance suite gates its overlap threshold on it.
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("bidirectional_links", "streams", "overlap"):
+            _check_type("Capabilities", name, getattr(self, name), bool, "a bool")
+        fused = _str_tuple("Capabilities", "native_fused_ops", self.native_fused_ops)
+        _identifiers("Capabilities", "native_fused_ops", fused)
+        object.__setattr__(self, "native_fused_ops", fused)
+        _check_type("Capabilities", "execution", self.execution, str, "a string")
+        if self.execution not in EXECUTIONS:
+            raise PluginError(f"Capabilities.execution must be one of {EXECUTIONS}, got {self.execution!r}")
+        collectives = _str_tuple("Capabilities", "collectives", self.collectives)
+        for c in collectives:
+            if c not in COLLECTIVES:
+                raise PluginError(
+                    f"Capabilities.collectives entries must be among {COLLECTIVES}, got {c!r} in {collectives!r}"
+                )
+        if len(set(collectives)) != len(collectives):
+            raise PluginError(f"Capabilities.collectives lists an entry twice: {collectives!r}")
+        object.__setattr__(self, "collectives", collectives)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run on this machine, and if not, why and what to do about it."""
+
+    ok: bool
+    #: Why the backend cannot run; empty when ``ok``.
+    reason: str = ""
+    #: What the user can do to make it run; empty when ``ok``.
+    fix: str = ""
+    #: When ``ok``: what it would use here (e.g. "cuda devices with nccl"); informational.
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        _check_type("Availability", "ok", self.ok, bool, "a bool")
+        for name in ("reason", "fix", "detail"):
+            _check_type("Availability", name, getattr(self, name), str, "a string")
+        if self.ok and (self.reason or self.fix):
+            raise PluginError(f"Availability.reason and .fix must be empty when ok, got reason={self.reason!r}")
+        if not self.ok and not self.reason:
+            raise PluginError("Availability.reason must say why when ok is False, got an empty reason")
+
+    @classmethod
+    def yes(cls, detail: str = "") -> Availability:
+        return cls(True, detail=detail)
+
+    @classmethod
+    def no(cls, reason: str, fix: str = "") -> Availability:
+        return cls(False, reason=reason, fix=fix)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend as a plugin announces it: what it runs on, what it can do, how to make one.
+
+    ``check`` says whether the backend can run here; it is expected never to
+    raise, and the plugin manager turns an exception into ``Availability.no``
+    anyway. ``factory(group=None, device=None)`` returns the backend object.
+    Both should import torch and vendor packages lazily, inside the call.
+    """
+
+    #: Lowercase identifier that users pass to ``commfuse.backends.get(name)``.
+    name: str
+    #: torch device types it runs on, e.g. ("cuda",); "accelerator" = whatever ``torch.accelerator`` reports.
+    device_types: tuple[str, ...]
+    capabilities: Capabilities
+    check: Callable[[], Availability]
+    factory: Callable[..., object]
+    #: One line for listings (``commfuse backends``).
+    description: str
+    #: Higher wins when several available backends handle one device type.
+    priority: int = 0
+    #: How to install this backend's distribution or its requirements.
+    install_hint: str = ""
+    #: The distribution the spec came from; the plugin manager fills it in.
+    distribution: str = "commfuse"
+
+    def __post_init__(self) -> None:
+        _check_type("BackendSpec", "name", self.name, str, "a string")
+        if not _IDENTIFIER.match(self.name):
+            raise PluginError(
+                f"BackendSpec.name must be a lowercase identifier (a-z, 0-9, _; starting with a letter), "
+                f"got {self.name!r}"
+            )
+        device_types = _str_tuple("BackendSpec", "device_types", self.device_types)
+        if not device_types:
+            raise PluginError(f"BackendSpec.device_types of backend {self.name!r} must name at least one device type")
+        _identifiers("BackendSpec", "device_types", device_types)
+        object.__setattr__(self, "device_types", device_types)
+        _check_type("BackendSpec", "capabilities", self.capabilities, Capabilities, "a Capabilities")
+        for name in ("check", "factory"):
+            value = getattr(self, name)
+            if not callable(value):
+                raise CommfuseTypeError(f"BackendSpec.{name} must be callable, got {type(value).__name__} {value!r}")
+        _check_type("BackendSpec", "description", self.description, str, "a string")
+        if not self.description.strip():
+            raise PluginError(f"BackendSpec.description of backend {self.name!r} must not be empty")
+        _check_type("BackendSpec", "priority", self.priority, int, "an int")
+        _check_type("BackendSpec", "install_hint", self.install_hint, str, "a string")
+        _check_type("BackendSpec", "distribution", self.distribution, str, "a string")
+
+    def matches(self, device_type: str) -> bool:
+        """Whether this backend handles devices of ``device_type`` (e.g. "cpu", "cuda")."""
+        if device_type in self.device_types:
+            return True
+        if ACCELERATOR not in self.device_types or device_type == "cpu":
+            return False
+        return device_type == _current_accelerator_type()
+
+
+def _current_accelerator_type() -> str | None:
+    """The device type ``torch.accelerator`` reports here, or None (no accelerator, or torch < 2.6)."""
+    try:
+        import torch
+
+        device = torch.accelerator.current_accelerator()
+    except Exception:  # noqa: BLE001 - a broken torch means no accelerator, not a crash in matching
+        return None
+    return None if device is None else device.type

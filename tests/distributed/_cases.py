@@ -1,0 +1,309 @@
+"""Rank-side bodies of the distributed tests (run inside ``commfuse.launch`` processes).
+
+Each battery runs many cases in one process group and returns
+``{case_name: None | "error text"}``, so one launch (a few seconds of process
+start-up on 2 cores) serves dozens of pytest cases.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import commfuse as cf
+from commfuse.errors import CommfuseError, CommfuseTimeoutError, MismatchError
+
+ALGORITHMS = ["ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "vanilla", "auto"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _data(shape, dtype, seed, exact):
+    g = _gen(seed)
+    if exact:  # integer-valued in {-1, 0, 1}: every sum here is exact in fp32 and bf16
+        return torch.randint(-1, 2, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _close(got, want, dtype, exact, what):
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
+    if exact:
+        if not torch.equal(got, want.to(got.dtype)):
+            raise AssertionError(f"{what}: not bit-exact; max diff {(got.float() - want.float()).abs().max()}")
+        return
+    if got.numel() == 0:
+        return
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    scale = max(want.float().abs().max().item(), 1.0)
+    diff = (got.float() - want.float()).abs().max().item()
+    if diff > tol * scale:
+        raise AssertionError(f"{what}: max diff {diff} > {tol} x {scale}")
+
+
+def _run(results, name, fn):
+    try:
+        fn()
+        results[name] = None
+    except Exception as e:  # reported per case
+        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+
+
+def _group_name(group):
+    return group.group_name if group is not None else dist.group.WORLD.group_name
+
+
+# -- the op matrix ----------------------------------------------------------
+
+
+def ag_case(rank, n, alg, dtype, dim, exact, group=None):
+    """all_gather_matmul vs the single-process reference and vs torch's fused fallback."""
+    shape = [2, 6, 16]  # (batch, seq shard, hidden)
+    dim = dim % 3
+    full_shape = list(shape)
+    full_shape[dim] *= n
+    k = full_shape[-1] if dim == 2 else shape[-1]
+    A = _data(full_shape, dtype, 1, exact)
+    B = _data([k, 12], dtype, 2, exact)
+    B2 = _data([k, 5], dtype, 3, exact)
+    shard = A.tensor_split(n, dim=dim)[rank]
+    rep = {}
+    gathered, (y, y2) = cf.all_gather_matmul(shard, [B, B2], gather_dim=dim, algorithm=alg, group=group,
+                                             return_gathered=True, report=rep, timeout=30)
+    if not torch.equal(gathered, A):
+        raise AssertionError("gathered a is not bit-exact")
+    ref = torch.matmul(A.float(), B.float())
+    _close(y, ref, dtype, exact, "result vs reference")
+    _close(y2, torch.matmul(A.float(), B2.float()), dtype, exact, "second weight vs reference")
+    # torch's own definition, through its collectives
+    from torch.distributed._symmetric_memory import _fused_all_gather_matmul_fallback
+
+    a_torch, (y_torch,) = _fused_all_gather_matmul_fallback(shard.contiguous(), [B], dim, _group_name(group))
+    if not torch.equal(gathered, a_torch.contiguous()):
+        raise AssertionError("gathered a differs from torch's all_gather")
+    _close(y, y_torch.float(), dtype, exact, "result vs torch fused_all_gather_matmul fallback")
+    if alg != "auto" and rep["algorithm"] != alg.replace("sliced:2", "sliced"):
+        raise AssertionError(f"report says {rep['algorithm']}, asked for {alg}")
+
+
+def rs_case(rank, n, alg, dtype, dim, exact, group=None, reduce_op="sum"):
+    """matmul_reduce_scatter vs the reference and vs torch's reduce_scatter."""
+    dim = dim % 3
+    shape = [2 * n if dim == 0 else 2, 4 * n if dim == 1 else 5, 16]  # divisible: torch's fallback needs it
+    ncols = 4 * n if dim == 2 else 12
+    B = _data([16, ncols], dtype, 7, exact)
+    As = [_data(shape, dtype, 100 + r, exact) for r in range(n)]
+    z = cf.matmul_reduce_scatter(As[rank], B, scatter_dim=dim, reduce_op=reduce_op, algorithm=alg, group=group,
+                                 timeout=30)
+    total = sum(torch.matmul(a.float(), B.float()) for a in As)
+    if reduce_op == "avg":
+        total = total / n
+    _close(z, total.tensor_split(n, dim=dim)[rank], dtype, exact, "result vs reference")
+    from torch.distributed._symmetric_memory import _fused_matmul_reduce_scatter_fallback
+
+    z_torch = _fused_matmul_reduce_scatter_fallback(As[rank], B, reduce_op, dim, _group_name(group))
+    _close(z, z_torch.float(), dtype, exact, "result vs torch reduce_scatter(a @ b)")
+
+
+def consume_case(rank, n, alg, dtype, exact):
+    """all_gather_consume: every shard arrives once, bit-exact; compared with torch's all_gather."""
+    shards = [_data([6, 4], dtype, 20 + r, exact) for r in range(n)]
+    seen = []
+    results = cf.all_gather_consume(shards[rank], lambda t, s: (seen.append(s), t.clone())[1], algorithm=alg,
+                                    timeout=30)
+    if sorted(seen) != list(range(n)):
+        raise AssertionError(f"consumer saw sources {seen}")
+    if alg in ("ring", "ring:2") and seen[0] != rank:
+        raise AssertionError(f"the local shard must come first, saw {seen}")
+    torch_out = [torch.empty_like(shards[0]) for _ in range(n)]
+    dist.all_gather(torch_out, shards[rank])
+    for s in range(n):
+        if not torch.equal(results[s], shards[s]) or not torch.equal(results[s], torch_out[s]):
+            raise AssertionError(f"shard of rank {s} differs")
+
+
+def produce_case(rank, n, alg, dtype, exact):
+    """produce_reduce_scatter: producer called once per destination, own shard last on the ring."""
+    calls = []
+
+    def partial(r, d):
+        return _data([6, 4], dtype, 1000 * r + d, exact)
+
+    def producer(d):
+        calls.append(d)
+        return partial(rank, d)
+
+    out = cf.produce_reduce_scatter(producer, algorithm=alg, timeout=30)
+    if sorted(calls) != list(range(n)):
+        raise AssertionError(f"producer called for {calls}")
+    if alg.startswith("ring") or alg == "bidirectional":
+        if calls[-1] != rank and alg != "bidirectional":
+            raise AssertionError(f"own shard must be produced last on the ring, order {calls}")
+    ref = sum(partial(r, rank).float() for r in range(n))
+    _close(out, ref, dtype, exact, "result vs reference")
+    torch_out = torch.empty(6, 4, dtype=dtype)
+    dist.reduce_scatter(torch_out, [partial(rank, d) for d in range(n)])
+    _close(out, torch_out.float(), dtype, exact, "result vs torch reduce_scatter")
+
+
+def a2a_case(rank, n, alg, dtype, exact):
+    """all_to_all_consume: chunk from every source once, bit-exact; compared with torch's all_to_all."""
+    if alg == "bidirectional":
+        return
+    chunks = [_data([3, 8], dtype, 100 * rank + d, exact) for d in range(n)]
+    seen = []
+    results = cf.all_to_all_consume(chunks, lambda t, s: (seen.append(s), t.clone())[1], dim=1, algorithm=alg,
+                                    timeout=30)
+    if sorted(seen) != list(range(n)):
+        raise AssertionError(f"consumer saw sources {seen}")
+    torch_out = [torch.empty_like(chunks[0]) for _ in range(n)]
+    dist.all_to_all(torch_out, [c.contiguous() for c in chunks])
+    for s in range(n):
+        want = _data([3, 8], dtype, 100 * s + rank, exact)
+        if not torch.equal(results[s], want) or not torch.equal(results[s], torch_out[s]):
+            raise AssertionError(f"chunk from rank {s} differs")
+
+
+def matrix(rank, n):
+    """Every op x algorithm x dtype x dim on the default group."""
+    results = {}
+    for alg in ALGORITHMS:
+        for dname, dtype in DTYPES.items():
+            for exact in (False, True):
+                tier = "exact" if exact else "tol"
+                for dim in (0, 1, -1):
+                    _run(results, f"ag-{alg}-{dname}-{tier}-dim{dim}",
+                         lambda: ag_case(rank, n, alg, dtype, dim, exact))
+                    _run(results, f"rs-{alg}-{dname}-{tier}-dim{dim}",
+                         lambda: rs_case(rank, n, alg, dtype, dim, exact))
+                _run(results, f"consume-{alg}-{dname}-{tier}", lambda: consume_case(rank, n, alg, dtype, exact))
+                _run(results, f"produce-{alg}-{dname}-{tier}", lambda: produce_case(rank, n, alg, dtype, exact))
+                _run(results, f"a2a-{alg}-{dname}-{tier}", lambda: a2a_case(rank, n, alg, dtype, exact))
+    _run(results, "rs-avg", lambda: rs_case(rank, n, "ring", torch.float32, 0, False, reduce_op="avg"))
+    return results
+
+
+# -- edge cases -------------------------------------------------------------
+
+
+def edges(rank, n):
+    results = {}
+
+    def empty():
+        for alg in ("ring", "vanilla", "bidirectional"):
+            y = cf.all_gather_matmul(torch.empty(0, 16), torch.randn(16, 4), algorithm=alg, timeout=30)
+            assert y.shape == (0, 4), y.shape
+            z = cf.matmul_reduce_scatter(torch.empty(0, 16), torch.randn(16, 4), algorithm=alg, timeout=30)
+            assert z.shape == (0, 4), z.shape
+            k0 = cf.all_gather_matmul(torch.empty(3, 0), torch.empty(0, 4), algorithm=alg, timeout=30)
+            assert k0.shape == (3 * n, 4) and not k0.any()
+
+    def noncontiguous():
+        A = torch.randn(16, 4 * n, generator=_gen(5)).t()  # (4n, 16), transposed view
+        B = torch.randn(5, 16, generator=_gen(6)).t()  # (16, 5), transposed view
+        shard = A.tensor_split(n)[rank]
+        assert not shard.is_contiguous() and not B.is_contiguous()
+        for alg in ("ring", "bidirectional", "sliced", "vanilla"):
+            _close(cf.all_gather_matmul(shard, B, algorithm=alg, timeout=30), A @ B, torch.float32, False, alg)
+            z = cf.matmul_reduce_scatter(A, B, algorithm=alg, scatter_dim=1, timeout=30)
+            _close(z, (n * (A @ B)).tensor_split(n, dim=1)[rank], torch.float32, False, alg)
+
+    def uneven():
+        rows = 3 * n + 1  # does not divide: tensor_split gives rank 0 one more row
+        A = torch.randn(rows, 8, generator=_gen(8))
+        B = torch.randn(8, 3, generator=_gen(9))
+        shard = A.tensor_split(n)[rank]
+        for alg in ("ring", "ring:2", "bidirectional"):
+            y = cf.all_gather_matmul(shard, B, gathered_size=rows, algorithm=alg, timeout=30)
+            _close(y, A @ B, torch.float32, False, f"ag {alg}")
+            z = cf.matmul_reduce_scatter(A, B, algorithm=alg, timeout=30)
+            _close(z, (n * (A @ B)).tensor_split(n)[rank], torch.float32, False, f"rs {alg}")
+        for alg in ("vanilla", "sliced:3"):
+            z = cf.matmul_reduce_scatter(A, B, algorithm=alg, timeout=30)
+            _close(z, (n * (A @ B)).tensor_split(n)[rank], torch.float32, False, f"rs {alg}")
+        try:
+            cf.all_gather_matmul(shard, B, gathered_size=rows + n, timeout=30)
+        except CommfuseError as e:
+            assert "gather_dim 0" in str(e) and f"world size {n}" in str(e), e
+        else:
+            if (rows + n) // n + (1 if rank < (rows + n) % n else 0) != shard.shape[0]:
+                raise AssertionError("a wrong gathered_size was accepted")
+
+    def profiler_spans():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            cf.all_gather_matmul(torch.randn(4, 8), torch.randn(8, 4), algorithm="ring", timeout=30)
+        names = {e.name for e in prof.events()}
+        for i in range(n):
+            assert f"commfuse.all_gather_matmul.ring.step{i}" in names, sorted(names)[:20]
+
+    def wrong_chunk_count():
+        try:
+            cf.all_to_all_consume([torch.zeros(2)] * (n + 1), lambda t, s: None, timeout=30)
+        except CommfuseError as e:
+            assert f"{n + 1} tensors but the world size is {n}" in str(e), e
+        else:
+            raise AssertionError("wrong number of chunks accepted")
+
+    def subgroups():
+        members = list(range(1, n))  # every rank but 0: an odd group when n is 4
+        group = dist.new_group(members)
+        pair = dist.new_group([0, n - 1])
+        if rank in members:
+            g_rank, g_n = members.index(rank), len(members)
+            for alg in ("ring", "bidirectional", "vanilla"):
+                ag_case(g_rank, g_n, alg, torch.float32, 1, False, group=group)
+                rs_case(g_rank, g_n, alg, torch.float32, 0, False, group=group)
+        if rank in (0, n - 1):
+            ag_case(0 if rank == 0 else 1, 2, "ring", torch.float32, 0, True, group=pair)
+        dist.barrier()
+
+    for name, fn in [("empty", empty), ("noncontiguous", noncontiguous), ("uneven", uneven),
+                     ("profiler_spans", profiler_spans), ("wrong_chunk_count", wrong_chunk_count),
+                     ("subgroups", subgroups)]:
+        _run(results, name, fn)
+    return results
+
+
+def world_one(rank, n):
+    """A real process group of one rank: every op is the local computation."""
+    A, B = torch.randn(4, 8), torch.randn(8, 3)
+    rep = {}
+    assert torch.equal(cf.all_gather_matmul(A, B, report=rep), A @ B) and rep["algorithm"] == "vanilla"
+    assert torch.equal(cf.matmul_reduce_scatter(A, B), A @ B)
+    assert cf.all_gather_consume(A, lambda t, s: (s, t.sum().item())) == [(0, A.sum().item())]
+    assert torch.equal(cf.produce_reduce_scatter(lambda d: A + d), A)
+    assert cf.all_to_all_consume([A], lambda t, s: s) == [0]
+    return "ok"
+
+
+def mismatch(rank, n, kind):
+    """Ranks disagree; every rank must end in a CommfuseError within the timeout. Returns (type, message, seconds)."""
+    t0 = time.monotonic()
+    try:
+        if kind == "shape":
+            rows = 8 if rank == 0 else 4
+            cf.all_gather_matmul(torch.randn(rows, 16), torch.randn(16, 4), algorithm="ring", timeout=4)
+        elif kind == "algorithm":
+            cf.matmul_reduce_scatter(torch.randn(8, 16), torch.randn(16, 4),
+                                     algorithm="ring" if rank == 0 else "vanilla", timeout=4)
+        elif kind == "absent":  # rank 1 never calls; the others wait, with the check off, in step 0
+            if rank != 1:
+                cf.all_gather_matmul(torch.randn(4, 16), torch.randn(16, 4), algorithm="ring", timeout=3,
+                                     check=False)
+            else:
+                time.sleep(8)
+                return ("absent", "", time.monotonic() - t0)
+    except CommfuseError as e:
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+    return ("no error", "", time.monotonic() - t0)
+
+
+__all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch", "world_one"]
