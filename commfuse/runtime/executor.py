@@ -15,8 +15,10 @@ timeline for the benchmark's traces.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import sys
 import time
 from collections.abc import Sequence
@@ -121,12 +123,59 @@ class Program:
     def release(self, x: SliceId) -> None:  # x's last use has passed
         pass
 
+    def skip(self, slices: tuple[SliceId, ...]) -> None:
+        """Stand-in for ``compute`` in ``comm_only`` measurements: leave what sends need, compute nothing."""
+        self.compute(slices)
+
     def fingerprint(self) -> list[int]:
         """Integers that every rank of one call must agree on (see ``fingerprint``)."""
         raise NotImplementedError
 
     def describe_fingerprint(self, values: Sequence[int]) -> str:
         raise NotImplementedError
+
+
+_MODES = ("compute_only", "comm_only")
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def measure(mode: str | None):
+    """Run ops with their transfers removed (``"compute_only"``) or their compute removed (``"comm_only"``).
+
+    The benchmark uses it to time the same schedule's two halves apart: with
+    ``compute_only`` every post completes at once and receive buffers keep
+    whatever they held (results are garbage, timings are those of the
+    per-shard compute and the executor); with ``comm_only`` the programs skip
+    their compute (reduce-scatter sends uninitialised partials of the right
+    shape). The fingerprint check is skipped in both. ``None`` is normal.
+    """
+    if mode is not None and mode not in _MODES:
+        raise CommfuseValueError(f"measure mode must be one of {_MODES} or None, got {mode!r}")
+    previous = getattr(_mode, "value", None)
+    _mode.value = mode
+    try:
+        yield
+    finally:
+        _mode.value = previous
+
+
+class _Done:
+    """A handle that is already complete: what ``compute_only`` posts return."""
+
+    def __init__(self, outputs) -> None:
+        self.outputs = list(outputs)
+
+    def wait(self, timeout: float):
+        return self.outputs
+
+
+_NULL = contextlib.nullcontext()
+
+
+def profiling() -> bool:
+    """Whether a torch profiler is recording: step annotations cost nothing when none is."""
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def _trace_enabled() -> bool:
@@ -148,26 +197,33 @@ def execute(
     steps, releases = _plan(schedule, rank)
     trace = _trace_enabled()
     name = f"commfuse.{label or schedule.collective.value}.{schedule.algorithm.value}"
-    checked = not check or schedule.world_size == 1
+    mode = getattr(_mode, "value", None)
+    checked = not check or schedule.world_size == 1 or mode is not None
+    post = backend.post if mode != "compute_only" else (lambda sends, recvs: _Done(x for _, x in recvs))
+    run_collective = backend.collective if mode != "compute_only" else (lambda kind, ins, outs: _Done(outs))
+    compute = program.compute if mode != "comm_only" else program.skip
     clock = time.perf_counter
     for step in steps:
         if not checked and step.communicates:
             _check_fingerprint(schedule, program, backend, timeout, step.index)
             checked = True
-        with record_function(f"{name}.step{step.index}"):
+        with (record_function(f"{name}.step{step.index}") if profiling() else _NULL):
             t0 = clock()
             sends = [(t, program.payload(t.slice)) for t in step.sends]
             recvs = [(t, program.buffer(t.slice)) for t in step.recvs]
             pending = []
             if sends or recvs:
-                pending.append((backend.post(sends, recvs), None, None))
+                pending.append((post(sends, recvs), None, None))
             for call in step.collectives:
                 inputs, outputs, finish = program.collective_io(call)
-                pending.append((backend.collective(call.collective, inputs, outputs), finish, call))
+                pending.append((run_collective(call.collective, inputs, outputs), finish, call))
             t1 = clock()
             if step.compute:
-                with record_function(f"{name}.step{step.index}.compute"):
-                    program.compute(step.compute)
+                if profiling():
+                    with record_function(f"{name}.step{step.index}.compute"):
+                        compute(step.compute)
+                else:
+                    compute(step.compute)
             t2 = clock()
             for handle, finish, call in pending:
                 try:
