@@ -112,8 +112,24 @@ def _backends(args: argparse.Namespace) -> int:
 
 # -- entry point -----------------------------------------------------------
 
+#: Modules that register further subcommands with ``@command`` when imported.
+#: They must import only argparse-level things at module level (torch lazily).
+COMMAND_MODULES = ("commfuse.bench.command", "commfuse.sim.command", "commfuse.testing.command")
+
+
+def _load_commands() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name):  # a missing dependency inside it is a real error
+                raise
+
 
 def parser() -> argparse.ArgumentParser:
+    _load_commands()
     p = argparse.ArgumentParser(
         prog="commfuse",
         description="Communication-computation overlap by decomposing collectives into ring steps.",
