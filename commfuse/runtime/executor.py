@@ -160,6 +160,23 @@ def measure(mode: str | None):
         _mode.value = previous
 
 
+@contextlib.contextmanager
+def record_events():
+    """Collect the per-step timeline of every ``execute`` in this thread into a list.
+
+    Each entry is the per-step dict of ``execute(events=...)`` plus ``label``
+    (the op) and ``algorithm``; times are ``time.perf_counter()`` seconds.
+    The benchmark builds its traces and Gantt charts from these.
+    """
+    previous = getattr(_mode, "events", None)
+    events: list[dict] = []
+    _mode.events = events
+    try:
+        yield events
+    finally:
+        _mode.events = previous
+
+
 class _Done:
     """A handle that is already complete: what ``compute_only`` posts return."""
 
@@ -198,6 +215,10 @@ def execute(
     trace = _trace_enabled()
     name = f"commfuse.{label or schedule.collective.value}.{schedule.algorithm.value}"
     mode = getattr(_mode, "value", None)
+    recorded = getattr(_mode, "events", None)
+    if events is None and recorded is not None:
+        events = recorded
+    tags = {"label": label or schedule.collective.value, "algorithm": schedule.algorithm.value}
     checked = not check or schedule.world_size == 1 or mode is not None
     post = backend.post if mode != "compute_only" else (lambda sends, recvs: _Done(x for _, x in recvs))
     run_collective = backend.collective if mode != "compute_only" else (lambda kind, ins, outs: _Done(outs))
@@ -258,6 +279,7 @@ def execute(
                     "sends": [(t.peer, t.channel) for t in step.sends],
                     "recvs": [(t.peer, t.channel) for t in step.recvs],
                     "collectives": [f"{c.collective.value}[{c.part}]" for c in step.collectives],
+                    **tags,
                 }
             )
         if trace:
