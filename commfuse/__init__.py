@@ -24,6 +24,8 @@ _LAZY = {
     "backends": None,
     "ops": None,
     "launch": None,
+    "nn": None,
+    "autograd": None,
 }
 
 __all__ = ["CommfuseError", "__version__", "schedule", *_LAZY]

@@ -138,15 +138,19 @@ def _backend(backend, group, device: torch.device):
     return found
 
 
+def _shown(name: str, parts: int, chunks: int) -> str:
+    """The algorithm as a user writes it: "ring", "ring:2", "sliced" (2 chunks), "sliced:4"."""
+    count = chunks if name == "sliced" else parts
+    return name if count == (2 if name == "sliced" else 1) else f"{name}:{count}"
+
+
 def _resolve(collective: Collective, algorithm, world_size: int, slice_bytes: int, backend, report) -> tuple[str, int, int]:
     name, parts, chunks = _parse_algorithm(algorithm, collective)
     reason = "asked for"
     if name == "auto":
         name, reason = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None))
     if report is not None:
-        count = chunks if name == "sliced" else parts
-        shown = name if count == (2 if name == "sliced" else 1) else f"{name}:{count}"
-        report.update(algorithm=shown, reason=reason, world_size=world_size)
+        report.update(algorithm=_shown(name, parts, chunks), reason=reason, world_size=world_size)
     return name, parts, chunks
 
 
@@ -161,7 +165,124 @@ def _shape_text(dtype: int, shape: Sequence[int]) -> str:
     return f"{dtype_name(dtype)}{list(shape)}"
 
 
+# -- span-level building blocks (shared by the ops and their backward passes) --
+
+
+class Call:
+    """The communication options of one op call, passed through to the executor."""
+
+    __slots__ = ("be", "name", "parts", "chunks", "timeout", "check")
+
+    def __init__(self, be, name: str, parts: int, chunks: int, timeout, check) -> None:
+        self.be, self.name, self.parts, self.chunks = be, name, parts, chunks
+        self.timeout, self.check = timeout, check
+
+    @property
+    def world_size(self) -> int:
+        return self.be.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.be.rank
+
+
+def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
+                 consume: Callable[[list[tuple[int, int, torch.Tensor]]], None], *, label: str, meta, describe,
+                 keep: bool = False) -> None:
+    """All-gather ``shard`` along ``dim`` and call ``consume(spans)`` once per step.
+
+    ``spans`` lists ``(start, size, tensor)`` of the slices the step computes
+    on, sorted by ``start`` (their offset along ``dim`` of the gathered
+    tensor). Ranks' shards have ``sizes`` along ``dim``. ``consume`` must not
+    keep the tensors unless ``keep``.
+    """
+    box: list[Layout] = []
+
+    def on_step(slices, tensors):
+        layout = box[0]
+        consume(sorted(((layout.start(x.shard, x), layout.size(x.shard, x), t) for x, t in zip(slices, tensors)),
+                       key=lambda span: span[0]))
+
+    def program(schedule):
+        box.append(Layout(schedule, sizes))
+        return GatherProgram(schedule, call.be, shard, dim, box[0], on_step, keep=keep, meta=meta, describe=describe)
+
+    _run(Collective.ALL_GATHER, call.name, call.parts, call.chunks, call.be, program, call.timeout, call.check, label)
+
+
+def scatter_spans(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype,
+                  produce: Callable[[list[tuple[int, int]]], list[torch.Tensor]], *, label: str, meta, describe,
+                  inplace: bool = True) -> torch.Tensor:
+    """Reduce-scatter partials of a tensor of ``out_shape`` along ``dim``; return this rank's summed shard.
+
+    ``produce(spans)`` gets the ``(start, size)`` ranges along ``dim`` that a
+    step computes and returns this rank's partial for each (fresh tensors when
+    ``inplace``, which lets the running sums be added into them).
+    """
+    n = call.world_size
+    sizes = split_sizes(out_shape[dim], n)
+    box: list[Layout] = []
+
+    def on_step(slices):
+        layout = box[0]
+        return produce([(layout.start(x.shard, x), layout.size(x.shard, x)) for x in slices])
+
+    def shape(x):
+        out = list(out_shape)
+        out[dim] = box[0].size(x.shard, x)
+        return out
+
+    def program(schedule):
+        box.append(Layout(schedule, sizes))
+        return ReduceScatterProgram(schedule, call.be, on_step, shape, lambda: dtype, inplace=inplace, meta=meta,
+                                    describe=describe)
+
+    _, prog = _run(Collective.REDUCE_SCATTER, call.name, call.parts, call.chunks, call.be, program, call.timeout,
+                   call.check, label)
+    pieces = prog.result()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def join(spans, dim: int, pick=lambda span: span[2]) -> torch.Tensor:
+    """The spans' tensors concatenated along ``dim`` (no copy for one span)."""
+    return pick(spans[0]) if len(spans) == 1 else torch.cat([pick(span) for span in spans], dim=dim)
+
+
+def consecutive(spans) -> bool:
+    return all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
+def rows_of(t: torch.Tensor, spans, dim: int) -> torch.Tensor:
+    """The rows of ``t`` along ``dim`` that ``spans`` cover, in span order."""
+    if consecutive(spans):
+        return t.narrow(dim, spans[0][0], sum(span[1] for span in spans))
+    return torch.cat([t.narrow(dim, span[0], span[1]) for span in spans], dim=dim)
+
+
+def write_rows(out: torch.Tensor, spans, dim: int, value: torch.Tensor) -> None:
+    """Write ``value`` (the spans' rows, concatenated along ``dim``) into ``out``."""
+    if consecutive(spans):
+        out.narrow(dim, spans[0][0], value.shape[dim]).copy_(value)
+        return
+    for (start, size, *_), part in zip(spans, torch.split(value, [span[1] for span in spans], dim=dim)):
+        out.narrow(dim, start, size).copy_(part)
+
+
+def matmul_rows(out: torch.Tensor, spans, dim: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out[rows of spans] = a @ b``, straight into ``out`` when the rows are one contiguous block."""
+    if consecutive(spans):
+        region = out.narrow(dim, spans[0][0], a.shape[dim])
+        if region.is_contiguous():
+            torch.matmul(a, b, out=region)
+            return
+    write_rows(out, spans, dim, torch.matmul(a, b))
+
+
 # -- all_gather_matmul -------------------------------------------------------
+
+
+def _grad_wanted(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def all_gather_matmul(
@@ -173,6 +294,7 @@ def all_gather_matmul(
     algorithm: str = "auto",
     return_gathered: bool = False,
     gathered_size: int | None = None,
+    keep_gathered: bool = True,
     timeout: float | None = None,
     check: bool | None = None,
     backend=None,
@@ -182,12 +304,19 @@ def all_gather_matmul(
 
     Equals torch's ``fused_all_gather_matmul`` reference. ``b`` may be a list
     (one gather serving several GEMMs, as for Q, K and V), and then a list is
-    returned. With ``return_gathered`` the result is ``(gathered_a, result)``.
-    ``gather_dim`` may be the last dim (the contraction dim): every shard then
-    contributes a partial product that is summed in ring order. Shards must all
-    have the same size along ``gather_dim`` unless ``gathered_size`` (the size
-    of the gathered dim) is given, in which case rank r's shard must have the
+    returned. With ``return_gathered`` the result is ``(gathered_a, result)``
+    (the gathered a carries no gradient). ``gather_dim`` may be the last dim
+    (the contraction dim): every shard then contributes a partial product
+    that is summed in ring order (forward only). Shards must all have the
+    same size along ``gather_dim`` unless ``gathered_size`` (the size of the
+    gathered dim) is given, in which case rank r's shard must have the
     ``torch.tensor_split`` size for rank r.
+
+    Differentiable: the backward of the input is a matmul + reduce-scatter
+    decomposed the same way, and the weight gradient uses the gathered input,
+    kept from the forward (``keep_gathered=True``, memory) or gathered again in
+    a ring that overlaps with the weight-gradient GEMMs (``False``, time); see
+    ``commfuse.autograd``.
 
     Shapes: ``a_shard`` (..., L, ..., K) with L at ``gather_dim``; each ``b``
     (K, N) (``(N*L, N)`` when gathering the last dim); result (..., N*L, ..., N).
@@ -231,15 +360,46 @@ def all_gather_matmul(
             )
 
     def finish(gathered, results):
-        results = results[0] if single else results
+        results = results[0] if single else list(results)
         return (gathered, results) if return_gathered else results
 
     if n == 1:
         _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return finish(a, [torch.matmul(a, bi) for bi in bs])
+    name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, a.numel() * a.element_size(), be, report)
+    call = Call(be, name, parts, chunks, timeout, check)
+    if _grad_wanted(a, *bs):
+        if contraction:
+            raise CommfuseValueError(
+                "all_gather_matmul has no backward when gather_dim is the contraction (last) dim; "
+                "gather another dim or run it under torch.no_grad()"
+            )
+        from commfuse.autograd import all_gather_matmul_fn
 
-    slice_bytes = a.numel() * a.element_size()
-    name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, slice_bytes, be, report)
+        gathered, outs = all_gather_matmul_fn(call, a, bs, gd, sizes, keep_gathered or return_gathered)
+        return finish(gathered if return_gathered else None, outs)
+    gathered, outs = all_gather_matmul_forward(call, a, bs, gd, sizes, return_gathered)
+    return finish(gathered, outs)
+
+
+def _ag_meta(a: torch.Tensor, bs, gd: int, total: int):
+    full = list(a.shape)
+    full[gd] = total
+    meta = [dtype_code(a.dtype), gd, a.ndim, *full, len(bs)] + [d for bi in bs for d in bi.shape]
+
+    def describe(v):
+        ndim = v[2]
+        shape, rest = v[3 : 3 + ndim], v[3 + ndim :]
+        ws = [rest[1 + 2 * i : 3 + 2 * i] for i in range(rest[0])] if rest else []
+        return f"a gathered along dim {v[1]} to {_shape_text(v[0], shape)} times weights {ws}"
+
+    return meta, describe
+
+
+def all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
+    """The forward of :func:`all_gather_matmul` on ``call``'s backend; returns (gathered or None, outputs)."""
+    total = sum(sizes)
+    contraction = gd == a.ndim - 1
     full_a = list(a.shape)
     full_a[gd] = total
     out_shapes = []
@@ -251,51 +411,20 @@ def all_gather_matmul(
     make = torch.zeros if contraction else torch.empty
     outs = [make(shape, dtype=a.dtype, device=a.device) for shape in out_shapes]
     gathered = torch.empty(full_a, dtype=a.dtype, device=a.device) if return_gathered else None
-    layout_box: list[Layout] = []
 
-    def consume(slices, tensors):
-        layout = layout_box[0]
-        spans = sorted(
-            ((layout.start(x.shard, x), layout.size(x.shard, x), t) for x, t in zip(slices, tensors)),
-            key=lambda s: s[0],
-        )
-        lens = [length for _, length, _ in spans]
-        piece = spans[0][2] if len(spans) == 1 else torch.cat([t for _, _, t in spans], dim=gd)
+    def consume(spans):
+        piece = join(spans, gd)
         if gathered is not None:
-            for start, size, t in spans:
-                gathered.narrow(gd, start, size).copy_(t)
+            write_rows(gathered, spans, gd, piece)
         for bi, out in zip(bs, outs):
             if contraction:
-                rows = bi.narrow(0, spans[0][0], lens[0]) if len(spans) == 1 else torch.cat(
-                    [bi.narrow(0, start, size) for start, size, _ in spans], dim=0)
-                out.add_(torch.matmul(piece, rows))
-                continue
-            contiguous = all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-            if contiguous:
-                region = out.narrow(gd, spans[0][0], sum(lens))
-                if region.is_contiguous():
-                    torch.matmul(piece, bi, out=region)
-                else:
-                    region.copy_(torch.matmul(piece, bi))
-                continue
-            y = torch.matmul(piece, bi)
-            for (start, size, _), part in zip(spans, torch.split(y, lens, dim=gd)):
-                out.narrow(gd, start, size).copy_(part)
+                out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
+            else:
+                matmul_rows(out, spans, gd, piece, bi)
 
-    meta = [dtype_code(a.dtype), gd, a.ndim, *full_a, len(bs)] + [d for bi in bs for d in bi.shape]
-
-    def describe(v):
-        ndim = v[2]
-        shape, rest = v[3 : 3 + ndim], v[3 + ndim :]
-        ws = [rest[1 + 2 * i : 3 + 2 * i] for i in range(rest[0])] if rest else []
-        return f"a gathered along dim {v[1]} to {_shape_text(v[0], shape)} times weights {ws}"
-
-    def program(schedule):
-        layout_box.append(Layout(schedule, sizes))
-        return GatherProgram(schedule, be, a, gd, layout_box[0], consume, keep=False, meta=meta, describe=describe)
-
-    _run(Collective.ALL_GATHER, name, parts, chunks, be, program, timeout, check, "all_gather_matmul")
-    return finish(gathered, outs)
+    meta, describe = _ag_meta(a, bs, gd, total)
+    gather_spans(call, a, gd, sizes, consume, label="all_gather_matmul", meta=meta, describe=describe)
+    return gathered, outs
 
 
 # -- matmul_reduce_scatter ---------------------------------------------------
@@ -319,7 +448,9 @@ def matmul_reduce_scatter(
     Equals ``reduce_scatter_tensor(a @ b)`` along ``scatter_dim`` (rank r gets
     the ``torch.tensor_split`` piece r when the size does not divide), up to
     the order of the sum, which follows the ring. ``reduce_op`` is ``"sum"``
-    or ``"avg"``.
+    or ``"avg"``. Differentiable (scatter dims other than the last): the
+    backward of ``a`` is an all-gather + matmul decomposed the same way, with
+    the weight-gradient GEMM of every arriving slice overlapping the next hop.
 
     Shapes: ``a`` (..., K); ``b`` (K, N); result: ``(..., N)`` with the dim at
     ``scatter_dim`` cut to this rank's shard.
@@ -339,7 +470,6 @@ def matmul_reduce_scatter(
         raise CommfuseValueError(f"reduce_op 'avg' needs a floating dtype, got {a.dtype}")
     out_shape = [*a.shape[:-1], b.shape[1]]
     sd = _dim("scatter_dim", scatter_dim, len(out_shape))
-    last = sd == len(out_shape) - 1
     be = _backend(backend, group, a.device)
     n = 1 if be is None else be.world_size
     if n == 1:
@@ -350,53 +480,38 @@ def matmul_reduce_scatter(
     for i, d in enumerate(out_shape):
         per_rank *= sizes[0] if i == sd else d
     name, parts, chunks = _resolve(Collective.REDUCE_SCATTER, algorithm, n, per_rank * a.element_size(), be, report)
-    layout_box: list[Layout] = []
+    call = Call(be, name, parts, chunks, timeout, check)
+    if _grad_wanted(a, b):
+        if sd == len(out_shape) - 1:
+            raise CommfuseValueError(
+                "matmul_reduce_scatter has no backward when scatter_dim is the last (output feature) dim; "
+                "scatter another dim or run it under torch.no_grad()"
+            )
+        from commfuse.autograd import matmul_reduce_scatter_fn
 
-    def spans_of(slices):
-        layout = layout_box[0]
-        return [(layout.start(x.shard, x), layout.size(x.shard, x)) for x in slices]
+        return matmul_reduce_scatter_fn(call, a, b, sd, reduce_op)
+    out = matmul_reduce_scatter_forward(call, a, b, sd)
+    return out.div_(n) if reduce_op == "avg" else out
 
-    def produce(slices):
-        spans = spans_of(slices)
+
+def matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int) -> torch.Tensor:
+    """The forward of :func:`matmul_reduce_scatter` (a sum) on ``call``'s backend."""
+    out_shape = [*a.shape[:-1], b.shape[1]]
+    last = sd == len(out_shape) - 1
+
+    def produce(spans):
         lens = [size for _, size in spans]
-        consecutive = all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-        if not last:
-            if consecutive:
-                piece = a.narrow(sd, spans[0][0], sum(lens))
-            else:
-                piece = torch.cat([a.narrow(sd, start, size) for start, size in spans], dim=sd)
-            y = torch.matmul(piece, b)
-        else:
-            if consecutive:
-                cols = b.narrow(1, spans[0][0], sum(lens))
-            else:
-                cols = torch.cat([b.narrow(1, start, size) for start, size in spans], dim=1)
-            y = torch.matmul(a, cols)
-        return [y] if len(slices) == 1 else list(torch.split(y, lens, dim=sd))
-
-    def shape(x):
-        out = list(out_shape)
-        out[sd] = layout_box[0].size(x.shard, x)
-        return out
+        y = torch.matmul(a, rows_of(b, spans, 1)) if last else torch.matmul(rows_of(a, spans, sd), b)
+        return [y] if len(spans) == 1 else list(torch.split(y, lens, dim=sd))
 
     meta = [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
 
     def describe(v):
         ndim = v[2]
-        return (f"a {_shape_text(v[0], v[3 : 3 + ndim])} times b {v[3 + ndim :]} scattered along dim {v[1]}")
+        return f"a {_shape_text(v[0], v[3 : 3 + ndim])} times b {v[3 + ndim :]} scattered along dim {v[1]}"
 
-    def program(schedule):
-        layout_box.append(Layout(schedule, sizes))
-        return ReduceScatterProgram(schedule, be, produce, shape, lambda: a.dtype, inplace=True, meta=meta,
-                                    describe=describe)
-
-    _, prog = _run(Collective.REDUCE_SCATTER, name, parts, chunks, be, program, timeout, check,
-                   "matmul_reduce_scatter")
-    pieces = prog.result()
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=sd)
-    if reduce_op == "avg":
-        out = out.div_(n)
-    return out
+    return scatter_spans(call, out_shape, sd, a.dtype, produce, label="matmul_reduce_scatter", meta=meta,
+                         describe=describe)
 
 
 # -- consume / produce forms -------------------------------------------------
@@ -443,7 +558,8 @@ def all_gather_consume(
     results, indexed by source rank. With several slices per shard
     (``ring:m``, ``bidirectional``) the shard is cut along ``dim`` and the
     consumer is called once its last slice has arrived. The consumer may keep
-    the tensors it is given.
+    the tensors it is given. Not differentiable itself: the layers build their
+    backward passes from it (``commfuse.autograd``).
     """
     shard = _tensor("shard", shard)
     if not callable(consumer):
@@ -457,7 +573,15 @@ def all_gather_consume(
         _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return [consumer(shard, 0)]
     name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, shard.numel() * shard.element_size(), be, report)
-    meta = [dtype_code(shard.dtype), d, shard.ndim, *shard.shape]
+    return all_gather_consume_core(Call(be, name, parts, chunks, timeout, check), shard, consumer, d)
+
+
+def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable, dim: int, *, keep: bool = True,
+                            label: str = "all_gather_consume") -> list[Any]:
+    """:func:`all_gather_consume` on a resolved ``call``; ``keep=False`` lets buffers be reused (the
+    consumer then must not keep what it is given)."""
+    n = call.world_size
+    meta = [dtype_code(shard.dtype), dim, shard.ndim, *shard.shape]
 
     def describe(v):
         return f"shards {_shape_text(v[0], v[3 : 3 + v[2]])} cut along dim {v[1]}"
@@ -465,17 +589,20 @@ def all_gather_consume(
     box = []
 
     def program(schedule):
-        box.append(_Assembler(schedule, d, consumer, n, key=lambda x: x.shard))
-        layout = Layout(schedule, [shard.shape[d]] * n)
-        return GatherProgram(schedule, be, shard, d, layout, box[0], keep=True, meta=meta, describe=describe)
+        box.append(_Assembler(schedule, dim, consumer, n, key=lambda x: x.shard))
+        layout = Layout(schedule, [shard.shape[dim]] * n)
+        # with several slices per shard the assembler holds early slices until the last one arrives
+        return GatherProgram(schedule, call.be, shard, dim, layout, box[0], keep=keep or schedule.pieces > 1,
+                             meta=meta, describe=describe)
 
-    _run(Collective.ALL_GATHER, name, parts, chunks, be, program, timeout, check, "all_gather_consume")
+    _run(Collective.ALL_GATHER, call.name, call.parts, call.chunks, call.be, program, call.timeout, call.check, label)
     return box[0].results
 
 
 def produce_reduce_scatter(
-    producer: Callable[[int], torch.Tensor],
+    producer: Callable[..., torch.Tensor],
     *,
+    inputs: Sequence[torch.Tensor] | None = None,
     group=None,
     dim: int = 0,
     algorithm: str = "auto",
@@ -491,29 +618,63 @@ def produce_reduce_scatter(
     destination, in the ring's order (own shard last). Returns this rank's
     output shard. Slices for ``ring:m``/``bidirectional`` are cut along ``dim``.
     The producer's tensors are never modified.
+
+    With ``inputs`` the producer is called as ``producer(d, *inputs)`` and the
+    result is differentiable with respect to ``inputs``: the backward
+    all-gathers the output's gradient in a ring and back-propagates each
+    arriving shard through the partial that made it (the query-split
+    attention of ``commfuse.nn`` is built on this).
     """
     if not callable(producer):
         raise CommfuseTypeError(f"producer must be callable, got {type(producer).__name__}")
-    be = _backend(backend, group, None)
+    inputs = tuple(inputs) if inputs is not None else None
+    if inputs is not None:
+        for i, t in enumerate(inputs):
+            _tensor(f"inputs[{i}]", t)
+    be = _backend(backend, group, inputs[0].device if inputs else None)
     n = 1 if be is None else be.world_size
+    call_producer = producer if inputs is None else (lambda d: producer(d, *inputs))
     if n == 1:
         _resolve(Collective.REDUCE_SCATTER, algorithm, 1, 0, be, report)  # validates `algorithm`
-        return _tensor("producer(0)", producer(0))
+        return _tensor("producer(0)", call_producer(0))
     name, parts, chunks = _parse_algorithm(algorithm, Collective.REDUCE_SCATTER)
+    early: dict[int, torch.Tensor] = {}
+    if name == "auto":  # the slice size is known only from a partial: decide on the first one the ring needs
+        src = (be.rank - 1) % n
+        first = _tensor(f"producer({src})", call_producer(src))
+        early[src] = first
+        name, reason = choose_algorithm(Collective.REDUCE_SCATTER, n, first.numel() * first.element_size())
+    else:
+        reason = "asked for"
+    if report is not None:
+        report.update(algorithm=_shown(name, parts, chunks), reason=reason, world_size=n)
+    call = Call(be, name, parts, chunks, timeout, check)
+    if inputs is not None and _grad_wanted(*inputs):
+        from commfuse.autograd import produce_reduce_scatter_fn
+
+        return produce_reduce_scatter_fn(call, producer, inputs, dim, early)
+    return produce_reduce_scatter_core(call, call_producer, dim, early)
+
+
+def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int,
+                                early: dict[int, torch.Tensor] | None = None,
+                                label: str = "produce_reduce_scatter") -> torch.Tensor:
+    """:func:`produce_reduce_scatter` on a resolved ``call``; ``early`` holds partials already produced."""
+    early = dict(early or {})
     first: dict[str, Any] = {}
-    early: dict[int, torch.Tensor] = {}  # partials produced before the schedule was chosen
     cache: dict[int, list[torch.Tensor]] = {}
     box = []
+    rank = call.rank
 
-    def call(d: int) -> torch.Tensor:
+    def get(d: int) -> torch.Tensor:
         t = early.pop(d) if d in early else _tensor(f"producer({d})", producer(d))
         if t.ndim == 0:
-            raise CommfuseValueError(f"rank {be.rank}: producer({d}) returned a 0-d tensor; partials need a dim")
+            raise CommfuseValueError(f"rank {rank}: producer({d}) returned a 0-d tensor; partials need a dim")
         if not first:
             first.update(shape=list(t.shape), dtype=t.dtype, dim=_dim("dim", dim, t.ndim))
         elif list(t.shape) != first["shape"] or t.dtype != first["dtype"]:
             raise CommfuseValueError(
-                f"rank {be.rank}: producer({d}) returned {t.dtype}{list(t.shape)} but an earlier call returned "
+                f"rank {rank}: producer({d}) returned {t.dtype}{list(t.shape)} but an earlier call returned "
                 f"{first['dtype']}{first['shape']}; every partial must have the same shape and dtype"
             )
         return t
@@ -522,8 +683,7 @@ def produce_reduce_scatter(
         schedule, out = box[0], []
         for x in slices:
             if x.shard not in cache:
-                t = call(x.shard)
-                cache[x.shard] = list(torch.tensor_split(t, schedule.pieces, dim=first["dim"]))
+                cache[x.shard] = list(torch.tensor_split(get(x.shard), schedule.pieces, dim=first["dim"]))
             out.append(cache[x.shard][schedule.piece(x)])
         return out
 
@@ -538,23 +698,13 @@ def produce_reduce_scatter(
     def describe(v):
         return f"partials {_shape_text(v[0], v[3 : 3 + v[2]])} cut along dim {v[1]}"
 
-    if name == "auto":  # the slice size is known only from a partial: produce the first one now
-        src = (be.rank - 1) % n
-        early[src] = call(src)
-        t = early[src]
-        name, reason = choose_algorithm(Collective.REDUCE_SCATTER, n, t.numel() * t.element_size())
-        if report is not None:
-            report.update(algorithm=name, reason=reason, world_size=n)
-    elif report is not None:
-        report.update(algorithm=algorithm, reason="asked for", world_size=n)
-
     def program(schedule):
         box.append(schedule)
-        return ReduceScatterProgram(schedule, be, produce, shape, lambda: first["dtype"], inplace=False,
+        return ReduceScatterProgram(schedule, call.be, produce, shape, lambda: first["dtype"], inplace=False,
                                     meta=meta, describe=describe)
 
-    _, prog = _run(Collective.REDUCE_SCATTER, name, parts, chunks, be, program, timeout, check,
-                   "produce_reduce_scatter")
+    _, prog = _run(Collective.REDUCE_SCATTER, call.name, call.parts, call.chunks, call.be, program, call.timeout,
+                   call.check, label)
     pieces = prog.result()
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=first["dim"])
 
@@ -603,7 +753,15 @@ def all_to_all_consume(
     d = _dim("dim", dim, chunks[0].ndim)
     name, parts, nchunks = _resolve(Collective.ALL_TO_ALL, algorithm, n, chunks[0].numel() * chunks[0].element_size(),
                                     be, report)
-    meta = [dtype_code(chunks[0].dtype), d, chunks[0].ndim, *chunks[0].shape]
+    return all_to_all_consume_core(Call(be, name, parts, nchunks, timeout, check), chunks, consumer, d)
+
+
+def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
+                            label: str = "all_to_all_consume") -> list[Any]:
+    """:func:`all_to_all_consume` on a resolved ``call``."""
+    n = call.world_size
+    first = chunks[0]
+    meta = [dtype_code(first.dtype), dim, first.ndim, *first.shape]
 
     def describe(v):
         return f"chunks {_shape_text(v[0], v[3 : 3 + v[2]])} cut along dim {v[1]}"
@@ -611,15 +769,16 @@ def all_to_all_consume(
     box = []
 
     def program(schedule):
-        box.append(_Assembler(schedule, d, consumer, n, key=lambda x: x.source))
-        sizes = split_sizes(chunks[0].shape[d], schedule.pieces)
+        box.append(_Assembler(schedule, dim, consumer, n, key=lambda x: x.source))
+        sizes = split_sizes(first.shape[dim], schedule.pieces)
 
         def recv_shape(source, x):
-            s = list(chunks[0].shape)
-            s[d] = sizes[schedule.piece(x)]
+            s = list(first.shape)
+            s[dim] = sizes[schedule.piece(x)]
             return s
 
-        return AllToAllProgram(schedule, be, chunks, d, recv_shape, box[0], keep=True, meta=meta, describe=describe)
+        return AllToAllProgram(schedule, call.be, chunks, dim, recv_shape, box[0], keep=True, meta=meta,
+                               describe=describe)
 
-    _run(Collective.ALL_TO_ALL, name, parts, nchunks, be, program, timeout, check, "all_to_all_consume")
+    _run(Collective.ALL_TO_ALL, call.name, call.parts, call.chunks, call.be, program, call.timeout, call.check, label)
     return box[0].results

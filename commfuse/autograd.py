@@ -1,0 +1,223 @@
+"""Autograd for the fused ops: every backward pass is itself a decomposed ring.
+
+The dgrad of an all-gather + GEMM is a GEMM + reduce-scatter, and the dgrad of
+a GEMM + reduce-scatter is an all-gather + GEMM: each backward runs the
+opposite ring with the same overlap as the forward. Weight gradients ride in
+the ring steps too, so they add compute behind the same hops.
+
+Private ``_CamelCase`` Functions, public snake_case entry points (the ops in
+``commfuse.ops`` call these when a gradient is wanted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from commfuse.ops import (
+    Call,
+    _ag_meta,
+    all_gather_consume_core,
+    all_gather_matmul_forward,
+    gather_spans,
+    join,
+    matmul_reduce_scatter_forward,
+    matmul_rows,
+    produce_reduce_scatter_core,
+    rows_of,
+    scatter_spans,
+)
+from commfuse.runtime.programs import split_sizes
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """All leading dims folded into rows: (..., C) -> (rows, C)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    """``y_i = all_gather(a, d) @ b_i`` for every weight ``b_i``.
+
+    ======== ===================================== ==========================================
+    pass     computes                              shapes (N ranks, L rows per shard at dim d)
+    ======== ===================================== ==========================================
+    forward  y_i = AG(a) @ b_i                     a (.., L, .., K), b_i (K, M_i) -> y_i (.., N*L, .., M_i)
+    dgrad    da = RS(sum_i dy_i @ b_i^T) along d   dy_i (.., N*L, .., M_i) -> da (.., L, .., K)
+    wgrad    db_i = AG(a)^T @ dy_i                 -> db_i (K, M_i), this rank's dy only
+    ======== ===================================== ==========================================
+
+    The dgrad reduce-scatter ring computes, per step, the partial of one
+    destination's rows; with the gathered ``a`` kept from the forward
+    (``keep``) the wgrad GEMM of the same rows runs in that step too, adding
+    compute behind the hop. Without it ``a`` is gathered again in a ring whose
+    steps each run the wgrad GEMM of the shard that just arrived.
+    """
+
+    @staticmethod
+    def forward(ctx, call: Call, gd: int, sizes, keep: bool, a: torch.Tensor, *bs: torch.Tensor):
+        gathered, outs = all_gather_matmul_forward(call, a, bs, gd, sizes, return_gathered=keep)
+        ctx.call, ctx.gd, ctx.sizes, ctx.keep = call, gd, list(sizes), keep
+        ctx.save_for_backward(gathered if keep else a, *bs)
+        if keep:
+            ctx.mark_non_differentiable(gathered)
+        return (gathered if keep else a.new_empty(0), *outs)
+
+    @staticmethod
+    def backward(ctx, _dgathered, *douts):
+        x, *bs = ctx.saved_tensors
+        call, gd, sizes = ctx.call, ctx.gd, ctx.sizes
+        need_a = ctx.needs_input_grad[4]
+        need_b = ctx.needs_input_grad[5:]
+        pairs = [(b, d) for b, d in zip(bs, douts) if d is not None]
+        dbs = [torch.zeros_like(b) if need and d is not None else None for b, d, need in zip(bs, douts, need_b)]
+        k = bs[0].shape[0]
+
+        def wgrad(x_rows, spans_rows_of_dy):
+            for db, d in zip(dbs, douts):
+                if db is not None:
+                    db.add_(_flat(x_rows).t() @ _flat(spans_rows_of_dy(d)))
+
+        da = None
+        full = list(x.shape) if ctx.keep else list(x.shape[:gd]) + [sum(sizes)] + list(x.shape[gd + 1:])
+        if not ctx.keep and any(db is not None for db in dbs):
+            # gather a again; every arriving shard's wgrad GEMM hides the next hop
+            meta, describe = _ag_meta(x, bs, gd, sum(sizes))
+            gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
+                         label="all_gather_matmul.wgrad", meta=meta, describe=describe)
+        if need_a and pairs:
+            def produce(spans):
+                part = None
+                for b, d in pairs:
+                    t = rows_of(d, spans, gd) @ b.t()
+                    part = t if part is None else part.add_(t)
+                if ctx.keep:
+                    wgrad(rows_of(x, spans, gd), lambda d: rows_of(d, spans, gd))
+                lens = [size for _, size in spans]
+                return [part] if len(spans) == 1 else list(torch.split(part, lens, dim=gd))
+
+            full[-1] = k
+            da = scatter_spans(call, full, gd, x.dtype, produce, label="all_gather_matmul.dgrad",
+                               meta=[0xDA, gd, *full], describe=lambda v: f"dgrad of {v[2:]} along dim {v[1]}")
+        elif ctx.keep and any(db is not None for db in dbs):
+            wgrad(x, lambda d: d)
+        return (None, None, None, None, da, *dbs)
+
+
+def all_gather_matmul_fn(call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes, keep: bool):
+    """Differentiable :func:`commfuse.all_gather_matmul`; returns (gathered or None, outputs)."""
+    gathered, *outs = _AllGatherMatmul.apply(call, gd, sizes, keep, a, *bs)
+    return (gathered if keep else None), outs
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    """``z = reduce_scatter(a @ b, d)`` (sum, or average over the N ranks).
+
+    ======== ===================================== ==========================================
+    pass     computes                              shapes
+    ======== ===================================== ==========================================
+    forward  z = RS(a @ b) along d                 a (.., S, .., K), b (K, M) -> z (.., S/N, .., M)
+    dgrad    da = AG(dz) @ b^T along d             dz (.., S/N, .., M) -> da (.., S, .., K)
+    wgrad    db = a^T @ AG(dz)                     -> db (K, M)
+    ======== ===================================== ==========================================
+
+    The dgrad all-gather ring runs, for every arriving slice of dz, both its
+    dgrad GEMM and its wgrad GEMM, so the full dz is never materialised.
+    """
+
+    @staticmethod
+    def forward(ctx, call: Call, sd: int, reduce_op: str, a: torch.Tensor, b: torch.Tensor):
+        z = matmul_reduce_scatter_forward(call, a, b, sd)
+        if reduce_op == "avg":
+            z = z.div_(call.world_size)
+        ctx.call, ctx.sd, ctx.avg = call, sd, reduce_op == "avg"
+        ctx.save_for_backward(a, b)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        a, b = ctx.saved_tensors
+        call, sd = ctx.call, ctx.sd
+        if ctx.avg:
+            dz = dz / call.world_size
+        need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
+        db = torch.zeros_like(b) if need_b else None
+        sizes = split_sizes(a.shape[sd], call.world_size)
+        bt = b.t()
+
+        def consume(spans):
+            piece = join(spans, sd)
+            if da is not None:
+                matmul_rows(da, spans, sd, piece, bt)
+            if db is not None:
+                db.add_(_flat(rows_of(a, spans, sd)).t() @ _flat(piece))
+
+        if need_a or need_b:
+            meta, describe = _ag_meta(dz, [bt], sd, a.shape[sd])
+            gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad", meta=meta,
+                         describe=describe)
+        return None, None, None, da, db
+
+
+def matmul_reduce_scatter_fn(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int, reduce_op: str) -> torch.Tensor:
+    """Differentiable :func:`commfuse.matmul_reduce_scatter`."""
+    return _MatmulReduceScatter.apply(call, sd, reduce_op, a, b)
+
+
+class _ProduceReduceScatter(torch.autograd.Function):
+    """``out = sum over ranks of fn(this_rank, *inputs)`` where each rank makes every rank's partial.
+
+    ======== ============================================ ================================
+    pass     computes                                     communication
+    ======== ============================================ ================================
+    forward  partial p_d = fn(d, *inputs) per destination reduce-scatter ring of the p_d
+    backward d inputs += vjp(p_d, dout_d) per arrival     all-gather ring of dout shards
+    ======== ============================================ ================================
+
+    The partials' graphs are built in the forward (under ``enable_grad`` on
+    detached copies of ``inputs``) and kept; the backward back-propagates each
+    destination's output gradient through its partial as that gradient
+    arrives, hiding the next hop. Shapes: every p_d and dout_d alike.
+    """
+
+    @staticmethod
+    def forward(ctx, call: Call, fn: Callable, dim: int, early, *inputs: torch.Tensor):
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        graphs: dict[int, torch.Tensor] = {}
+
+        def producer(d: int) -> torch.Tensor:
+            with torch.enable_grad():
+                p = fn(d, *leaves)
+            graphs[d] = p
+            return p.detach()
+
+        out = produce_reduce_scatter_core(call, producer, dim, early=None)
+        ctx.call, ctx.graphs, ctx.leaves = call, graphs, leaves
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        leaves, graphs = ctx.leaves, ctx.graphs
+        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        grads: list[torch.Tensor | None] = [None] * len(leaves)
+
+        def consume(g: torch.Tensor, d: int) -> None:
+            p = graphs.pop(d)
+            got = torch.autograd.grad(p, [leaves[i] for i in wanted], g, allow_unused=True)
+            for i, gi in zip(wanted, got):
+                if gi is not None:
+                    grads[i] = gi if grads[i] is None else grads[i].add_(gi)
+
+        all_gather_consume_core(ctx.call, dout.contiguous(), consume, 0, keep=False,
+                                label="produce_reduce_scatter.backward")
+        return (None, None, None, None, *grads)
+
+
+def produce_reduce_scatter_fn(call: Call, fn: Callable, inputs: Sequence[torch.Tensor], dim: int, early) -> torch.Tensor:
+    """Differentiable :func:`commfuse.produce_reduce_scatter` with respect to ``inputs``.
+
+    A partial produced early to choose the algorithm is discarded (it has no
+    graph on the detached inputs); the ring produces it again.
+    """
+    return _ProduceReduceScatter.apply(call, fn, dim, None, *inputs)

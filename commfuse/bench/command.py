@@ -1,0 +1,288 @@
+"""The ``commfuse bench`` subcommand (also ``python -m commfuse.bench``). Imports no torch at module level.
+
+Three ways to run:
+
+- by default it launches its own ranks on this machine (gloo on CPU, one
+  thread each, :func:`commfuse.launch.launch`);
+- under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+  ``MASTER_PORT`` set) every process is one rank: it joins the env://
+  rendezvous with the backend that fits its device (NCCL on CUDA, HCCL on
+  Ascend, gloo on CPU) and rank 0 prints;
+- with ``--link-rate RATE`` it re-executes itself in a private network
+  namespace whose loopback is limited to RATE (``netns``), then as above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from commfuse.bench.config import ALGORITHMS, PRESETS, WORKLOADS, BenchConfig, Shape, scaled
+from commfuse.cli import command
+from commfuse.errors import CommfuseError, CommfuseValueError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_SIZE_FLAGS = (("batch", "b"), ("seq", "s"), ("hidden", "h"), ("ffn", "ffn"), ("heads", "heads"),
+               ("kv_heads", "kv_heads"))
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "workloads:\n" + "\n".join(f"  {w.name:<12} {w.summary}" for w in WORKLOADS.values())
+        + "\n\npresets (before --scale): \n"
+        + "\n".join(f"  {name:<21} {shape.text()}" for name, shape in PRESETS.items())
+        + "\n\nexamples:\n"
+        "  commfuse bench                                   # ag_matmul + matmul_rs, 2 ranks, plain loopback\n"
+        "  commfuse bench --link-rate 2gbit --plot gantt.png --trace trace.json\n"
+        "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
+        "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
+        "see docs/benchmarks.md for how to read the figures"
+    )
+    g = p.add_argument_group("what to measure")
+    g.add_argument("-w", "--workloads", nargs="+", default=["ag_matmul", "matmul_rs"], metavar="W",
+                   help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; default: ag_matmul matmul_rs)")
+    g.add_argument("-a", "--algorithms", nargs="+", default=list(ALGORITHMS), metavar="A",
+                   help=f"algorithms to compare (default: {' '.join(ALGORITHMS)}); vanilla is always added")
+    g.add_argument("--forward-only", action="store_true", help="layer workloads run forward only (default: +backward)")
+    g.add_argument("--fingerprint", action="store_true",
+                   help="time the ops' fingerprint exchange too, one small round trip per op call (default: only "
+                   "the first, untimed, correctness run of each algorithm exchanges it)")
+    g = p.add_argument_group("sizes (a preset, divided by --scale, then single sizes overridden)")
+    g.add_argument("--preset", choices=list(PRESETS), default="small", help="starting sizes (default: small)")
+    g.add_argument("--scale", type=int, default=1, metavar="F",
+                   help="divide the preset's b, s, h and ffn by F (default 1), e.g. --preset paper-mlp --scale 8")
+    g.add_argument("-b", "--batch", type=int, help="batch size b")
+    g.add_argument("-s", "--seq", type=int, help="whole sequence length s (each rank holds s/N)")
+    g.add_argument("--hidden", type=int, help="hidden size h")
+    g.add_argument("--ffn", type=int, help="MLP inner size (each rank holds ffn/N columns)")
+    g.add_argument("--heads", type=int, help="attention heads")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    g = p.add_argument_group("how to run")
+    g.add_argument("-n", "--world-size", type=int, default=2, help="ranks to launch (default 2; torchrun decides there)")
+    g.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1)")
+    g.add_argument("-r", "--repeats", type=int, default=10, help="timed repeats per algorithm and mode (default 10)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
+    g.add_argument("--device", help="device of the tensors (default: cpu when launching ranks; under torchrun the "
+                   "accelerator if there is one)")
+    g.add_argument("--link-rate", metavar="RATE",
+                   help="run the ranks behind a loopback limited to RATE (tc units: 800mbit, 2gbit, ...) in a "
+                   "private network namespace; needs root (default: plain loopback)")
+    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before the launched ranks are killed")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write the records as JSON to FILE, or to stdout (the table then goes to stderr)")
+    g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of one iteration per algorithm")
+    g.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart of one iteration per algorithm")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    workloads: list[str] = []
+    for item in args.workloads:
+        for w in item.split(","):
+            if w == "all":
+                workloads += list(WORKLOADS)
+            elif w:
+                workloads.append(w)
+    algorithms = [a for item in args.algorithms for a in item.split(",") if a]
+    shape = scaled(PRESETS[args.preset], args.scale)
+    overrides = {name: getattr(args, name) for name, _ in _SIZE_FLAGS if getattr(args, name) is not None}
+    shape = Shape(**{**shape.__dict__, **overrides})
+    if args.link_rate is not None:
+        from commfuse.bench.netns import parse_rate
+
+        parse_rate(args.link_rate)
+    return BenchConfig(
+        workloads=tuple(dict.fromkeys(workloads)),
+        algorithms=tuple(algorithms),
+        shape=shape,
+        preset=args.preset,
+        scale=args.scale,
+        world_size=args.world_size,
+        threads=args.threads,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        device=args.device,
+        backward=not args.forward_only,
+        fingerprint=args.fingerprint,
+        link_rate=args.link_rate,
+        trace=bool(args.trace or args.plot),
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The command line that parses back to ``args`` (for re-executing in the shaped namespace)."""
+    out = ["--workloads", *args.workloads, "--algorithms", *args.algorithms, "--preset", args.preset,
+           "--scale", str(args.scale), "--dtype", args.dtype, "--world-size", str(args.world_size),
+           "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+           "--timeout", repr(args.timeout), "--seed", str(args.seed)]
+    for name, _ in _SIZE_FLAGS:
+        if getattr(args, name) is not None:
+            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.forward_only:
+        out.append("--forward-only")
+    if args.fingerprint:
+        out.append("--fingerprint")
+    if args.device:
+        out += ["--device", args.device]
+    if args.link_rate:
+        out += ["--link-rate", args.link_rate]
+    if args.json == "-":
+        out.append("--json")
+    elif args.json:
+        out += ["--json", str(Path(args.json).resolve())]
+    for flag in ("trace", "plot"):
+        if getattr(args, flag):
+            out += ["--" + flag, str(Path(getattr(args, flag)).resolve())]
+    if args.no_progress:
+        out.append("--no-progress")
+    return out
+
+
+def under_torchrun() -> bool:
+    return all(os.environ.get(k) for k in TORCHRUN_ENV)
+
+
+def execute_config(config: BenchConfig, *, progress: bool = False) -> dict:
+    """Launch ``config.world_size`` gloo ranks on this machine; rank 0's result."""
+    if config.device not in (None, "cpu"):
+        raise CommfuseValueError(
+            f"--device {config.device}: the ranks this command launches itself run on CPU with gloo; on "
+            "accelerators start one process per device with torchrun (docs/benchmarks.md)"
+        )
+    config.check_world(config.world_size)
+    _check_layers(config)
+    from commfuse.bench import runner
+    from commfuse.launch import launch
+
+    return launch(runner.launched, config.world_size, config, progress, timeout=config.timeout,
+                  threads=config.threads)[0]
+
+
+def execute_torchrun(config: BenchConfig, *, progress: bool = False) -> dict | None:
+    """Run as one rank of a torchrun job; rank 0's result, None on the other ranks."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from commfuse.bench import runner
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    config.check_world(world)
+    _check_layers(config)
+    device = config.device
+    if device is None:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = acc.type if acc is not None else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        if dev.index is None:
+            dev = torch.device(dev.type, local)
+        torch.accelerator.set_device_index(dev.index)
+    else:
+        torch.set_num_threads(config.threads)
+    backend = dist.get_default_backend_for_device(dev)
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout))
+    try:
+        result = runner.run_rank(rank, world, config, str(dev), progress)
+    finally:
+        dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _check_layers(config: BenchConfig) -> None:
+    import importlib.util
+
+    for w in config.workloads:
+        layer = WORKLOADS[w].layer
+        if layer is None:
+            continue
+        if importlib.util.find_spec("commfuse.nn") is None:
+            raise CommfuseValueError(
+                f"workload {w} runs commfuse.nn.{layer}, and this installation has no commfuse.nn; "
+                "run -w ag_matmul matmul_rs"
+            )
+
+
+def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
+    from commfuse.bench import report
+
+    recs = report.records(result, config)
+    text = report.table(recs, config) + "\n\n" + "targets (printed, never asserted):\n" + "\n".join(
+        report.targets(recs)) + "\n"
+    to_stdout = args.json != "-"
+    (sys.stdout if to_stdout else sys.stderr).write(text)
+    if args.json == "-":
+        sys.stdout.write(json.dumps(recs, indent=2) + "\n")
+    elif args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(recs, indent=2) + "\n")
+        print(f"wrote {len(recs)} records to {args.json}", file=sys.stderr)
+    if args.trace:
+        from commfuse.bench import trace
+
+        path = trace.write(result, args.trace)
+        print(f"wrote a trace of one iteration per algorithm to {path} (open in https://ui.perfetto.dev or "
+              "chrome://tracing)", file=sys.stderr)
+    if args.plot:
+        from commfuse.bench import plot
+
+        path = plot.write(result, args.plot)
+        print(f"wrote a Gantt chart of one iteration per algorithm to {path}", file=sys.stderr)
+    wrong = [f"{r['workload']} {r['algorithm']}" for r in recs if not r["correct"]]
+    if wrong:
+        print(f"commfuse bench: results differ from vanilla beyond tolerance: {', '.join(wrong)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@command("bench", "measure every overlap algorithm side by side on real ranks (docs/benchmarks.md)", arguments)
+def run(args: argparse.Namespace) -> int:
+    from commfuse.bench import netns
+
+    config = config_from_args(args)
+    progress = not args.no_progress
+    torchrun = under_torchrun()
+    if config.link_rate:
+        if torchrun:
+            raise CommfuseValueError(
+                "--link-rate shapes this machine's loopback for the ranks the benchmark launches itself; under "
+                "torchrun the ranks use the real network: drop --link-rate"
+            )
+        if netns.inside() != config.link_rate:
+            return netns.reexec(to_argv(args), config.link_rate)
+        shown = netns.shape_loopback(config.link_rate)
+        if progress:
+            print(f"commfuse bench: private network namespace, {shown}", file=sys.stderr)
+    if torchrun:
+        result = execute_torchrun(config, progress=progress)
+        if result is None:
+            return 0
+    else:
+        result = execute_config(config, progress=progress)
+    return emit(result, config, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m commfuse.bench ...``: the same as ``commfuse bench ...``."""
+    p = argparse.ArgumentParser(prog="python -m commfuse.bench",
+                                description="measure every overlap algorithm side by side on real ranks")
+    arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except CommfuseError as e:
+        print(f"commfuse bench: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,223 @@
+"""What a benchmark run measures: workloads, algorithms, sizes and presets. Imports no torch.
+
+Sizes are those of a transformer layer under tensor parallelism with sequence
+parallelism (TPSP): ``batch`` b, ``seq`` s (the whole sequence; each rank
+holds s/N of it), ``hidden`` h, ``ffn`` (the MLP's inner size; each rank
+holds ffn/N of its columns), ``heads`` and ``kv_heads``. Every workload reads
+the sizes it needs (see :data:`WORKLOADS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from commfuse.errors import CommfuseValueError
+
+#: What the benchmark compares by default, in this order. ``vanilla`` is the
+#: baseline every speed-up and correctness check refers to.
+ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "ring", "bidirectional", "auto")
+
+_ALGORITHM = re.compile(r"^(vanilla|auto|(ring|bidirectional|sliced)(:[1-9][0-9]*)?)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadInfo:
+    """One workload: what it computes, the collective it overlaps, what it needs."""
+
+    name: str
+    summary: str
+    collective: str  # all_gather | reduce_scatter | all_to_all | mixed: decides which algorithms apply
+    layer: str | None = None  # the commfuse.nn class it runs, None for a bare op
+    backward: bool = False  # runs forward + backward unless --forward-only
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        WorkloadInfo("ag_matmul", "all_gather(x) @ W: x (b*s/N, h) per rank, W (h, ffn/N); the column-parallel "
+                     "(MLP up) projection", "all_gather"),
+        WorkloadInfo("matmul_rs", "reduce_scatter(x @ W): x (b*s, ffn/N), W (ffn/N, h) -> (b*s/N, h); the "
+                     "row-parallel (MLP down) projection", "reduce_scatter"),
+        WorkloadInfo("mlp", "ParallelMLP(h, ffn) forward + backward on (b, s/N, h): up projection fused with the "
+                     "all-gather, down projection with the reduce-scatter", "mixed", "ParallelMLP", True),
+        WorkloadInfo("attention", "ParallelAttention(h, heads) forward + backward on (b, s/N, h): query-split "
+                     "attention, each slice's output projection feeding the reduce-scatter", "mixed",
+                     "ParallelAttention", True),
+        WorkloadInfo("ulysses", "UlyssesAttention(h, heads) forward + backward on (b, s/N, h): all-to-all "
+                     "decomposed pairwise, each arrived chunk's attention computed while the next travels",
+                     "all_to_all", "UlyssesAttention", True),
+        WorkloadInfo("fsdp_linear", "ShardedLinear(h, ffn) forward + backward on (b, s/N, h): the weight "
+                     "all-gather fused into the forward GEMM, the gradient reduce-scatter into the wgrad GEMM",
+                     "mixed", "ShardedLinear", True),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    seq: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int | None = None
+
+    def text(self) -> str:
+        kv = f", kv_heads={self.kv_heads}" if self.kv_heads else ""
+        return f"b={self.batch} s={self.seq} h={self.hidden} ffn={self.ffn} heads={self.heads}{kv}"
+
+
+#: Presets. The paper's layer-level settings (PAPER.md, Tables 1 and 4) are
+#: far beyond a CPU: ``--scale F`` divides b, s, h and ffn by F (heads are
+#: kept while the head dim stays >= 16). ``small`` is what the main job runs.
+PRESETS = {
+    "tiny": Shape(batch=1, seq=32, hidden=32, ffn=64, heads=4),
+    "small": Shape(batch=4, seq=512, hidden=512, ffn=2048, heads=8),
+    "paper-mlp": Shape(batch=32, seq=4096, hidden=4096, ffn=16384, heads=32),
+    "paper-attention": Shape(batch=16, seq=4096, hidden=4096, ffn=16384, heads=32),
+    "paper-attention-long": Shape(batch=4, seq=8192, hidden=4096, ffn=16384, heads=32),
+}
+
+MIN_HEAD_DIM = 16
+
+
+def scaled(shape: Shape, factor: int) -> Shape:
+    """``shape`` with b, s, h and ffn divided by ``factor`` (at least 1); heads kept while h/heads >= 16."""
+    if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+        raise CommfuseValueError(f"--scale must be an integer >= 1, got {factor!r}")
+    if factor == 1:
+        return shape
+    hidden = max(1, shape.hidden // factor)
+    heads = shape.heads if hidden // shape.heads >= MIN_HEAD_DIM else max(1, hidden // MIN_HEAD_DIM)
+    kv = shape.kv_heads
+    if kv is not None:
+        kv = max(1, min(kv, heads))
+    return Shape(
+        batch=max(1, shape.batch // factor),
+        seq=max(1, shape.seq // factor),
+        hidden=hidden,
+        ffn=max(1, shape.ffn // factor),
+        heads=heads,
+        kv_heads=kv,
+    )
+
+
+def check_algorithm(text: str) -> str:
+    if not isinstance(text, str) or not _ALGORITHM.match(text):
+        raise CommfuseValueError(
+            f"unknown algorithm {text!r}: expected vanilla, auto, ring, bidirectional or sliced, "
+            "the last three optionally with ':N' (e.g. sliced:4, ring:2)"
+        )
+    return text
+
+
+def applies(workload: str, algorithm: str) -> bool:
+    """Whether ``algorithm`` is defined for the workload's collectives (all_to_all has no bidirectional)."""
+    return not (WORKLOADS[workload].collective == "all_to_all" and algorithm.partition(":")[0] == "bidirectional")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything a run needs; picklable and torch-free so it travels to the ranks."""
+
+    workloads: tuple[str, ...] = ("ag_matmul", "matmul_rs")
+    algorithms: tuple[str, ...] = ALGORITHMS
+    shape: Shape = PRESETS["small"]
+    preset: str | None = "small"
+    scale: int = 1
+    world_size: int = 2
+    threads: int = 1
+    repeats: int = 10
+    warmup: int = 2
+    dtype: str = "float32"
+    device: str | None = None  # None: cpu when launching ranks, the accelerator under torchrun
+    backward: bool = True  # layer workloads run forward + backward
+    fingerprint: bool = False  # time the ops' fingerprint exchange too (COMMFUSE_CHECK)
+    link_rate: str | None = None
+    trace: bool = False
+    timeout: float = 1800.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [w for w in self.workloads if w not in WORKLOADS]
+        if unknown or not self.workloads:
+            raise CommfuseValueError(
+                f"unknown workload(s) {unknown or '(none given)'}: expected some of {', '.join(WORKLOADS)}"
+            )
+        for a in self.algorithms:
+            check_algorithm(a)
+        if "vanilla" not in self.algorithms:  # the baseline of every comparison
+            object.__setattr__(self, "algorithms", ("vanilla", *self.algorithms))
+        if len(set(self.algorithms)) != len(self.algorithms):
+            raise CommfuseValueError(f"algorithms {list(self.algorithms)} name one algorithm twice")
+        for name in ("world_size", "threads", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CommfuseValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise CommfuseValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise CommfuseValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        for f in dataclasses.fields(Shape):
+            value = getattr(self.shape, f.name)
+            if value is None and f.name == "kv_heads":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CommfuseValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+
+    def check_world(self, n: int) -> None:
+        """Raise if a workload's sizes do not split over ``n`` ranks, naming the dim and sizes."""
+        s = self.shape
+        for w in self.workloads:
+            needs = []
+            if w in ("ag_matmul", "matmul_rs"):
+                needs.append(("b*s (tokens)", s.batch * s.seq))
+                needs.append(("ffn", s.ffn))
+            else:
+                needs.append(("seq", s.seq))
+            if w in ("mlp",):
+                needs.append(("ffn", s.ffn))
+            if w in ("attention", "ulysses"):
+                needs.append(("heads", s.heads))
+                if s.hidden % s.heads:
+                    raise CommfuseValueError(
+                        f"workload {w}: hidden {s.hidden} is not divisible by heads {s.heads}")
+                if s.kv_heads is not None:
+                    needs.append(("kv_heads", s.kv_heads))
+            if w == "fsdp_linear":
+                needs.append(("ffn (the sharded weight's rows)", s.ffn))
+            for what, size in needs:
+                if size % n:
+                    raise CommfuseValueError(
+                        f"workload {w}: {what} = {size} does not divide over world size {n}; pick sizes that are "
+                        f"multiples of {n} (--batch/--seq/--hidden/--ffn/--heads) or another --world-size"
+                    )
+
+    def flops(self, workload: str, n: int) -> float | None:
+        """Per-rank multiply-add FLOPs of one iteration of the GEMM workloads (None for the others)."""
+        s = self.shape
+        if workload in ("ag_matmul", "matmul_rs"):
+            return 2.0 * s.batch * s.seq * s.hidden * s.ffn / n
+        return None
+
+    def comm_bytes(self, workload: str, n: int, element_size: int) -> float | None:
+        """Bytes one rank receives in one iteration of the GEMM workloads (None for the others)."""
+        s = self.shape
+        if workload in ("ag_matmul", "matmul_rs"):
+            return (n - 1) * s.batch * s.seq / n * s.hidden * element_size
+        return None
+
+
+def element_size(dtype: str) -> int:
+    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def describe_rate(rate: str | None) -> str:
+    return f"loopback shaped to {rate}" if rate else "plain loopback"
+
+
+__all__ = [
+    "ALGORITHMS", "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
+    "scaled", "element_size", "describe_rate",
+]

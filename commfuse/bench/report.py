@@ -1,0 +1,179 @@
+"""From the ranks' times to records, the table and the targets. Imports no torch.
+
+Per algorithm, over the repeats (each repeat's figure is the slowest rank's):
+
+- ``median_ms`` (with ``p25_ms``/``p75_ms``, ``min_ms``/``max_ms``): the normal run;
+- ``compute_only_ms``: the same schedule and per-shard compute with the
+  transfers removed; ``comm_only_ms``: the same transfers with the compute
+  removed (:func:`commfuse.runtime.measure`); both medians;
+- ``outside_ms``: time spent outside the fused ops (activations, attention
+  cores, weight gradients of the layer workloads; argument checks and
+  allocations of the bare ops), which all three runs contain; ``null`` where
+  host spans do not show device time (accelerators);
+- ``exposed_ms = median_ms - compute_only_ms``: the communication the
+  algorithm did not hide (what it adds on top of computing alone);
+- ``hidden_fraction = (compute_only + comm - median) / comm`` clipped to
+  [0, 1], with ``comm = comm_only - outside`` the pure communication time:
+  1 means every transfer ran behind compute, 0 that the run took as long as
+  computing and communicating one after the other. It equals
+  ``1 - exposed / comm``.
+- ``speedup_vs_vanilla``: vanilla's median over this one;
+- ``correct``: the first (checked) run's result equals vanilla's within the
+  dtype's tolerance on every rank (``max_rel_error`` says by how much).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from commfuse.bench.config import BenchConfig, describe_rate
+
+SCHEMA_KEYS = (
+    "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
+    "median_ms", "p25_ms", "p75_ms", "min_ms", "max_ms", "compute_only_ms", "comm_only_ms", "outside_ms",
+    "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "hidden_fraction", "correct", "max_rel_error",
+)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _r(x: float | None, digits: int = 3) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def records(run: dict, config: BenchConfig) -> list[dict]:
+    """One record per (workload, algorithm) from the result of rank 0."""
+    out = []
+    n = run["world_size"]
+    for res in run["results"]:
+        wall = res["wall_s"]  # [repeat][algorithm][mode]
+        algs = res["algorithms"]
+        single_op = res["workload"] in ("ag_matmul", "matmul_rs")
+        rows = []
+        for i, alg in enumerate(algs):
+            total = [1e3 * r[i][0] for r in wall]
+            comp = statistics.median(1e3 * r[i][1] for r in wall)
+            comm_only = statistics.median(1e3 * r[i][2] for r in wall)
+            if res["outside_s"] is not None:
+                outside = statistics.median(1e3 * r[i] for r in res["outside_s"])
+            else:
+                outside = 0.0 if single_op else None
+            med = statistics.median(total)
+            p25, p75 = _quartiles(total)
+            exposed = med - comp
+            hidden = None
+            comm = None if outside is None else comm_only - outside
+            if comm is not None and comm > 0:
+                hidden = min(1.0, max(0.0, (comp + comm - med) / comm))
+            rows.append({
+                "workload": res["workload"],
+                "algorithm": alg,
+                "taken": res["taken"][i],
+                "world_size": n,
+                "backend": run["backend"],
+                "device": run["device"],
+                "dtype": config.dtype,
+                "shape": {"batch": config.shape.batch, "seq": config.shape.seq, "hidden": config.shape.hidden,
+                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads},
+                "link_rate": config.link_rate,
+                "repeats": len(total),
+                "median_ms": _r(med),
+                "p25_ms": _r(p25),
+                "p75_ms": _r(p75),
+                "min_ms": _r(min(total)),
+                "max_ms": _r(max(total)),
+                "compute_only_ms": _r(comp),
+                "comm_only_ms": _r(comm_only),
+                "outside_ms": _r(outside),
+                "exposed_ms": _r(exposed),
+                "exposed_fraction": _r(max(0.0, exposed) / comm, 4) if comm and comm > 0 else None,
+                "speedup_vs_vanilla": None,
+                "hidden_fraction": _r(hidden, 4),
+                "correct": bool(res["correct"][i]),
+                "max_rel_error": float(f"{res['max_rel_error'][i]:.3g}"),
+            })
+        vanilla = next(r["median_ms"] for r in rows if r["algorithm"] == "vanilla")
+        for r in rows:
+            r["speedup_vs_vanilla"] = _r(vanilla / r["median_ms"], 4) if r["median_ms"] > 0 else None
+        out += rows
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(recs: list[dict], config: BenchConfig) -> str:
+    """The human-readable table, one block per workload."""
+    lines = []
+    by_workload: dict[str, list[dict]] = {}
+    for r in recs:
+        by_workload.setdefault(r["workload"], []).append(r)
+    for workload, rows in by_workload.items():
+        r0 = rows[0]
+        lines.append(
+            f"{workload}: {config.shape.text()}, {r0['world_size']} ranks, {r0['backend']} on {r0['device']}, "
+            f"{r0['dtype']}, {describe_rate(config.link_rate)}; {r0['repeats']} interleaved repeats, each the "
+            "slowest rank's time"
+        )
+        header = ("algorithm", "median ms (p25-p75)", "compute-only", "comm-only", "exposed", "hidden",
+                  "vs vanilla", "result")
+        body = []
+        for r in rows:
+            alg = r["algorithm"] + (f" ({r['taken']})" if r["algorithm"] == "auto" and r["taken"] else "")
+            body.append((
+                alg,
+                f"{r['median_ms']:.2f} ({r['p25_ms']:.2f}-{r['p75_ms']:.2f})",
+                _fmt(r["compute_only_ms"]),
+                _fmt(r["comm_only_ms"]),
+                _fmt(r["exposed_ms"]),
+                _fmt(r["hidden_fraction"], ".2f"),
+                _fmt(r["speedup_vs_vanilla"], ".2f") + "x",
+                ("ok" if r["correct"] else "WRONG") + (" (ref)" if r["algorithm"] == "vanilla" else ""),
+            ))
+        widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]
+        for j, row in enumerate([header, *body]):
+            cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
+            lines.append("  " + "  ".join(cells).rstrip())
+            if j == 0:
+                lines.append("  " + "  ".join("-" * w for w in widths))
+        if r0["outside_ms"] and r0["workload"] not in ("ag_matmul", "matmul_rs"):
+            lines.append(f"  (outside the fused ops: {r0['outside_ms']:.2f} ms per iteration, in all three runs)")
+        lines.append("")
+    lines.append("ms: milliseconds per iteration. compute-only: transfers removed; comm-only: compute removed; "
+                 "exposed = median - compute-only;")
+    lines.append("hidden: fraction of the communication that ran behind compute, 1 - exposed / comm "
+                 "(docs/benchmarks.md).")
+    return "\n".join(lines)
+
+
+def targets(recs: list[dict]) -> list[str]:
+    """The issue's targets, measured: printed, never asserted. Only those whose algorithms ran."""
+    lines = []
+    by = {(r["workload"], r["algorithm"]): r for r in recs}
+    for workload in dict.fromkeys(r["workload"] for r in recs):
+        van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
+        sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
+        if van and van["compute_only_ms"]:
+            ratio = van["comm_only_ms"] / van["compute_only_ms"]
+            lines.append(f"{workload}: comm-only / compute-only = {ratio:.2f} (the targets below assume about 0.5)")
+        if ring and ring["exposed_fraction"] is not None:
+            x = ring["exposed_fraction"]
+            lines.append(f"  ring exposes {100 * x:.1f}% of its comm-only time "
+                         f"(target <= 10%): {'met' if x <= 0.10 else 'MISSED'}")
+        if ring and van:
+            s = ring["speedup_vs_vanilla"]
+            lines.append(f"  ring vs vanilla {s:.2f}x (target >= 1.3x): {'met' if s >= 1.3 else 'MISSED'}")
+        if ring and sliced:
+            s = sliced["median_ms"] / ring["median_ms"]
+            lines.append(f"  ring vs sliced:4 {s:.2f}x (target >= 1.05x): {'met' if s >= 1.05 else 'MISSED'}")
+        if auto and van:
+            slower = auto["median_ms"] / van["median_ms"] - 1
+            lines.append(f"  auto ({auto['taken']}) vs vanilla: {100 * slower:+.1f}% time (target <= +5% on tiny "
+                         f"sizes): {'met' if slower <= 0.05 else 'MISSED'}")
+    return lines

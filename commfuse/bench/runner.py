@@ -1,0 +1,201 @@
+"""What every rank runs: correctness against vanilla, the interleaved timing loop, one traced iteration.
+
+Timing. Every timed run starts behind a barrier (and a device synchronise
+off-CPU) and ends with a synchronise; each rank times its own run, and the
+figure of an iteration is the largest over ranks (the slowest rank decides
+the step time). One repeat runs every algorithm in three modes (normal,
+``compute_only``, ``comm_only``); the order of algorithms and of modes
+rotates from repeat to repeat so that a drift in the machine's load, or a
+cache warmed by the previous run, falls on all of them alike.
+
+Outside time. Layer workloads do work outside the fused ops (activations,
+attention cores, weight-gradient GEMMs); it runs in all three modes, so
+``comm_only`` is not pure communication there. Where the backend's waits
+block the host (gloo on CPU) the executor's own events tell the time spent
+inside fused ops; in the ``compute_only`` run the rest of the wall time is
+the *outside* time, which the report subtracts. Off-CPU host spans say
+nothing about device time, and outside time is left unknown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from commfuse.bench.config import BenchConfig, applies
+from commfuse.bench.progress import Progress
+from commfuse.bench.workloads import compare, make
+from commfuse.runtime import measure, record_events
+
+MODES = ("normal", "compute_only", "comm_only")
+
+
+def rotated(items: list, k: int) -> list:
+    k %= max(1, len(items))
+    return items[k:] + items[:k]
+
+
+def units(config: BenchConfig) -> int:
+    """Progress units of a whole run: one per timed or checked iteration."""
+    total = 0
+    for w in config.workloads:
+        algs = [a for a in config.algorithms if applies(w, a)]
+        total += len(algs) * (1 + len(MODES) * (config.warmup + config.repeats) + (1 if config.trace else 0)) + 1
+    return total
+
+
+@contextlib.contextmanager
+def _fingerprints(on: bool):
+    """Timed runs skip the ops' fingerprint exchange (``COMMFUSE_CHECK=0``) unless ``on``.
+
+    The exchange is a safety check, one small round trip before an op's first
+    transfer, not part of any algorithm; the checked first run of every
+    algorithm has already shown that the ranks agree. ``--fingerprint`` times
+    it too (what a caller gets with the default ``check``).
+    """
+    if on:
+        yield
+        return
+    before = os.environ.get("COMMFUSE_CHECK")
+    os.environ["COMMFUSE_CHECK"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["COMMFUSE_CHECK"]
+        else:
+            os.environ["COMMFUSE_CHECK"] = before
+
+
+def _executor_seconds(events: list[dict]) -> float:
+    return sum(e["wait"][1] - e["post"][0] for e in events)
+
+
+def _relative(events: list[dict], t_ref: float) -> list[dict]:
+    out = []
+    for e in events:
+        out.append({
+            "label": e.get("label", ""),
+            "schedule": e.get("algorithm", ""),
+            "step": e["step"],
+            "post": [e["post"][0] - t_ref, e["post"][1] - t_ref],
+            "compute": [e["compute"][0] - t_ref, e["compute"][1] - t_ref],
+            "wait": [e["wait"][0] - t_ref, e["wait"][1] - t_ref],
+            "sends": [list(s) for s in e.get("sends", [])],
+            "recvs": [list(r) for r in e.get("recvs", [])],
+            "collectives": list(e.get("collectives", [])),
+            **({"computes": e["computes"]} if "computes" in e else {}),
+        })
+    return out
+
+
+def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progress: bool) -> dict:
+    """Run every workload of ``config`` on this rank; rank 0's result holds everything (traces gathered)."""
+    dev = torch.device(device)
+    host_blocking = dev.type == "cpu"
+    if host_blocking:
+        torch.set_flush_denormal(True)  # garbage in compute_only/comm_only buffers must not hit denormal slow paths
+
+    def sync() -> None:
+        if not host_blocking:
+            torch.accelerator.synchronize(dev)
+
+    clock = time.perf_counter
+    bar = Progress(units(config), enabled=progress and rank == 0)
+    results = []
+    for name in config.workloads:
+        algs = [a for a in config.algorithms if applies(name, a)]
+        bar.note(f"commfuse bench: {name} on {world_size} ranks, {len(algs)} algorithms, "
+                 f"{config.repeats} repeats x {len(MODES)} modes")
+        workload = make(name, config, rank, world_size, dev)
+        bar.advance(f"{name}: set up")
+
+        # correctness (and a first warm-up): every algorithm against vanilla, checked calls
+        ref = workload.run("vanilla")
+        ok, err, taken = [], [], []
+        for alg in algs:
+            with record_events() as events, _fingerprints(True):
+                got = workload.run(alg)
+            sync()
+            good, worst = compare(got, ref)
+            ok.append(1.0 if good else 0.0)
+            err.append(worst)
+            seen = sorted({(e["label"], e["algorithm"]) for e in events})
+            schedules = sorted({a for _, a in seen})
+            taken.append(",".join(schedules) if len(schedules) <= 1 else ",".join(f"{l}:{a}" for l, a in seen))
+            bar.advance(f"{name} {alg}: checked")
+        del ref, got
+
+        # the timed loop
+        reps, warm = config.repeats, config.warmup
+        wall = torch.zeros(reps, len(algs), len(MODES), dtype=torch.float64)
+        outside = torch.zeros(reps, len(algs), dtype=torch.float64)
+        with _fingerprints(config.fingerprint):
+            for rep in range(warm + reps):
+                for i in rotated(list(range(len(algs))), rep):
+                    for m in rotated(list(range(len(MODES))), rep):
+                        mode = MODES[m]
+                        dist.barrier()
+                        sync()
+                        with measure(None if mode == "normal" else mode), record_events() as events:
+                            t0 = clock()
+                            workload.run(algs[i])
+                            sync()
+                            t1 = clock()
+                        if rep >= warm:
+                            wall[rep - warm, i, m] = t1 - t0
+                            if mode == "compute_only":
+                                outside[rep - warm, i] = (t1 - t0) - _executor_seconds(events)
+                        bar.advance(f"{name} {algs[i]} {mode} ({min(rep + 1, warm + reps)}/{warm + reps})")
+        flags = torch.tensor(ok + err, dtype=torch.float64)
+        if dev.type != "cpu":
+            wall, outside, flags = wall.to(dev), outside.to(dev), flags.to(dev)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(outside, op=dist.ReduceOp.MAX)
+        ok_t, err_t = flags[: len(algs)].clone(), flags[len(algs):].clone()
+        dist.all_reduce(ok_t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
+
+        # one traced iteration per algorithm, times relative to the barrier every rank leaves together
+        traces = {}
+        if config.trace:
+            for alg in algs:
+                dist.barrier()
+                sync()
+                t_ref = clock()
+                with record_events() as events, _fingerprints(config.fingerprint):
+                    workload.run(alg)
+                    sync()
+                end = clock() - t_ref
+                traces[alg] = {"rank": rank, "end": end, "events": _relative(events, t_ref)}
+                bar.advance(f"{name} {alg}: traced")
+            gathered: list = [None] * world_size
+            dist.all_gather_object(gathered, traces)
+            traces = {alg: [g[alg] for g in gathered] for alg in algs}
+        results.append({
+            "workload": name,
+            "algorithms": algs,
+            "wall_s": wall.cpu().tolist(),
+            "outside_s": outside.cpu().tolist() if host_blocking else None,
+            "correct": [v >= 1.0 for v in ok_t.cpu().tolist()],
+            "max_rel_error": err_t.cpu().tolist(),
+            "taken": taken,
+            "traces": traces,
+        })
+        del workload
+    return {
+        "world_size": world_size,
+        "backend": dist.get_backend(),
+        "device": str(dev),
+        "results": results,
+    }
+
+
+def launched(rank: int, world_size: int, config: BenchConfig, progress: bool) -> dict | None:
+    """Entry point of a rank started by :func:`commfuse.launch.launch` (gloo on CPU)."""
+    out = run_rank(rank, world_size, config, config.device or "cpu", progress)
+    return out if rank == 0 else None

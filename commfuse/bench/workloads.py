@@ -1,0 +1,177 @@
+"""The workloads one rank runs: each call of ``run(algorithm)`` is one iteration.
+
+A workload builds its tensors (and, for the layer workloads, its module) once;
+``run`` switches the algorithm and returns the tensors that the correctness
+check compares with ``vanilla``'s: the output, and for forward + backward the
+input's and the parameters' gradients too. Inputs differ per rank and are
+drawn from a generator seeded by (seed, rank); layer parameters come from
+``torch.manual_seed(seed)`` so every rank builds the same module.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from commfuse.bench.config import WORKLOADS, BenchConfig
+from commfuse.errors import CommfuseValueError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Largest error, relative to the reference's largest magnitude, that still
+#: counts as correct. Reduce-scatter sums in ring order, so results are equal
+#: to vanilla's up to rounding, not bit for bit.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+class Workload:
+    """One iteration per ``run``; ``taken`` maps each algorithm to what ``auto`` resolved to."""
+
+    name = ""
+
+    def __init__(self, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> None:
+        self.config, self.rank, self.n, self.device = config, rank, world_size, device
+        self.dtype = DTYPES[config.dtype]
+        self.generator = torch.Generator().manual_seed(1_000_003 * config.seed + rank)
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=self.generator, dtype=torch.float32) * scale
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class AllGatherMatmul(Workload):
+    """``all_gather(x) @ W``: tokens gathered along dim 0, as in a sequence-first (s, b, h) layout."""
+
+    name = "ag_matmul"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        s = self.config.shape
+        self.x = self.randn(s.batch * s.seq // self.n, s.hidden)
+        self.w = self.randn(s.hidden, s.ffn // self.n, scale=1 / math.sqrt(s.hidden))
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        import commfuse as cf
+
+        return [cf.all_gather_matmul(self.x, self.w, algorithm=algorithm)]
+
+
+class MatmulReduceScatter(Workload):
+    """``reduce_scatter(x @ W)`` over the token dim: each rank ends with its (b*s/N, h) shard."""
+
+    name = "matmul_rs"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        s = self.config.shape
+        self.x = self.randn(s.batch * s.seq, s.ffn // self.n)
+        self.w = self.randn(s.ffn // self.n, s.hidden, scale=1 / math.sqrt(s.ffn))
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        import commfuse as cf
+
+        return [cf.matmul_reduce_scatter(self.x, self.w, algorithm=algorithm)]
+
+
+class LayerWorkload(Workload):
+    """A ``commfuse.nn`` layer, forward (+ backward) on (b, s/N, h) with sequence dim 1."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        info = WORKLOADS[self.name]
+        try:
+            import commfuse.nn as cnn
+
+            cls = getattr(cnn, info.layer)
+        except (ImportError, AttributeError) as e:
+            raise CommfuseValueError(
+                f"workload {self.name} runs commfuse.nn.{info.layer}, which this installation does not have ({e}); "
+                "run the ag_matmul and matmul_rs workloads instead"
+            ) from None
+        s = self.config.shape
+        torch.manual_seed(self.config.seed)  # the same parameters on every rank
+        self.module = self.build(cls, s).to(device=self.device, dtype=self.dtype)
+        self.backward = self.config.backward
+        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
+        with torch.no_grad():
+            self.module.algorithm = "vanilla"
+            shape = self.module(self.x).shape
+        self.dy = self.randn(*shape)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    def build(self, cls, s):
+        raise NotImplementedError
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        self.module.algorithm = algorithm
+        if not self.backward:
+            with torch.no_grad():
+                return [self.module(self.x)]
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+        y = self.module(self.x)
+        y.backward(self.dy)
+        return [y.detach(), self.x.grad] + [p.grad for p in self.params]
+
+
+class MLP(LayerWorkload):
+    name = "mlp"
+
+    def build(self, cls, s):
+        return cls(s.hidden, s.ffn, sequence_dim=1, algorithm="vanilla")
+
+
+class Attention(LayerWorkload):
+    name = "attention"
+
+    def build(self, cls, s):
+        return cls(s.hidden, s.heads, num_kv_heads=s.kv_heads, causal=True, sequence_dim=1, algorithm="vanilla")
+
+
+class Ulysses(LayerWorkload):
+    name = "ulysses"
+
+    def build(self, cls, s):
+        return cls(s.hidden, s.heads, num_kv_heads=s.kv_heads, causal=True, algorithm="vanilla")
+
+
+class FSDPLinear(LayerWorkload):
+    name = "fsdp_linear"
+
+    def build(self, cls, s):
+        return cls(s.hidden, s.ffn, algorithm="vanilla")
+
+
+CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear)}
+
+
+def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:
+    return CLASSES[name](config, rank, world_size, device)
+
+
+def compare(got: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> tuple[bool, float]:
+    """(within tolerance, largest error relative to the reference's largest magnitude) over the lists."""
+    if len(got) != len(ref):
+        return False, math.inf
+    worst = 0.0
+    ok = True
+    for g, r in zip(got, ref):
+        if g is None or r is None:
+            ok = ok and g is None and r is None
+            continue
+        if g.shape != r.shape:
+            return False, math.inf
+        r64, g64 = r.detach().double(), g.detach().double()
+        scale = r64.abs().max().item() if r64.numel() else 0.0
+        err = (g64 - r64).abs().max().item() if r64.numel() else 0.0
+        rel = err / scale if scale > 0 else err
+        if not math.isfinite(rel):
+            rel = math.inf
+        worst = max(worst, rel)
+        ok = ok and rel <= TOLERANCE[r.dtype]
+    return ok, worst

@@ -1,0 +1,21 @@
+"""Layers built on the fused ops: TP with sequence parallelism, query-split attention, Ulysses, FSDP.
+
+Every layer takes ``group`` (a process group, a 1-D ``DeviceMesh`` such as
+``mesh["tp"]``, or None for the default group) and ``algorithm``, and wraps
+``nn.Linear`` weights both ways (``from_linear(s)`` / ``to_linear(s)``).
+"""
+
+from commfuse.nn.attention import ParallelAttention, UlyssesAttention, attend, ulysses_attention
+from commfuse.nn.linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from commfuse.nn.sharded import ShardedLinear
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParallelAttention",
+    "ParallelMLP",
+    "RowParallelLinear",
+    "ShardedLinear",
+    "UlyssesAttention",
+    "attend",
+    "ulysses_attention",
+]

@@ -1,0 +1,83 @@
+"""Shared pieces of the layers: groups and meshes, shard sizes, gathering weights back."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.runtime.programs import offsets, split_sizes
+
+
+def resolve_group(group):
+    """A process group from ``None`` (the default group), a group, or a 1-D ``DeviceMesh`` (``mesh["tp"]``)."""
+    if group is None:
+        return None
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        DeviceMesh = ()  # noqa: N806
+    if DeviceMesh and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise CommfuseValueError(
+                f"a {group.ndim}-D DeviceMesh was given as group; pass the 1-D sub-mesh of the axis this layer "
+                f"shards over, e.g. mesh[{group.mesh_dim_names[0] if group.mesh_dim_names else '<axis name>'!r}]"
+            )
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise CommfuseTypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def world(group) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without torch.distributed."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_range(size: int, rank: int, n: int) -> tuple[int, int]:
+    """(start, length) of rank's ``torch.tensor_split`` piece of ``size``."""
+    sizes = split_sizes(size, n)
+    return offsets(sizes)[rank], sizes[rank]
+
+
+def gather_dim(t: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's ``tensor_split`` piece along ``dim`` (exact copy, uneven allowed)."""
+    rank, n = world(group)
+    if n == 1:
+        return t.detach().clone()
+    sizes = split_sizes(full, n)
+    biggest = max(sizes)
+    shape = list(t.shape)
+    shape[dim] = biggest
+    padded = t.new_zeros(shape)
+    padded.narrow(dim, 0, t.shape[dim]).copy_(t.detach())
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+
+
+class ReplicatedGrad(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group.
+
+    For parameters replicated over a group whose ranks each see a different
+    part of the data (the bias of a row-parallel layer under sequence
+    parallelism): every rank must step with the gradient of the whole.
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group):
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def replicated(t: torch.Tensor, group) -> torch.Tensor:
+    _, n = world(group)
+    return t if n == 1 or not torch.is_grad_enabled() or not t.requires_grad else ReplicatedGrad.apply(t, group)

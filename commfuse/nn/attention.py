@@ -1,0 +1,317 @@
+"""Attention under tensor + sequence parallelism (query-split) and under Ulysses sequence parallelism.
+
+``ParallelAttention`` (TPSP, the paper's Algorithm 4): the input (b, s/N, h)
+is all-gathered in a ring fused with the Q, K and V projections of this
+rank's heads (one gather serving three GEMMs); then the sequence's queries are
+split into N slices, and the attention of slice d together with its share of
+the output projection is the *producer* of the reduce-scatter ring: rank d's
+output rows are produced while the running sums of the others travel.
+Backward: the output gradient is all-gathered in a ring and every arriving
+slice is back-propagated through the attention that produced it; then the
+QKV dgrad reduce-scatter ring. Un-overlapped: nothing but the per-rank
+softmax bookkeeping inside each step.
+
+``UlyssesAttention`` (the paper's Algorithm 5, pairwise all-to-all): Q, K and
+V are projected locally on the sequence shard; K and V go to the ranks that
+own their heads in a pairwise ring; then the queries follow, and the
+attention of every arriving query chunk (its rows, this rank's heads, against
+the whole sequence) is computed while the next chunk is in flight; the
+outputs go back in a last pairwise ring. Backward mirrors it: each arriving
+output-gradient chunk is back-propagated through its attention while the next
+travels. Un-overlapped: the K/V exchange (nothing to compute yet), the
+projections.
+
+Both support a causal mask and grouped-query attention (``num_kv_heads``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import commfuse.ops as ops
+from commfuse.errors import CommfuseValueError
+from commfuse.nn._common import gather_dim, replicated, resolve_group, world
+from commfuse.nn.linear import _init_linear
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int = 0) -> torch.Tensor:
+    """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d), query rows starting at ``q_offset``.
+
+    With ``causal`` query row i (global position q_offset + i) sees keys 0..q_offset+i.
+    Grouped-query: every group of Hq/Hkv query heads shares one key/value head.
+    """
+    hq, hkv = q.shape[2], k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if hq != hkv:
+        kt = kt.repeat_interleave(hq // hkv, dim=1)
+        vt = vt.repeat_interleave(hq // hkv, dim=1)
+    mask = None
+    if causal:
+        rows = torch.arange(q.shape[1], device=q.device).unsqueeze(1) + q_offset
+        cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+        mask = cols <= rows
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+
+
+def _heads(hidden_size: int, num_heads: int, num_kv_heads: int | None, n: int) -> tuple[int, int, int]:
+    num_kv_heads = num_kv_heads or num_heads
+    if hidden_size % num_heads:
+        raise CommfuseValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    if num_heads % num_kv_heads:
+        raise CommfuseValueError(f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}")
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if value % n:
+            raise CommfuseValueError(f"{name} {value} is not divisible by the world size {n}: every rank needs whole heads")
+    return hidden_size // num_heads, num_heads, num_kv_heads
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head attention with heads split over the group and the sequence sharded (TPSP, query-split).
+
+    Input and output (b, s/N, hidden). This rank holds the Q/K/V projection
+    rows and output-projection columns of its heads; the output bias is
+    replicated.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = True,
+                 bias: bool = False, group=None, sequence_dim: int = 1, algorithm: str = "auto",
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if sequence_dim != 1:
+            raise CommfuseValueError(f"ParallelAttention takes (batch, seq, hidden) with sequence_dim=1, got {sequence_dim}")
+        self.group = resolve_group(group)
+        self.rank, self.world_size = world(self.group)
+        self.head_dim, self.num_heads, self.num_kv_heads = _heads(hidden_size, num_heads, num_kv_heads, self.world_size)
+        self.hidden_size, self.causal, self.algorithm, self.sequence_dim = hidden_size, causal, algorithm, 1
+        hq = self.num_heads // self.world_size * self.head_dim
+        hkv = self.num_kv_heads // self.world_size * self.head_dim
+        kw = dict(device=device, dtype=dtype)
+        self.wq = nn.Parameter(torch.empty(hq, hidden_size, **kw))
+        self.wk = nn.Parameter(torch.empty(hkv, hidden_size, **kw))
+        self.wv = nn.Parameter(torch.empty(hkv, hidden_size, **kw))
+        self.wo = nn.Parameter(torch.empty(hidden_size, hq, **kw))
+        self.bq = nn.Parameter(torch.empty(hq, **kw)) if bias else None
+        self.bk = nn.Parameter(torch.empty(hkv, **kw)) if bias else None
+        self.bv = nn.Parameter(torch.empty(hkv, **kw)) if bias else None
+        self.bo = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
+        for w, b in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)):
+            _init_linear(w, b, hidden_size)
+        _init_linear(self.wo, self.bo, self.num_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, local, _ = x.shape
+        q, k, v = ops.all_gather_matmul(x, [self.wq.t(), self.wk.t(), self.wv.t()], group=self.group, gather_dim=1,
+                                        algorithm=self.algorithm)
+        if self.bq is not None:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        s, d = q.shape[1], self.head_dim
+        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        causal = self.causal
+
+        def producer(dest: int, q, k, v, wo):  # query slice `dest`: its attention and out-projection partial
+            rows = slice(dest * local, (dest + 1) * local)
+            keys = slice(0, (dest + 1) * local) if causal else slice(0, s)
+            o = attend(q[:, rows], k[:, keys], v[:, keys], causal=causal, q_offset=dest * local)
+            return o.reshape(b, local, -1) @ wo.t()
+
+        algorithm = self.algorithm
+        if algorithm == "auto":
+            algorithm, _ = ops.choose_algorithm("reduce_scatter", self.world_size, b * local * self.hidden_size * x.element_size())
+        out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, self.wo), group=self.group, dim=1,
+                                         algorithm=algorithm)
+        return out + replicated(self.bo, self.group) if self.bo is not None else out
+
+    @classmethod
+    def from_linears(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear, *,
+                     num_heads: int, num_kv_heads: int | None = None, causal: bool = True, group=None,
+                     algorithm: str = "auto") -> "ParallelAttention":
+        """This rank's heads of an attention given as its four ``nn.Linear`` projections (copied exactly)."""
+        w = q_proj.weight
+        with torch.random.fork_rng(devices=[]):  # converting must not move the global RNG
+            layer = cls(q_proj.in_features, num_heads, num_kv_heads=num_kv_heads, causal=causal,
+                        bias=q_proj.bias is not None, group=group, algorithm=algorithm, device=w.device, dtype=w.dtype)
+        r = layer.rank
+        hq, hkv = layer.wq.shape[0], layer.wk.shape[0]
+        with torch.no_grad():
+            layer.wq.copy_(q_proj.weight[r * hq : (r + 1) * hq])
+            layer.wk.copy_(k_proj.weight[r * hkv : (r + 1) * hkv])
+            layer.wv.copy_(v_proj.weight[r * hkv : (r + 1) * hkv])
+            layer.wo.copy_(o_proj.weight[:, r * hq : (r + 1) * hq])
+            if layer.bq is not None:
+                layer.bq.copy_(q_proj.bias[r * hq : (r + 1) * hq])
+                layer.bk.copy_(k_proj.bias[r * hkv : (r + 1) * hkv])
+                layer.bv.copy_(v_proj.bias[r * hkv : (r + 1) * hkv])
+                layer.bo.copy_(o_proj.bias)
+        return layer
+
+    def to_linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        """(q_proj, k_proj, v_proj, o_proj) of the whole attention, on every rank."""
+        h, g = self.hidden_size, self.group
+        out = []
+        for w, bias, rows in ((self.wq, self.bq, self.num_heads), (self.wk, self.bk, self.num_kv_heads),
+                              (self.wv, self.bv, self.num_kv_heads)):
+            lin = nn.Linear(h, rows * self.head_dim, bias=bias is not None, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(gather_dim(w, 0, rows * self.head_dim, g))
+                if bias is not None:
+                    lin.bias.copy_(gather_dim(bias, 0, rows * self.head_dim, g))
+            out.append(lin)
+        o = nn.Linear(self.num_heads * self.head_dim, h, bias=self.bo is not None, device=self.wo.device,
+                      dtype=self.wo.dtype)
+        with torch.no_grad():
+            o.weight.copy_(gather_dim(self.wo, 1, self.num_heads * self.head_dim, g))
+            if self.bo is not None:
+                o.bias.copy_(self.bo)
+        out.append(o)
+        return tuple(out)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """Attention over the whole sequence for this rank's heads, from and back to sequence shards.
+
+    ======== ================================================= ===============================
+    pass     computes                                          communication (pairwise rings)
+    ======== ================================================= ===============================
+    forward  o_s = attend(q_s, K, V) per arriving query chunk  K,V to head owners; q chunks
+                                                               (overlapped); o_s back to s
+    backward dq_s, dK, dV += vjp(o_s) per arriving do chunk    do chunks (overlapped); dq_s,
+                                                               dK/dV rows back to their owners
+    ======== ================================================= ===============================
+
+    Shapes: q (b, L, H, d), k and v (b, L, Hkv, d) with L = s/N rows on this
+    rank and all heads; K, V (b, s, Hkv/N, d) all rows of this rank's heads;
+    output like q.
+    """
+
+    @staticmethod
+    def forward(ctx, call, causal: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        n, rank = call.world_size, call.rank
+        b, length, hq, d = q.shape
+        hq_l, hkv_l = hq // n, k.shape[2] // n
+        kv = torch.stack([k, v])  # (2, b, L, Hkv, d)
+        kv_chunks = [kv[:, :, :, t * hkv_l : (t + 1) * hkv_l].contiguous() for t in range(n)]
+        got = ops.all_to_all_consume_core(call, kv_chunks, lambda t, s: t, 2, label="ulysses.kv")
+        kv_full = torch.cat(got, dim=2)  # (2, b, s, Hkv/N, d): rows in source order
+        kk, vv = kv_full[0], kv_full[1]
+        q_chunks = [q[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
+
+        def attend_chunk(q_s: torch.Tensor, s: int) -> torch.Tensor:
+            keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
+            return attend(q_s, kk[:, keys], vv[:, keys], causal=causal, q_offset=s * length)
+
+        # every arriving query chunk's attention runs while the next chunk is in flight
+        arrived = ops.all_to_all_consume_core(
+            call, q_chunks, lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()), 1, label="ulysses.q")
+        q_got = [a[0] for a in arrived]
+        back = ops.all_to_all_consume_core(call, [a[1] for a in arrived], lambda t, s: t, 1, label="ulysses.out")
+        ctx.call, ctx.causal, ctx.length = call, causal, length
+        ctx.save_for_backward(torch.stack(q_got), kk, vv)
+        return torch.cat(back, dim=2)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q_all, kk, vv = ctx.saved_tensors
+        call, causal, length = ctx.call, ctx.causal, ctx.length
+        n = call.world_size
+        hq_l = do.shape[2] // n
+        dk, dv = torch.zeros_like(kk), torch.zeros_like(vv)
+
+        def back_chunk(do_s: torch.Tensor, s: int) -> torch.Tensor:
+            keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
+            with torch.enable_grad():
+                q_s = q_all[s].detach().requires_grad_()
+                k_s = kk[:, keys].detach().requires_grad_()
+                v_s = vv[:, keys].detach().requires_grad_()
+                o = attend(q_s, k_s, v_s, causal=causal, q_offset=s * length)
+                dq_s, dk_s, dv_s = torch.autograd.grad(o, (q_s, k_s, v_s), do_s)
+            dk[:, keys] += dk_s
+            dv[:, keys] += dv_s
+            return dq_s.contiguous()
+
+        do_chunks = [do[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
+        dq_chunks = ops.all_to_all_consume_core(call, do_chunks, back_chunk, 1, label="ulysses.backward")
+        dq = torch.cat(ops.all_to_all_consume_core(call, dq_chunks, lambda t, s: t, 1, label="ulysses.dq"), dim=2)
+        rows = [slice(s * length, (s + 1) * length) for s in range(n)]
+        dkv_chunks = [torch.stack([dk[:, r], dv[:, r]]).contiguous() for r in rows]
+        dkv = torch.cat(ops.all_to_all_consume_core(call, dkv_chunks, lambda t, s: t, 2, label="ulysses.dkv"), dim=3)
+        return None, None, dq, dkv[0], dkv[1]
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, group=None,
+                      algorithm: str = "auto", timeout: float | None = None) -> torch.Tensor:
+    """Attention of sequence-sharded q (b, s/N, H, d), k, v (b, s/N, Hkv, d) over the whole sequence.
+
+    Differentiable; see :class:`UlyssesAttention` for the schedule. Returns
+    (b, s/N, H, d).
+    """
+    group = resolve_group(group)
+    _, n = world(group)
+    if n == 1:
+        return attend(q, k, v, causal=causal)
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] % n:
+            raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
+    be = ops._backend(None, group, q.device)
+    name, parts, chunks = ops._resolve(ops.Collective.ALL_TO_ALL, algorithm, n,
+                                       q.numel() // n * q.element_size(), be, None)
+    call = ops.Call(be, name, parts, chunks, timeout, None)
+    return _UlyssesAttention.apply(call, causal, q, k, v)
+
+
+class UlyssesAttention(nn.Module):
+    """Attention under Ulysses sequence parallelism: weights replicated, sequence sharded.
+
+    Input and output (b, s/N, hidden); every rank holds all projection
+    weights (their gradients are summed over the group, since each rank sees
+    other tokens). Needs num_heads and num_kv_heads divisible by the world size.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int | None = None, causal: bool = True,
+                 bias: bool = False, group=None, algorithm: str = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.rank, self.world_size = world(self.group)
+        self.head_dim, self.num_heads, self.num_kv_heads = _heads(hidden_size, num_heads, num_kv_heads, self.world_size)
+        self.hidden_size, self.causal, self.algorithm = hidden_size, causal, algorithm
+        kv = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, kv, bias=bias, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, kv, bias=bias, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        w = replicated(lin.weight, self.group)
+        b = replicated(lin.bias, self.group) if lin.bias is not None else None
+        return F.linear(x, w, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        d = self.head_dim
+        q = self._linear(self.q_proj, x).view(b, length, -1, d)
+        k = self._linear(self.k_proj, x).view(b, length, -1, d)
+        v = self._linear(self.v_proj, x).view(b, length, -1, d)
+        o = ulysses_attention(q, k, v, causal=self.causal, group=self.group, algorithm=self.algorithm)
+        return self._linear(self.o_proj, o.reshape(b, length, -1))
+
+    @classmethod
+    def from_linears(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear, *,
+                     num_heads: int, num_kv_heads: int | None = None, causal: bool = True, group=None,
+                     algorithm: str = "auto") -> "UlyssesAttention":
+        w = q_proj.weight
+        with torch.random.fork_rng(devices=[]):  # converting must not move the global RNG
+            layer = cls(q_proj.in_features, num_heads, num_kv_heads=num_kv_heads, causal=causal,
+                        bias=q_proj.bias is not None, group=group, algorithm=algorithm, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for mine, theirs in ((layer.q_proj, q_proj), (layer.k_proj, k_proj), (layer.v_proj, v_proj),
+                                 (layer.o_proj, o_proj)):
+                mine.weight.copy_(theirs.weight)
+                if mine.bias is not None:
+                    mine.bias.copy_(theirs.bias)
+        return layer
+
+    def to_linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        import copy
+
+        return tuple(copy.deepcopy(lin) for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))

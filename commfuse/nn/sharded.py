@@ -1,0 +1,154 @@
+"""ZeRO-3 / FSDP-style data parallelism with the parameter gather and the gradient scatter fused into the GEMMs.
+
+``ShardedLinear`` keeps rank r's rows ``tensor_split(out_features, N)[r]`` of
+the weight (and bias) only. Forward: the weight shards travel a ring and each
+arriving shard computes its block of output columns (``y[..., cols_s] = x @
+W_s^T + b_s``), so the full weight is never materialised. Backward: the input
+gradient needs the weight again: a second all-gather ring in which each
+arriving shard adds ``dy[..., cols_s] @ W_s``; the weight gradient of shard d
+is ``dy[..., cols_d]^T @ x`` summed over the data-parallel ranks: the
+reduce-scatter ring (Flash-RS) whose producer is exactly that GEMM, so no full
+weight gradient exists anywhere either. Un-overlapped: nothing but the first
+GEMM's own shard in each ring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import commfuse.ops as ops
+from commfuse.errors import CommfuseValueError
+from commfuse.nn._common import gather_dim, resolve_group, shard_range, world
+from commfuse.nn.linear import _init_linear
+
+
+def _aug(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[W | b]: the bias travels as one more column of the weight shard."""
+    return weight if bias is None else torch.cat([weight, bias.unsqueeze(1)], dim=1)
+
+
+class _ShardedLinear(torch.autograd.Function):
+    """``y = x @ W^T + b`` with W row-sharded over the group.
+
+    ======== =============================================== ===============================
+    pass     computes                                        communication
+    ======== =============================================== ===============================
+    forward  y[..., cols_s] = x @ W_s^T + b_s per shard s    all-gather ring of [W_r | b_r]
+    dgrad    dx = sum_s dy[..., cols_s] @ W_s                all-gather ring of W_r
+    wgrad    dW_d = sum_ranks dy[..., cols_d]^T @ x          reduce-scatter ring (Flash-RS)
+    ======== =============================================== ===============================
+
+    Shapes: x (..., in), W_r (out/N, in), b_r (out/N), y (..., out).
+    """
+
+    @staticmethod
+    def forward(ctx, call, average: bool, x: torch.Tensor, weight: torch.Tensor, bias):
+        n = call.world_size
+        rows = weight.shape[0]
+        y = x.new_empty(*x.shape[:-1], rows * n)
+        has_bias = bias is not None
+
+        def consume(w_s: torch.Tensor, s: int) -> None:
+            block = x @ w_s[:, :-1].t() + w_s[:, -1] if has_bias else x @ w_s.t()
+            y.narrow(-1, s * rows, rows).copy_(block)
+
+        ops.all_gather_consume_core(call, _aug(weight, bias).contiguous(), consume, 0, keep=False,
+                                    label="sharded_linear.forward")
+        ctx.call, ctx.average, ctx.has_bias = call, average, has_bias
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        call = ctx.call
+        n, rows = call.world_size, weight.shape[0]
+        need_x, need_w, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dx = None
+        if need_x:
+            dx = torch.zeros_like(x)
+
+            def consume(w_s: torch.Tensor, s: int) -> None:
+                dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
+
+            ops.all_gather_consume_core(call, weight.contiguous(), consume, 0, keep=False,
+                                        label="sharded_linear.dgrad")
+        dw = db = None
+        if need_w or need_b:
+            x2 = x.reshape(-1, x.shape[-1])
+            dy2 = dy.reshape(-1, dy.shape[-1])
+
+            def producer(d: int) -> torch.Tensor:
+                g = dy2[:, d * rows : (d + 1) * rows]
+                gw = g.t() @ x2
+                return torch.cat([gw, g.sum(0).unsqueeze(1)], dim=1) if ctx.has_bias else gw
+
+            grad = ops.produce_reduce_scatter_core(call, producer, 0, label="sharded_linear.wgrad")
+            if ctx.average:
+                grad = grad / n
+            dw = grad[:, : x.shape[-1]] if need_w else None
+            db = grad[:, -1] if ctx.has_bias and need_b else None
+        return None, None, dx, dw, db
+
+
+class ShardedLinear(nn.Module):
+    """A linear layer whose weight lives sharded over the data-parallel group (ZeRO-3 / FSDP).
+
+    ``reduce="avg"`` (default) averages the weight gradient over the group as
+    DDP and FSDP do; ``"sum"`` sums it. ``out_features`` must divide by the
+    group size. Input (..., in) -> output (..., out), with each rank's own batch.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
+                 algorithm: str = "auto", reduce: str = "avg", device=None, dtype=None) -> None:
+        super().__init__()
+        self.group = resolve_group(group)
+        self.rank, self.world_size = world(self.group)
+        if out_features % self.world_size:
+            raise CommfuseValueError(
+                f"ShardedLinear needs out_features divisible by the group size: {out_features} over {self.world_size}"
+            )
+        if reduce not in ("avg", "sum"):
+            raise CommfuseValueError(f"reduce must be 'avg' or 'sum', got {reduce!r}")
+        self.in_features, self.out_features, self.algorithm, self.reduce = in_features, out_features, algorithm, reduce
+        _, rows = shard_range(out_features, self.rank, self.world_size)
+        self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"rank={self.rank}/{self.world_size}, algorithm={self.algorithm!r}, reduce={self.reduce!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return nn.functional.linear(x, self.weight, self.bias)
+        be = ops._backend(None, self.group, x.device)
+        row_bytes = self.weight.numel() * self.weight.element_size()
+        name, parts, chunks = ops._resolve(ops.Collective.ALL_GATHER, self.algorithm, self.world_size, row_bytes,
+                                           be, None)
+        call = ops.Call(be, name, parts, chunks, None, None)
+        return _ShardedLinear.apply(call, self.reduce == "avg", x, self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, algorithm: str = "auto",
+                    reduce: str = "avg") -> "ShardedLinear":
+        with torch.random.fork_rng(devices=[]):  # converting must not move the global RNG
+            layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                        algorithm=algorithm, reduce=reduce, device=linear.weight.device, dtype=linear.weight.dtype)
+        start, rows = shard_range(linear.out_features, layer.rank, layer.world_size)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[start : start + rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[start : start + rows])
+        return layer
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                           device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(gather_dim(self.weight, 0, self.out_features, self.group))
+            if self.bias is not None:
+                linear.bias.copy_(gather_dim(self.bias, 0, self.out_features, self.group))
+        return linear

@@ -1,0 +1,65 @@
+"""The simulator: predict what an overlap algorithm gains before the cluster exists.
+
+It walks the same :class:`~commfuse.schedule.Schedule` objects the executor
+runs (``commfuse.schedule.build``), every rank, with a cost model of a
+hardware :class:`Profile` in place of a backend; see ``docs/simulator.md``.
+
+>>> from commfuse import sim
+>>> w = sim.Workload("mlp", tp=4, seq=4096, hidden=4096, batch=32)
+>>> for p in sim.compare("paper-table1", w):          # doctest: +SKIP
+...     print(p.algorithm, round(1e3 * p.time, 1))
+"""
+
+from commfuse.sim._engine import MODES, Engine, Event, OpCost, Phase, Timeline, simulate_phases
+from commfuse.sim._model import Kernel, collective_time, efficiency, kernel_time, ring_step_rate
+from commfuse.sim._predict import DEFAULT_ALGORITHMS, Prediction, compare, predict
+from commfuse.sim._profile import (
+    ComputeSpec,
+    CollectiveSpec,
+    ContentionSpec,
+    HostSpec,
+    LinkSpec,
+    Profile,
+    ProfileError,
+    from_dict,
+    load_profile,
+    shipped,
+    user_dir,
+)
+from commfuse.sim._workloads import PASSES, WORKLOADS, ComputeOnly, ShardedOp, Workload, parse_algorithm
+
+__all__ = [
+    "DEFAULT_ALGORITHMS",
+    "MODES",
+    "PASSES",
+    "WORKLOADS",
+    "CollectiveSpec",
+    "ComputeOnly",
+    "ComputeSpec",
+    "ContentionSpec",
+    "Engine",
+    "Event",
+    "HostSpec",
+    "Kernel",
+    "LinkSpec",
+    "OpCost",
+    "Phase",
+    "Prediction",
+    "Profile",
+    "ProfileError",
+    "ShardedOp",
+    "Timeline",
+    "Workload",
+    "collective_time",
+    "compare",
+    "efficiency",
+    "from_dict",
+    "kernel_time",
+    "load_profile",
+    "parse_algorithm",
+    "predict",
+    "ring_step_rate",
+    "shipped",
+    "simulate_phases",
+    "user_dir",
+]

@@ -1,0 +1,117 @@
+"""Predictions: one workload under one algorithm, run three ways, in the benchmark's terms.
+
+Like ``commfuse bench`` measures an op three times (normally, with its
+transfers removed, with its compute removed: ``runtime.measure``), a
+prediction runs the engine in the same three modes and reports the same
+figures: the time, compute-only, comm-only, the exposed communication
+(time minus compute-only), the hidden fraction and the speed-up over vanilla.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from commfuse.sim._engine import Timeline, simulate_phases
+from commfuse.sim._profile import Profile, load_profile
+from commfuse.sim._workloads import Workload, parse_algorithm
+
+#: What ``compare`` predicts when not told: the issue's table rows.
+DEFAULT_ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "ring", "bidirectional")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted figures of one algorithm on one workload; times in seconds."""
+
+    workload: Workload
+    algorithm: str
+    profile: str
+    time: float
+    compute_only: float
+    comm_only: float
+    flops: float
+    peak_flops: float
+    speedup_vs_vanilla: float | None = None
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.workload.world_size
+
+    @property
+    def exposed(self) -> float:
+        """Communication not hidden: time beyond the compute-only time."""
+        return max(0.0, self.time - self.compute_only)
+
+    @property
+    def hidden_fraction(self) -> float:
+        """How much of the shorter of compute and comm was overlapped: 1 = fully, 0 = none (can go below with contention)."""
+        shorter = min(self.compute_only, self.comm_only)
+        if shorter <= 0:
+            return 1.0
+        return (self.compute_only + self.comm_only - self.time) / shorter
+
+    @property
+    def mfu(self) -> float:
+        """Model flops utilisation: useful flops per rank over time times peak."""
+        return self.flops / (self.time * self.peak_flops) if self.time > 0 else 0.0
+
+    def record(self) -> dict:
+        """The ``commfuse bench --json`` keys (``median_ms`` is the predicted time), plus the simulator's own."""
+        w = self.workload
+        return {
+            "workload": w.name,
+            "algorithm": self.algorithm,
+            "world_size": self.world_size,
+            "median_ms": round(1e3 * self.time, 6),
+            "compute_only_ms": round(1e3 * self.compute_only, 6),
+            "comm_only_ms": round(1e3 * self.comm_only, 6),
+            "exposed_ms": round(1e3 * self.exposed, 6),
+            "speedup_vs_vanilla": None if self.speedup_vs_vanilla is None else round(self.speedup_vs_vanilla, 4),
+            "hidden_fraction": round(self.hidden_fraction, 4),
+            "correct": None,  # the simulator computes no values; the executor's results are checked by bench/tests
+            "predicted": True,
+            "profile": self.profile,
+            "mfu": round(self.mfu, 4),
+            "shape": {"tp": w.tp, "dp": w.dp, "batch": w.batch, "seq": w.seq, "hidden": w.hidden, "ffn": w.ffn,
+                      "dtype": w.dtype, "passes": w.passes},
+        }
+
+
+def _dtype_check(profile: Profile, workload: Workload) -> None:
+    from commfuse.sim._profile import ProfileError
+
+    if profile.compute.dtype != workload.dtype:
+        raise ProfileError(
+            f"profile {profile.name!r} gives compute rates for {profile.compute.dtype}, but the workload is "
+            f"{workload.dtype}: use dtype={profile.compute.dtype!r} or a profile for {workload.dtype}"
+        )
+
+
+def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring", *, record: bool = False,
+            symmetric: bool | None = None) -> Prediction:
+    """Predict ``workload`` under ``algorithm`` (``"ring"``, ``"ring:2"``, ``"bidirectional"``, ``"sliced:4"``, ``"vanilla"``)."""
+    profile = load_profile(profile)
+    _dtype_check(profile, workload)
+    parse_algorithm(algorithm)
+    phases = workload.phases(algorithm)
+    n = workload.world_size
+    main = simulate_phases(phases, profile, n, symmetric=symmetric, record=record)
+    compute = simulate_phases(phases, profile, n, mode="compute_only", symmetric=symmetric, record=False)
+    comm = simulate_phases(phases, profile, n, mode="comm_only", symmetric=symmetric, record=False)
+    flops = sum(p.cost.flops(0) for p in phases)
+    return Prediction(workload, algorithm, profile.name, main.total, compute.total, comm.total, flops,
+                      profile.compute.peak_flops, timeline=main if record else None)
+
+
+def compare(profile: "Profile | str", workload: Workload, algorithms: Sequence[str] = DEFAULT_ALGORITHMS, *,
+            record: bool = False, symmetric: bool | None = None) -> list[Prediction]:
+    """Predict every algorithm in ``algorithms``; ``speedup_vs_vanilla`` is filled in (vanilla is added if missing)."""
+    profile = load_profile(profile)
+    names = list(dict.fromkeys(algorithms))
+    if "vanilla" not in names:
+        names.insert(0, "vanilla")
+    out = [predict(profile, workload, a, record=record, symmetric=symmetric) for a in names]
+    vanilla = next(p for p in out if p.algorithm == "vanilla")
+    return [replace(p, speedup_vs_vanilla=vanilla.time / p.time if p.time > 0 else None) for p in out]
