@@ -32,6 +32,7 @@ SCHEMA_KEYS = (
     "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
     "median_ms", "p25_ms", "p75_ms", "min_ms", "max_ms", "compute_only_ms", "comm_only_ms", "outside_ms",
     "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "hidden_fraction", "correct", "max_rel_error",
+    "unmeasured",
 )
 
 
@@ -46,6 +47,12 @@ def _r(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def _median_ms(xs) -> float | None:
+    """Median in ms of the finite values (a mode a workload could not run in is NaN), or None."""
+    finite = [1e3 * x for x in xs if x == x]
+    return statistics.median(finite) if finite else None
+
+
 def records(run: dict, config: BenchConfig) -> list[dict]:
     """One record per (workload, algorithm) from the result of rank 0."""
     out = []
@@ -57,18 +64,19 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
         rows = []
         for i, alg in enumerate(algs):
             total = [1e3 * r[i][0] for r in wall]
-            comp = statistics.median(1e3 * r[i][1] for r in wall)
-            comm_only = statistics.median(1e3 * r[i][2] for r in wall)
+            comp = _median_ms(r[i][1] for r in wall)
+            comm_only = _median_ms(r[i][2] for r in wall)
+            outside = None
             if res["outside_s"] is not None:
-                outside = statistics.median(1e3 * r[i] for r in res["outside_s"])
-            else:
-                outside = 0.0 if single_op else None
+                outside = _median_ms(r[i] for r in res["outside_s"])
+            elif single_op:
+                outside = 0.0
             med = statistics.median(total)
             p25, p75 = _quartiles(total)
-            exposed = med - comp
+            exposed = None if comp is None else med - comp
             hidden = None
-            comm = None if outside is None else comm_only - outside
-            if comm is not None and comm > 0:
+            comm = None if outside is None or comm_only is None else comm_only - outside
+            if comm is not None and comm > 0 and comp is not None:
                 hidden = min(1.0, max(0.0, (comp + comm - med) / comm))
             rows.append({
                 "workload": res["workload"],
@@ -91,11 +99,13 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
                 "comm_only_ms": _r(comm_only),
                 "outside_ms": _r(outside),
                 "exposed_ms": _r(exposed),
-                "exposed_fraction": _r(max(0.0, exposed) / comm, 4) if comm and comm > 0 else None,
+                "exposed_fraction": _r(max(0.0, exposed) / comm, 4) if comm and comm > 0 and exposed is not None
+                else None,
                 "speedup_vs_vanilla": None,
                 "hidden_fraction": _r(hidden, 4),
                 "correct": bool(res["correct"][i]),
                 "max_rel_error": float(f"{res['max_rel_error'][i]:.3g}"),
+                "unmeasured": dict(res.get("unusable_modes", {})),
             })
         vanilla = next(r["median_ms"] for r in rows if r["algorithm"] == "vanilla")
         for r in rows:
@@ -144,6 +154,8 @@ def table(recs: list[dict], config: BenchConfig) -> str:
                 lines.append("  " + "  ".join("-" * w for w in widths))
         if r0["outside_ms"] and r0["workload"] not in ("ag_matmul", "matmul_rs"):
             lines.append(f"  (outside the fused ops: {r0['outside_ms']:.2f} ms per iteration, in all three runs)")
+        for mode, why in r0["unmeasured"].items():
+            lines.append(f"  ({mode} could not be measured, this workload fails in it: {why})")
         lines.append("")
     lines.append("ms: milliseconds per iteration. compute-only: transfers removed; comm-only: compute removed; "
                  "exposed = median - compute-only;")
@@ -159,9 +171,12 @@ def targets(recs: list[dict]) -> list[str]:
     for workload in dict.fromkeys(r["workload"] for r in recs):
         van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
         sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
-        if van and van["compute_only_ms"]:
+        if van and van["compute_only_ms"] and van["comm_only_ms"] is not None:
             ratio = van["comm_only_ms"] / van["compute_only_ms"]
-            lines.append(f"{workload}: comm-only / compute-only = {ratio:.2f} (the targets below assume about 0.5)")
+            lines.append(f"{workload}: vanilla's comm-only / compute-only = {ratio:.2f} (the overlap targets assume "
+                         "about 0.5)")
+        else:
+            lines.append(f"{workload}:")
         if ring and ring["exposed_fraction"] is not None:
             x = ring["exposed_fraction"]
             lines.append(f"  ring exposes {100 * x:.1f}% of its comm-only time "

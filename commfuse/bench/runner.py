@@ -130,14 +130,34 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             bar.advance(f"{name} {alg}: checked")
         del ref, got
 
+        # which measure modes this workload survives (a layer may not run with its compute removed)
+        usable, why = [True], [""]
+        for mode in MODES[1:]:
+            try:
+                with measure(mode), _fingerprints(config.fingerprint):
+                    workload.run("vanilla")
+                sync()
+                usable.append(True)
+                why.append("")
+            except Exception as e:  # noqa: BLE001 - reported in the table; every rank fails alike
+                usable.append(False)
+                why.append(f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        agreed = torch.tensor([1.0 if u else 0.0 for u in usable], dtype=torch.float64)
+        if dev.type != "cpu":
+            agreed = agreed.to(dev)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        usable = [v >= 1.0 for v in agreed.cpu().tolist()]
+        dist.barrier()
+        modes = [m for m in range(len(MODES)) if usable[m]]
+
         # the timed loop
         reps, warm = config.repeats, config.warmup
-        wall = torch.zeros(reps, len(algs), len(MODES), dtype=torch.float64)
-        outside = torch.zeros(reps, len(algs), dtype=torch.float64)
+        wall = torch.full((reps, len(algs), len(MODES)), float("nan"), dtype=torch.float64)
+        outside = torch.full((reps, len(algs)), float("nan"), dtype=torch.float64)
         with _fingerprints(config.fingerprint):
             for rep in range(warm + reps):
                 for i in rotated(list(range(len(algs))), rep):
-                    for m in rotated(list(range(len(MODES))), rep):
+                    for m in rotated(modes, rep):
                         mode = MODES[m]
                         dist.barrier()
                         sync()
@@ -151,6 +171,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                             if mode == "compute_only":
                                 outside[rep - warm, i] = (t1 - t0) - _executor_seconds(events)
                         bar.advance(f"{name} {algs[i]} {mode} ({min(rep + 1, warm + reps)}/{warm + reps})")
+                    bar.advance(n=len(MODES) - len(modes))
         flags = torch.tensor(ok + err, dtype=torch.float64)
         if dev.type != "cpu":
             wall, outside, flags = wall.to(dev), outside.to(dev), flags.to(dev)
@@ -184,6 +205,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             "correct": [v >= 1.0 for v in ok_t.cpu().tolist()],
             "max_rel_error": err_t.cpu().tolist(),
             "taken": taken,
+            "unusable_modes": {MODES[m]: why[m] or "failed on another rank" for m in range(len(MODES))
+                               if not usable[m]},
             "traces": traces,
         })
         del workload

@@ -37,6 +37,7 @@ Two ways to run, with the same results where both apply:
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -129,12 +130,25 @@ class Timeline:
 
 
 class _Job:
-    """Work that progresses at a rate: a rank's compute (nominal seconds) or a message's bytes."""
+    """Work that progresses at a rate: a rank's compute (nominal seconds) or a message's bytes.
+
+    ``version`` changes (to a number unique in the run) whenever the rate does, so queued
+    completions computed at an older rate, or for an earlier job, are recognised and dropped.
+    """
 
     __slots__ = ("remaining", "rate", "t", "version")
 
+    _versions = itertools.count(1)
+
     def __init__(self, remaining: float, rate: float, t: float) -> None:
-        self.remaining, self.rate, self.t, self.version = remaining, rate, t, 0
+        self.remaining, self.rate, self.t = remaining, rate, t
+        self.version = next(_Job._versions)
+
+    def retime(self, now: float, rate: float) -> None:
+        if self.rate > 0:
+            self.remaining -= self.rate * (now - self.t)
+        self.t, self.rate = now, rate
+        self.version = next(_Job._versions)
 
 
 class _Flow:
@@ -421,10 +435,7 @@ class Engine:
         job = r.job
         if job is None or self._slow == 1.0:
             return
-        job.remaining -= job.rate * (self.now - job.t)
-        job.t = self.now
-        job.rate = self._slow if r.active else 1.0
-        job.version += 1
+        job.retime(self.now, self._slow if r.active else 1.0)
         self._at(self.now + max(job.remaining, 0.0) / job.rate, self._compute_done, r, job.version)
 
     # -- point-to-point messages ---------------------------------------------
@@ -483,11 +494,7 @@ class Engine:
             job = f.job
             if new == job.rate:
                 continue
-            if job.rate > 0:
-                job.remaining -= job.rate * (now - job.t)
-            job.t = now
-            job.rate = new
-            job.version += 1
+            job.retime(now, new)
             self._at(now + max(job.remaining, 0.0) / new, self._flow_end, f, job.version)
 
     def _flow_end(self, flow: _Flow, version: int) -> None:

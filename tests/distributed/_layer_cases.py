@@ -289,3 +289,173 @@ class _RefAttention(nn.Module):
         out = attend(self.q(x).view(b, s, -1, d), self.k(x).view(b, s, -1, d), self.v(x).view(b, s, -1, d),
                      causal=self.causal)
         return self.o(out.reshape(b, s, -1))
+
+
+# -- training: the loss curve of a sharded model equals the unsharded one's ------------------------------
+
+
+def _sgd(params, lr):
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+
+
+def _all_reduce_grads(params):
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+
+
+class _Block(nn.Module):
+    def __init__(self, attn, mlp):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+def _curve(model, data, shard, loss_of, steps, lr, after_backward=lambda: None):
+    losses = []
+    for step in range(steps):
+        x, target = data(step)
+        out = model(shard(x))
+        loss = loss_of(out, shard(target))
+        loss.backward()
+        after_backward()
+        total = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        losses.append(total.item())
+        _sgd(model.parameters(), lr)
+    return losses
+
+
+def _same_curve(mine, ref, what):
+    for step, (a, b) in enumerate(zip(mine, ref)):
+        if abs(a - b) > 1e-4 * max(1.0, abs(b)):
+            raise AssertionError(f"{what}: step {step} loss {a} vs unsharded {b} (curve {mine} vs {ref})")
+    if not ref[-1] < ref[0]:
+        raise AssertionError(f"{what}: the reference did not learn ({ref[0]} -> {ref[-1]})")
+
+
+def training(rank, n):
+    results = {}
+    h, heads, kv, b, L, steps = 48, 12, (4 if n == 4 else 6), 2, 3, 20
+    s = L * n
+
+    def data(step):
+        g = torch.Generator().manual_seed(1000)  # one fixed batch: the loss must fall
+        return torch.randn(b, s, h, generator=g), torch.randn(b, s, h, generator=g)
+
+    def mse(out, target):  # each rank's share of the global mean squared error
+        return ((out - target) ** 2).sum() / (b * s * h)
+
+    def seq_shard(t):
+        return t.tensor_split(n, dim=1)[rank]
+
+    def tpsp():
+        torch.manual_seed(7)
+        q, k, v, o = nn.Linear(h, h), nn.Linear(h, kv * 4), nn.Linear(h, kv * 4), nn.Linear(h, h)
+        fc1, fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+        ref = _Block(_RefAttention(q, k, v, o, heads, kv, True), nn.Sequential(fc1, nn.GELU(), fc2))
+        model = _Block(ParallelAttention.from_linears(q, k, v, o, num_heads=heads, num_kv_heads=kv, algorithm="ring"),
+                       ParallelMLP.from_linears(fc1, fc2, algorithm="ring"))
+        import copy
+
+        ref_curve = _curve(copy.deepcopy(ref), data, lambda t: t, mse, steps, 0.05)
+        if dist.is_initialized():  # the reference is not distributed: undo the all-reduce of its losses
+            ref_curve = [v / n for v in ref_curve]
+        mine = _curve(model, data, seq_shard, mse, steps, 0.05)
+        _same_curve(mine, ref_curve, "TPSP block (query-split attention + MLP)")
+
+    def ulysses():
+        torch.manual_seed(8)
+        q, k, v, o = nn.Linear(h, h), nn.Linear(h, kv * 4), nn.Linear(h, kv * 4), nn.Linear(h, h)
+        fc1, fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+        import copy
+
+        ref = _Block(_RefAttention(q, k, v, o, heads, kv, True), nn.Sequential(fc1, nn.GELU(), fc2))
+        mlp = copy.deepcopy(nn.Sequential(fc1, nn.GELU(), fc2))
+        model = _Block(UlyssesAttention.from_linears(q, k, v, o, num_heads=heads, num_kv_heads=kv, algorithm="ring"),
+                       mlp)
+        ref_curve = [v / n for v in _curve(copy.deepcopy(ref), data, lambda t: t, mse, steps, 0.05)]
+        # the MLP is replicated like in any Ulysses model: its gradients are all-reduced, as DDP would
+        mine = _curve(model, data, seq_shard, mse, steps, 0.05, after_backward=lambda: _all_reduce_grads(mlp.parameters()))
+        _same_curve(mine, ref_curve, "Ulysses block")
+
+    def fsdp():
+        torch.manual_seed(9)
+        l1, l2 = nn.Linear(h, 24), nn.Linear(24, 12)
+        import copy
+
+        ref = nn.Sequential(copy.deepcopy(l1), nn.ReLU(), copy.deepcopy(l2))
+        model = nn.Sequential(ShardedLinear.from_linear(l1, algorithm="ring"), nn.ReLU(),
+                              ShardedLinear.from_linear(l2, algorithm="bidirectional"))
+        rows = 4 * n
+
+        def dp_data(step):
+            g = torch.Generator().manual_seed(2000)
+            return torch.randn(rows, h, generator=g), torch.randn(rows, 12, generator=g)
+
+        def mean_sq(out, target):
+            return ((out - target) ** 2).mean()
+
+        ref_curve = [v / n for v in _curve(ref, dp_data, lambda t: t, mean_sq, steps, 0.05)]
+        # each rank: its rows, its mean; gradients averaged by the reduce-scatter: the whole batch's mean
+        mine = [v / n for v in _curve(model, dp_data, lambda t: t.tensor_split(n)[rank], mean_sq, steps, 0.05)]
+        _same_curve(mine, ref_curve, "ShardedLinear under data parallelism")
+
+    for name, fn in [("train-tpsp", tpsp), ("train-ulysses", ulysses), ("train-fsdp", fsdp)]:
+        _run(results, name, fn)
+    return results
+
+
+def mesh_2d(rank, n):
+    """TP x DP on a 2 x 2 DeviceMesh: an MLP over mesh["tp"] and a ShardedLinear over mesh["dp"]."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+
+    def mlp_over_tp():
+        torch.manual_seed(3)
+        fc1, fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        ref = nn.Sequential(fc1, nn.GELU(), fc2)
+        layer = ParallelMLP.from_linears(fc1, fc2, group=mesh["tp"], algorithm="ring")
+        x = torch.randn(2, 2, 4, 8)[dp_rank]  # each DP replica its own data
+        x_ref = x.clone().unsqueeze(0).requires_grad_()
+        out_ref = ref(x_ref)
+        out_ref.sum().backward()
+        xs = x.unsqueeze(0).tensor_split(2, dim=1)[tp_rank].clone().requires_grad_()
+        out = layer(xs)
+        _close(out.detach(), out_ref.detach().tensor_split(2, dim=1)[tp_rank], "forward")
+        out.sum().backward()
+        _close(xs.grad, x_ref.grad.tensor_split(2, dim=1)[tp_rank], "input grad")
+        _close(layer.fc2.bias.grad, fc2.bias.grad, "replicated bias grad over tp")
+
+    def sharded_over_dp():
+        torch.manual_seed(4)
+        lin = nn.Linear(8, 6)
+        layer = ShardedLinear.from_linear(lin, group=mesh["dp"], algorithm="ring")
+        x = torch.randn(4, 8)
+        out = layer(x.tensor_split(2)[dp_rank])
+        _close(out.detach(), lin(x.tensor_split(2)[dp_rank]).detach(), "forward")
+        round_trip = layer.to_linear()
+        assert torch.equal(round_trip.weight, lin.weight)
+
+    def bad_mesh():
+        try:
+            ParallelMLP(8, 16, group=mesh)
+        except Exception as e:
+            assert "2-D DeviceMesh" in str(e) and "mesh['dp']" in str(e), e
+        else:
+            raise AssertionError("a 2-D mesh was accepted as a group")
+
+    for name, fn in [("mesh-mlp-tp", mlp_over_tp), ("mesh-sharded-dp", sharded_over_dp), ("mesh-2d-rejected", bad_mesh)]:
+        _run(results, name, fn)
+    return results

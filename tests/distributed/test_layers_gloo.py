@@ -35,3 +35,27 @@ def test_layer_and_gradients_match_unsharded(n, name):
         name = name  # world size 1 runs them too: the ops are then the local computation
     errors = {r: res.get(name, "did not run") for r, res in enumerate(_battery(n)) if res.get(name, "missing")}
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+
+
+@functools.lru_cache(maxsize=None)
+def _training(n: int) -> list[dict]:
+    return launch(_layer_cases.training, n, timeout=900)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("name", ["train-tpsp", "train-ulysses", "train-fsdp"])
+def test_training_20_steps_follows_the_unsharded_loss_curve(n, name):
+    errors = {r: res.get(name, "did not run") for r, res in enumerate(_training(n)) if res.get(name, "missing")}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+
+
+@pytest.mark.parametrize("name", ["mesh-mlp-tp", "mesh-sharded-dp", "mesh-2d-rejected"])
+def test_tp_by_dp_device_mesh(name):
+    results = _mesh()
+    errors = {r: res.get(name, "did not run") for r, res in enumerate(results) if res.get(name, "missing")}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh() -> list[dict]:
+    return launch(_layer_cases.mesh_2d, 4, timeout=600)

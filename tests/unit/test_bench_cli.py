@@ -1,0 +1,213 @@
+"""Tier (a), no processes: `commfuse bench` parses its flags into the right run, refuses bad ones by name, and its report, trace and plot are well-formed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from commfuse.bench import command, netns, report, trace
+from commfuse.bench.config import ALGORITHMS, PRESETS, BenchConfig, Shape, applies, scaled
+from commfuse.cli import parser
+from commfuse.errors import CommfuseError, CommfuseValueError
+
+
+def _args(*argv: str):
+    return parser().parse_args(["bench", *argv])
+
+
+def test_defaults():
+    cfg = command.config_from_args(_args())
+    assert cfg.workloads == ("ag_matmul", "matmul_rs")
+    assert cfg.algorithms == ALGORITHMS
+    assert cfg.world_size == 2 and cfg.threads == 1
+    assert cfg.shape == PRESETS["small"]
+    assert cfg.link_rate is None and not cfg.trace and not cfg.fingerprint
+
+
+def test_flags_reach_the_config():
+    cfg = command.config_from_args(_args(
+        "-w", "mlp,attention", "fsdp_linear", "-a", "ring", "sliced:4", "--preset", "paper-mlp", "--scale", "16",
+        "--seq", "512", "-n", "4", "--threads", "2", "-r", "7", "--warmup", "0", "--dtype", "bfloat16",
+        "--forward-only", "--fingerprint", "--link-rate", "800mbit", "--plot", "x.png",
+    ))
+    assert cfg.workloads == ("mlp", "attention", "fsdp_linear")
+    assert cfg.algorithms == ("vanilla", "ring", "sliced:4")  # vanilla, the baseline, is always added
+    assert cfg.shape == Shape(batch=2, seq=512, hidden=256, ffn=1024, heads=16)
+    assert (cfg.world_size, cfg.threads, cfg.repeats, cfg.warmup) == (4, 2, 7, 0)
+    assert cfg.dtype == "bfloat16" and not cfg.backward and cfg.fingerprint
+    assert cfg.link_rate == "800mbit" and cfg.trace  # --plot needs the traced iteration
+
+
+def test_all_workloads():
+    cfg = command.config_from_args(_args("-w", "all"))
+    assert cfg.workloads == ("ag_matmul", "matmul_rs", "mlp", "attention", "ulysses", "fsdp_linear")
+
+
+def test_scale_keeps_head_dim_at_least_16():
+    s = scaled(PRESETS["paper-mlp"], 8)
+    assert (s.batch, s.seq, s.hidden, s.ffn, s.heads) == (4, 512, 512, 2048, 32)
+    assert scaled(PRESETS["paper-mlp"], 32).heads == 8  # h = 128: 8 heads of 16
+    with pytest.raises(CommfuseValueError, match="--scale"):
+        scaled(PRESETS["paper-mlp"], 0)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["-w", "nope"], "unknown workload"),
+        (["-a", "ring:0"], "unknown algorithm 'ring:0'"),
+        (["-a", "vanilla:2"], "unknown algorithm 'vanilla:2'"),
+        (["-a", "ring", "ring"], "name one algorithm twice"),
+        (["-r", "0"], "repeats must be an integer >= 1"),
+        (["--batch", "0"], "batch must be an integer >= 1"),
+        (["--link-rate", "fast"], "--link-rate 'fast' is not a rate"),
+        (["--link-rate", "800mb"], "is not a rate"),
+    ],
+)
+def test_bad_flags_are_named(argv, match):
+    with pytest.raises(CommfuseValueError, match=match):
+        command.config_from_args(_args(*argv))
+
+
+def test_sizes_that_do_not_split_over_the_world_size_are_named():
+    cfg = command.config_from_args(_args("-w", "attention", "--heads", "6", "--hidden", "96"))
+    with pytest.raises(CommfuseValueError, match="workload attention: heads = 6 does not divide over world size 4"):
+        cfg.check_world(4)
+    cfg = command.config_from_args(_args("--seq", "3", "--batch", "1"))
+    with pytest.raises(CommfuseValueError, match=r"ag_matmul: b\*s \(tokens\) = 3 does not divide over world size 2"):
+        cfg.check_world(2)
+
+
+def test_cli_reports_a_bad_flag_and_exits_2(capsys):
+    from commfuse.cli import main
+
+    assert main(["bench", "-a", "zigzag"]) == 2
+    assert "unknown algorithm 'zigzag'" in capsys.readouterr().err
+
+
+def test_to_argv_round_trips():
+    args = _args("-w", "mlp", "-a", "ring", "--preset", "tiny", "--scale", "2", "--ffn", "96", "--kv-heads", "2",
+                 "--forward-only", "--link-rate", "1gbit", "--json", "--trace", "t.json", "--no-progress")
+    again = _args(*command.to_argv(args))
+    assert command.config_from_args(again) == command.config_from_args(args)
+    assert again.json == "-" and again.no_progress
+    assert os.path.isabs(again.trace)
+
+
+def test_bidirectional_does_not_apply_to_all_to_all():
+    assert not applies("ulysses", "bidirectional") and not applies("ulysses", "bidirectional:2")
+    assert applies("ulysses", "ring") and applies("ag_matmul", "bidirectional")
+
+
+@pytest.mark.parametrize("text, bytes_per_s", [("800mbit", 1e8), ("2gbit", 2.5e8), ("100mbps", 1e8), ("1.5Gbit", 1.875e8)])
+def test_rates(text, bytes_per_s):
+    assert netns.parse_rate(text) == pytest.approx(bytes_per_s)
+    assert netns.burst_bytes(bytes_per_s) >= netns.MIN_BURST
+
+
+def test_netns_refuses_to_shape_a_loopback_it_did_not_create(monkeypatch):
+    monkeypatch.setenv(netns.ENV, "800mbit")
+    monkeypatch.delenv(netns.PARENT_ENV, raising=False)
+    with pytest.raises(netns.LinkRateError, match="refusing to shape"):
+        netns.shape_loopback("800mbit")
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv to drop it")
+def test_link_rate_without_root_says_how_to_run_instead():
+    cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m",
+           "commfuse.bench", "--link-rate", "800mbit", "--preset", "tiny"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
+    assert done.returncode != 0
+    assert "--link-rate needs root" in done.stderr and "drop --link-rate" in done.stderr
+
+
+def test_python_m_commfuse_bench_help():
+    done = subprocess.run([sys.executable, "-m", "commfuse.bench", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0
+    assert "--link-rate" in done.stdout and "paper-mlp" in done.stdout
+
+
+def test_command_module_imports_no_torch():
+    code = "import sys, commfuse.bench.command, commfuse.bench.report; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+# -- report, trace and plot from one run's result ------------------------------------------------------------
+
+
+def _step(label, step, post, compute, wait, sends=(), recvs=(), collectives=()):
+    return {"label": label, "schedule": "ring", "step": step, "post": list(post), "compute": list(compute),
+            "wait": list(wait), "sends": [list(s) for s in sends], "recvs": [list(r) for r in recvs],
+            "collectives": list(collectives)}
+
+
+def _result() -> tuple[dict, BenchConfig]:
+    """The shape of a rank-0 result for 2 ranks, 2 algorithms, 3 repeats (times in seconds)."""
+    cfg = BenchConfig(workloads=("ag_matmul",), algorithms=("vanilla", "ring"), repeats=3, trace=True)
+    wall = [[[0.030, 0.020, 0.010], [0.021, 0.020, 0.010]] for _ in range(3)]
+    events = {
+        "vanilla": [_step("all_gather_matmul", 0, (0.0, 0.0001), (0.0001, 0.0001), (0.0001, 0.010),
+                          collectives=["all_gather[0]"]),
+                    _step("all_gather_matmul", 1, (0.010, 0.010), (0.010, 0.030), (0.030, 0.030))],
+        "ring": [_step("all_gather_matmul", 0, (0.0, 0.0001), (0.0001, 0.010), (0.010, 0.0105), sends=[(1, 0)],
+                       recvs=[(1, 0)]),
+                 _step("all_gather_matmul", 1, (0.0105, 0.0105), (0.0105, 0.021), (0.021, 0.021))],
+    }
+    traces = {alg: [{"rank": r, "end": ev[-1]["wait"][1], "events": ev} for r in range(2)] for alg, ev in events.items()}
+    res = {"workload": "ag_matmul", "algorithms": ["vanilla", "ring"], "wall_s": wall,
+           "outside_s": [[0.0, 0.0]] * 3, "correct": [True, True], "max_rel_error": [0.0, 1e-7],
+           "taken": ["vanilla", "ring"], "unusable_modes": {}, "traces": traces}
+    return {"world_size": 2, "backend": "gloo", "device": "cpu", "results": [res]}, cfg
+
+
+def test_records_follow_the_documented_formulas():
+    run, cfg = _result()
+    recs = report.records(run, cfg)
+    assert [set(r) for r in recs] == [set(report.SCHEMA_KEYS)] * 2
+    van, ring = recs
+    assert van["median_ms"] == 30.0 and van["exposed_ms"] == 10.0 and van["hidden_fraction"] == 0.0
+    assert ring["exposed_ms"] == pytest.approx(1.0) and ring["hidden_fraction"] == pytest.approx(0.9)
+    assert ring["speedup_vs_vanilla"] == pytest.approx(30 / 21, abs=1e-4)
+    assert json.loads(json.dumps(recs)) == recs
+    text = report.table(recs, cfg)
+    assert "ring" in text and "1.43x" in text
+    lines = "\n".join(report.targets(recs))
+    assert "ring exposes 10.0% of its comm-only time" in lines and "ring vs vanilla 1.43x" in lines
+
+
+def test_chrome_trace_has_compute_and_transfer_spans_per_rank():
+    run, _ = _result()
+    doc = json.loads(json.dumps(trace.chrome_trace(run)))
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for alg in ("vanilla", "ring"):
+        for rank in (0, 1):
+            cats = {e["cat"] for e in spans if e["args"]["algorithm"] == alg and e["args"]["rank"] == rank}
+            assert {"compute", "transfer", "wait"} <= cats
+    # vanilla's step 0 computes nothing: no compute span for it
+    assert not [e for e in spans if e["args"]["algorithm"] == "vanilla" and e["cat"] == "compute" and e["args"]["step"] == 0]
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert any(n.startswith("ag_matmul ring") for n in names)
+
+
+def test_plot_writes_a_png(tmp_path):
+    from commfuse.bench import plot  # needs the bench extra (matplotlib), which ci/setup.sh installs
+
+    run, _ = _result()
+    path = plot.write(run, tmp_path / "sub" / "gantt.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_a_traced_iteration_says_so(tmp_path):
+    from commfuse.bench import plot
+
+    run, _ = _result()
+    run["results"][0]["traces"] = {}
+    with pytest.raises(CommfuseError, match="nothing was traced"):
+        plot.write(run, tmp_path / "x.png")
