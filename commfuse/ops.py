@@ -658,8 +658,12 @@ def produce_reduce_scatter(
 
 def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int,
                                 early: dict[int, torch.Tensor] | None = None,
-                                label: str = "produce_reduce_scatter") -> torch.Tensor:
-    """:func:`produce_reduce_scatter` on a resolved ``call``; ``early`` holds partials already produced."""
+                                label: str = "produce_reduce_scatter", inplace: bool = False) -> torch.Tensor:
+    """:func:`produce_reduce_scatter` on a resolved ``call``; ``early`` holds partials already produced.
+
+    ``inplace`` lets the running sums be added into the partials, for
+    producers that return fresh tensors nobody else holds (saves one buffer).
+    """
     early = dict(early or {})
     first: dict[str, Any] = {}
     cache: dict[int, list[torch.Tensor]] = {}
@@ -700,7 +704,7 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
 
     def program(schedule):
         box.append(schedule)
-        return ReduceScatterProgram(schedule, call.be, produce, shape, lambda: first["dtype"], inplace=False,
+        return ReduceScatterProgram(schedule, call.be, produce, shape, lambda: first["dtype"], inplace=inplace,
                                     meta=meta, describe=describe)
 
     _, prog = _run(Collective.REDUCE_SCATTER, call.name, call.parts, call.chunks, call.be, program, call.timeout,

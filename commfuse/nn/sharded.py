@@ -23,23 +23,21 @@ from commfuse.nn._common import gather_dim, resolve_group, shard_range, world
 from commfuse.nn.linear import _init_linear
 
 
-def _aug(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[W | b]: the bias travels as one more column of the weight shard."""
-    return weight if bias is None else torch.cat([weight, bias.unsqueeze(1)], dim=1)
-
-
 class _ShardedLinear(torch.autograd.Function):
-    """``y = x @ W^T + b`` with W row-sharded over the group.
+    """``y = x @ W^T + b`` with W (and b) row-sharded over the group.
 
     ======== =============================================== ===============================
     pass     computes                                        communication
     ======== =============================================== ===============================
-    forward  y[..., cols_s] = x @ W_s^T + b_s per shard s    all-gather ring of [W_r | b_r]
+    forward  y[..., cols_s] = x @ W_s^T per shard s          all-gather ring of W_r
     dgrad    dx = sum_s dy[..., cols_s] @ W_s                all-gather ring of W_r
     wgrad    dW_d = sum_ranks dy[..., cols_d]^T @ x          reduce-scatter ring (Flash-RS)
+    bias     b gathered / db reduce-scattered                two tiny rings
     ======== =============================================== ===============================
 
-    Shapes: x (..., in), W_r (out/N, in), b_r (out/N), y (..., out).
+    Shapes: x (..., in), W_r (out/N, in), b_r (out/N), y (..., out). The
+    three big rings move tensors of one shape, so they share one pool of
+    receive buffers.
     """
 
     @staticmethod
@@ -47,15 +45,15 @@ class _ShardedLinear(torch.autograd.Function):
         n = call.world_size
         rows = weight.shape[0]
         y = x.new_empty(*x.shape[:-1], rows * n)
-        has_bias = bias is not None
 
         def consume(w_s: torch.Tensor, s: int) -> None:
-            block = x @ w_s[:, :-1].t() + w_s[:, -1] if has_bias else x @ w_s.t()
-            y.narrow(-1, s * rows, rows).copy_(block)
+            y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
 
-        ops.all_gather_consume_core(call, _aug(weight, bias).contiguous(), consume, 0, keep=False,
-                                    label="sharded_linear.forward")
-        ctx.call, ctx.average, ctx.has_bias = call, average, has_bias
+        ops.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.forward")
+        if bias is not None:
+            y += torch.cat(ops.all_gather_consume_core(call, bias.detach(), lambda t, s: t, 0,
+                                                       label="sharded_linear.bias"))
+        ctx.call, ctx.average, ctx.has_bias = call, average, bias is not None
         ctx.save_for_backward(x, weight)
         return y
 
@@ -65,30 +63,25 @@ class _ShardedLinear(torch.autograd.Function):
         call = ctx.call
         n, rows = call.world_size, weight.shape[0]
         need_x, need_w, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx = None
+        dx = dw = db = None
         if need_x:
             dx = torch.zeros_like(x)
 
             def consume(w_s: torch.Tensor, s: int) -> None:
                 dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
 
-            ops.all_gather_consume_core(call, weight.contiguous(), consume, 0, keep=False,
-                                        label="sharded_linear.dgrad")
-        dw = db = None
-        if need_w or need_b:
+            ops.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.dgrad")
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if need_w:
             x2 = x.reshape(-1, x.shape[-1])
-            dy2 = dy.reshape(-1, dy.shape[-1])
-
-            def producer(d: int) -> torch.Tensor:
-                g = dy2[:, d * rows : (d + 1) * rows]
-                gw = g.t() @ x2
-                return torch.cat([gw, g.sum(0).unsqueeze(1)], dim=1) if ctx.has_bias else gw
-
-            grad = ops.produce_reduce_scatter_core(call, producer, 0, label="sharded_linear.wgrad")
-            if ctx.average:
-                grad = grad / n
-            dw = grad[:, : x.shape[-1]] if need_w else None
-            db = grad[:, -1] if ctx.has_bias and need_b else None
+            dw = ops.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].t() @ x2, 0,
+                                                 label="sharded_linear.wgrad", inplace=True)
+        if ctx.has_bias and need_b:
+            db = ops.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0), 0,
+                                                 label="sharded_linear.bgrad", inplace=True)
+        if ctx.average:
+            dw = dw / n if dw is not None else None
+            db = db / n if db is not None else None
         return None, None, dx, dw, db
 
 
