@@ -85,6 +85,7 @@ class ParallelAttention(nn.Module):
         self.rank, self.world_size = world(self.group)
         self.head_dim, self.num_heads, self.num_kv_heads = _heads(hidden_size, num_heads, num_kv_heads, self.world_size)
         self.hidden_size, self.causal, self.algorithm, self.sequence_dim = hidden_size, causal, algorithm, 1
+        self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
         hq = self.num_heads // self.world_size * self.head_dim
         hkv = self.num_kv_heads // self.world_size * self.head_dim
         kw = dict(device=device, dtype=dtype)
@@ -103,7 +104,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, local, _ = x.shape
         q, k, v = ops.all_gather_matmul(x, [self.wq.t(), self.wk.t(), self.wv.t()], group=self.group, gather_dim=1,
-                                        algorithm=self.algorithm)
+                                        algorithm=self.algorithm, backend=self.backend)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         s, d = q.shape[1], self.head_dim
@@ -120,7 +121,7 @@ class ParallelAttention(nn.Module):
         if algorithm == "auto":
             algorithm, _ = ops.choose_algorithm("reduce_scatter", self.world_size, b * local * self.hidden_size * x.element_size())
         out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, self.wo), group=self.group, dim=1,
-                                         algorithm=algorithm)
+                                         algorithm=algorithm, backend=self.backend)
         return out + replicated(self.bo, self.group) if self.bo is not None else out
 
     @classmethod
@@ -240,20 +241,20 @@ class _UlyssesAttention(torch.autograd.Function):
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, group=None,
-                      algorithm: str = "auto", timeout: float | None = None) -> torch.Tensor:
+                      algorithm: str = "auto", timeout: float | None = None, backend=None) -> torch.Tensor:
     """Attention of sequence-sharded q (b, s/N, H, d), k, v (b, s/N, Hkv, d) over the whole sequence.
 
     Differentiable; see :class:`UlyssesAttention` for the schedule. Returns
     (b, s/N, H, d).
     """
     group = resolve_group(group)
-    _, n = world(group)
+    be = ops._backend(backend, group, q.device)
+    n = 1 if be is None else be.world_size
     if n == 1:
         return attend(q, k, v, causal=causal)
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % n:
             raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
-    be = ops._backend(None, group, q.device)
     name, parts, chunks = ops._resolve(ops.Collective.ALL_TO_ALL, algorithm, n,
                                        q.numel() // n * q.element_size(), be, None)
     call = ops.Call(be, name, parts, chunks, timeout, None)
@@ -275,6 +276,7 @@ class UlyssesAttention(nn.Module):
         self.rank, self.world_size = world(self.group)
         self.head_dim, self.num_heads, self.num_kv_heads = _heads(hidden_size, num_heads, num_kv_heads, self.world_size)
         self.hidden_size, self.causal, self.algorithm = hidden_size, causal, algorithm
+        self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
         kv = self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
         self.k_proj = nn.Linear(hidden_size, kv, bias=bias, device=device, dtype=dtype)
@@ -292,7 +294,8 @@ class UlyssesAttention(nn.Module):
         q = self._linear(self.q_proj, x).view(b, length, -1, d)
         k = self._linear(self.k_proj, x).view(b, length, -1, d)
         v = self._linear(self.v_proj, x).view(b, length, -1, d)
-        o = ulysses_attention(q, k, v, causal=self.causal, group=self.group, algorithm=self.algorithm)
+        o = ulysses_attention(q, k, v, causal=self.causal, group=self.group, algorithm=self.algorithm,
+                              backend=self.backend)
         return self._linear(self.o_proj, o.reshape(b, length, -1))
 
     @classmethod

@@ -42,6 +42,7 @@ class _TPLinear(nn.Module):
         self.rank, self.world_size = world(self.group)
         self.sequence_dim = sequence_dim
         self.algorithm = algorithm
+        self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -70,7 +71,8 @@ class ColumnParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = ops.all_gather_matmul(x, self.weight.t(), group=self.group, gather_dim=self.sequence_dim,
-                                  algorithm=self.algorithm, keep_gathered=self.keep_gathered)
+                                  algorithm=self.algorithm, keep_gathered=self.keep_gathered,
+                                  backend=self.backend)
         return y + self.bias if self.bias is not None else y
 
     @classmethod
@@ -119,7 +121,7 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = ops.matmul_reduce_scatter(x, self.weight.t(), group=self.group, scatter_dim=self.sequence_dim,
-                                      algorithm=self.algorithm)
+                                      algorithm=self.algorithm, backend=self.backend)
         return z + replicated(self.bias, self.group) if self.bias is not None else z
 
     @classmethod
@@ -178,6 +180,14 @@ class ParallelMLP(nn.Module):
     @algorithm.setter
     def algorithm(self, value: str) -> None:
         self.fc1.algorithm = self.fc2.algorithm = value
+
+    @property
+    def backend(self):
+        return self.fc1.backend
+
+    @backend.setter
+    def backend(self, value) -> None:
+        self.fc1.backend = self.fc2.backend = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(_ACTIVATIONS[self.activation](self.fc1(x)))

@@ -105,6 +105,7 @@ class ShardedLinear(nn.Module):
         if reduce not in ("avg", "sum"):
             raise CommfuseValueError(f"reduce must be 'avg' or 'sum', got {reduce!r}")
         self.in_features, self.out_features, self.algorithm, self.reduce = in_features, out_features, algorithm, reduce
+        self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
         _, rows = shard_range(out_features, self.rank, self.world_size)
         self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
@@ -117,7 +118,7 @@ class ShardedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return nn.functional.linear(x, self.weight, self.bias)
-        be = ops._backend(None, self.group, x.device)
+        be = ops._backend(self.backend, self.group, x.device)
         row_bytes = self.weight.numel() * self.weight.element_size()
         name, parts, chunks = ops._resolve(ops.Collective.ALL_GATHER, self.algorithm, self.world_size, row_bytes,
                                            be, None)
