@@ -337,6 +337,11 @@ def _check_fingerprint(schedule: Schedule, program: Program, backend, timeout: f
             f"rank {backend.rank} timed out after {timeout:g} s exchanging the call fingerprint with ranks "
             f"{prv} and {nxt} before step {index} of {schedule.describe()}: they did not enter the same op"
         ) from e
+    except Exception as e:
+        raise CommunicationError(
+            f"rank {backend.rank} failed exchanging the call fingerprint with ranks {prv} and {nxt} before step "
+            f"{index} of {schedule.describe()}: {type(e).__name__}: {e}"
+        ) from e
     own = mine.tolist()
     for peer, got in ((prv, got_prev), (nxt, got_next)):
         theirs = got.cpu().tolist()

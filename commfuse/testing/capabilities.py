@@ -1,0 +1,46 @@
+"""What a backend under test can do. Conformance tests skip by these attributes, never by a backend's name."""
+
+from __future__ import annotations
+
+
+class Capabilities:
+    """Defaults fit a CPU backend like gloo; a vendor overrides what differs in its capabilities file.
+
+    ``dtypes``: dtypes the ops must handle (names of torch dtypes).
+    ``algorithms``: algorithms the backend must run (every one by default).
+    ``autograd``: run the ops/autograd tier's gradient checks.
+    ``self_transfer``: the transport can send a message to its own rank
+    (gloo cannot; the schedules never need it).
+    ``overlap_threshold``: the least fraction of ring communication that must
+    be hidden behind compute for the overlap tier to pass; 0 reports the
+    figure only (gloo on a 2-core loopback: copies compete with the GEMMs).
+    ``survives_peer_death``: a dead peer surfaces as an error, not a hang, so
+    the SIGKILL test may run.
+    ``timeout_s``: the bound every robustness test gives its waits.
+    ``device``: device type tensors are made on; ``dist_backend``: the
+    torch.distributed backend of the process group the suite launches.
+    """
+
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    algorithms: tuple[str, ...] = ("ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "vanilla")
+    autograd: bool = True
+    self_transfer: bool = False
+    overlap_threshold: float = 0.0
+    survives_peer_death: bool = True
+    timeout_s: float = 10.0
+    device: str = "cpu"
+    dist_backend: str = "gloo"
+
+    def as_dict(self) -> dict:
+        names = [n for n in dir(self) if not n.startswith("_") and not callable(getattr(self, n))]
+        return {n: getattr(self, n) for n in names}
+
+    @classmethod
+    def load(cls, ref: str | None) -> "Capabilities":
+        """``module:Class`` (a vendor's capabilities file), or the defaults."""
+        if not ref:
+            return cls()
+        import importlib
+
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr or "Capabilities")()

@@ -1,0 +1,72 @@
+"""Tier (b), real gloo ranks: the conformance suite passes gloo and catches each deliberately broken backend.
+
+Runs ``commfuse conformance`` as a user would (a subprocess) and reads its
+JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _conformance(tmp_path, backend: str, *extra: str, n: int = 3) -> dict:
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "commfuse", "conformance", "--backend", backend, "-n", str(n),
+           "--capabilities", "toy_backends:FastCapabilities", "--report", str(report), *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert report.exists(), f"no report written:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    data = json.loads(report.read_text())
+    data["exit_code"] = done.returncode
+    data["by_case"] = {t["test"].split("[", 1)[1].rstrip("]") if "[" in t["test"] else t["test"]: t
+                       for t in data["tests"]}
+    return data
+
+
+def _outcome(data: dict, case: str) -> str:
+    return data["by_case"][case]["outcome"]
+
+
+def test_wrong_peer_is_caught_by_the_transport_tier(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:wrong_peer", "--tier", "transport")
+    assert data["exit_code"] != 0
+    assert _outcome(data, "ring-shift-forward") == "failed"
+    reason = data["by_case"]["ring-shift-forward"]["reason"].lower()
+    assert "received" in reason or "timed out" in reason, reason
+
+
+def test_dropped_message_is_caught_by_the_transport_tier_as_a_timeout(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:dropped_message", "--tier", "transport")
+    assert data["exit_code"] != 0
+    reason = data["by_case"]["ring-shift-forward"]["reason"]
+    assert _outcome(data, "ring-shift-forward") == "failed"
+    assert "TimeoutError" in reason or "timed out" in reason.lower(), reason
+
+
+def test_wrong_reduction_is_caught_by_the_reduce_scatter_schedules_only(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:wrong_reduction", "--tier", "schedules", "-k", "float32")
+    assert data["exit_code"] != 0
+    # whole reduce-scatters (vanilla, sliced) go through the broken collective; the ring never does
+    assert _outcome(data, "reduce_scatter-vanilla-float32-exact") == "failed"
+    assert _outcome(data, "reduce_scatter-sliced:2-float32-tolerance") == "failed"
+    assert _outcome(data, "reduce_scatter-ring-float32-exact") == "passed"
+    assert _outcome(data, "all_gather-vanilla-float32-exact") == "passed"
+    assert _outcome(data, "all_to_all-vanilla-float32-exact") == "passed"
+
+
+@pytest.mark.parametrize("n", [2])
+def test_gloo_passes_every_tier(tmp_path, n):
+    data = _conformance(tmp_path, "gloo", n=n)
+    failed = [t["test"] for t in data["tests"] if t["outcome"] == "failed"]
+    assert not failed, failed
+    assert data["exit_code"] == 0 and data["summary"]["passed"] > 100
+    overlap = data["by_case"]["ring-hides-communication"]["figures"]
+    assert "rank0.hidden_fraction" in overlap
