@@ -1,7 +1,25 @@
 #!/usr/bin/env bash
-# Set up (ci/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# Set up (ci/setup.sh), run the whole test suite, then the conformance suite
+# against gloo at world sizes 2, 3 and 4. Extra arguments go to pytest.
+# Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 venv="${COMMFUSE_VENV:-.venv}"
-exec "$venv/bin/python" -m pytest "$@"
+"$venv/bin/python" -m pytest "$@"
+mkdir -p ci-artifacts
+status=0
+for n in 2 3 4; do
+    "$venv/bin/commfuse" conformance --backend gloo --world-size "$n" \
+        --report "ci-artifacts/conformance-w$n.json" || status=1
+done
+"$venv/bin/python" - <<'PY'
+import json, pathlib
+for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
+    data = json.loads(path.read_text())
+    overlap = [t["figures"] for t in data["tests"] if t["test"].endswith("[ring-hides-communication]")]
+    hidden = overlap[0].get("rank0.hidden_fraction") if overlap else None
+    print(f"conformance gloo world size {data['world_size']}: {data['summary']}"
+          + (f", ring hid {hidden:.2f} of its communication (rank 0)" if hidden is not None else ""))
+PY
+exit $status
