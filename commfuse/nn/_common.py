@@ -81,3 +81,25 @@ class ReplicatedGrad(torch.autograd.Function):
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     _, n = world(group)
     return t if n == 1 or not torch.is_grad_enabled() or not t.requires_grad else ReplicatedGrad.apply(t, group)
+
+
+def load_row_shard(layer, linear) -> None:
+    """Copy this rank's rows ``tensor_split(out_features, N)[r]`` of ``linear`` into ``layer``."""
+    start, rows = shard_range(linear.out_features, layer.rank, layer.world_size)
+    with torch.no_grad():
+        layer.weight.copy_(linear.weight[start : start + rows])
+        if layer.bias is not None:
+            layer.bias.copy_(linear.bias[start : start + rows])
+
+
+def linear_from_row_shards(layer):
+    """The whole ``nn.Linear`` of a layer whose weight and bias rows are sharded over ``layer.group``."""
+    from torch import nn
+
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                       device=layer.weight.device, dtype=layer.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(gather_dim(layer.weight, 0, layer.out_features, layer.group))
+        if layer.bias is not None:
+            linear.bias.copy_(gather_dim(layer.bias, 0, layer.out_features, layer.group))
+    return linear

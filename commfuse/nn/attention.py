@@ -188,7 +188,7 @@ class _UlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, causal: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        n, rank = call.world_size, call.rank
+        n = call.world_size
         b, length, hq, d = q.shape
         hq_l, hkv_l = hq // n, k.shape[2] // n
         kv = torch.stack([k, v])  # (2, b, L, Hkv, d)

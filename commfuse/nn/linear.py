@@ -22,7 +22,15 @@ from torch import nn
 
 import commfuse.ops as ops
 from commfuse.errors import CommfuseValueError
-from commfuse.nn._common import gather_dim, replicated, resolve_group, shard_range, world
+from commfuse.nn._common import (
+    gather_dim,
+    linear_from_row_shards,
+    load_row_shard,
+    replicated,
+    resolve_group,
+    shard_range,
+    world,
+)
 
 
 def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
@@ -83,22 +91,12 @@ class ColumnParallelLinear(_TPLinear):
             layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
                         sequence_dim=sequence_dim, algorithm=algorithm, keep_gathered=keep_gathered,
                         device=linear.weight.device, dtype=linear.weight.dtype)
-        start, rows = shard_range(linear.out_features, layer.rank, layer.world_size)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[start : start + rows])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias[start : start + rows])
+        load_row_shard(layer, linear)
         return layer
 
     def to_linear(self) -> nn.Linear:
         """The whole layer as an ``nn.Linear`` on every rank (gathers the shards)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.weight.device, dtype=self.weight.dtype)
-        with torch.no_grad():
-            linear.weight.copy_(gather_dim(self.weight, 0, self.out_features, self.group))
-            if self.bias is not None:
-                linear.bias.copy_(gather_dim(self.bias, 0, self.out_features, self.group))
-        return linear
+        return linear_from_row_shards(self)
 
 
 class RowParallelLinear(_TPLinear):

@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from commfuse.errors import InvalidScheduleError
-from commfuse.schedule._ir import Algorithm, Collective, Schedule, SliceId, Step, Transfer
+from commfuse.schedule._ir import Algorithm, Collective, Schedule, SliceId, Step
 
 _RINGS = (Algorithm.RING, Algorithm.BIDIRECTIONAL)
 
