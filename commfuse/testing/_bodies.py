@@ -31,6 +31,18 @@ def backend_from(ref: str, group=None, device=None):
     return backends.get(ref, group=group, device=device)
 
 
+def rank_device(device: str, rank: int) -> str:
+    """This rank's device: ``cpu`` as is; for an accelerator type, device ``rank % count`` (and make it current)."""
+    if device == "cpu" or ":" in device:
+        return device
+    count = torch.accelerator.device_count() if hasattr(torch, "accelerator") else 0
+    if count < 1:
+        return device
+    index = rank % count
+    torch.accelerator.set_device_index(index)
+    return f"{device}:{index}"
+
+
 def _case(results: dict, name: str, fn) -> None:
     figures: dict = {}
     try:
@@ -69,8 +81,9 @@ def _same(got: torch.Tensor, want: torch.Tensor, exact: bool, what: str) -> None
 def transport(rank: int, n: int, ref: str, caps: dict) -> dict:
     from commfuse.schedule import Ring, SliceId, Transfer
 
-    be = backend_from(ref, device=caps["device"])
-    ring, dev, timeout = Ring(n), caps["device"], caps["timeout_s"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
+    ring, timeout = Ring(n), caps["timeout_s"]
     results: dict = {}
 
     def payload(src: int, tag: int) -> torch.Tensor:
@@ -131,8 +144,9 @@ def transport(rank: int, n: int, ref: str, caps: dict) -> dict:
 def schedules(rank: int, n: int, ref: str, caps: dict) -> dict:
     import commfuse as cf
 
-    be = backend_from(ref, device=caps["device"])
-    dev, timeout = caps["device"], caps["timeout_s"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
+    timeout = caps["timeout_s"]
     results: dict = {}
     for alg in caps["algorithms"]:
         for dname in caps["dtypes"]:
@@ -177,8 +191,9 @@ def schedules(rank: int, n: int, ref: str, caps: dict) -> dict:
 def ops(rank: int, n: int, ref: str, caps: dict) -> dict:
     import commfuse as cf
 
-    be = backend_from(ref, device=caps["device"])
-    dev, timeout = caps["device"], caps["timeout_s"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
+    timeout = caps["timeout_s"]
     results: dict = {}
     for alg in caps["algorithms"]:
         for dname in caps["dtypes"]:
@@ -257,8 +272,8 @@ def _op_grads(rank, n, be, alg, dev):
 def determinism(rank: int, n: int, ref: str, caps: dict) -> dict:
     import commfuse as cf
 
-    be = backend_from(ref, device=caps["device"])
-    dev = caps["device"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
     results: dict = {}
     for alg in caps["algorithms"]:
         def twice(alg=alg):
@@ -278,8 +293,8 @@ def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
     import commfuse as cf
     from commfuse.runtime import measure
 
-    be = backend_from(ref, device=caps["device"])
-    dev = caps["device"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
     results: dict = {}
     a = torch.randn(512, 512, device=dev)
     b = torch.randn(512, 1024, device=dev)
@@ -317,8 +332,9 @@ def robustness(rank: int, n: int, ref: str, caps: dict, kind: str):
     import commfuse as cf
     from commfuse.errors import CommfuseError
 
-    be = backend_from(ref, device=caps["device"])
-    dev, timeout = caps["device"], caps["timeout_s"]
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
+    timeout = caps["timeout_s"]
     t0 = time.monotonic()
     try:
         if kind == "mismatched-shapes":
