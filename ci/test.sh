@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up (ci/setup.sh), run the whole test suite, then the conformance suite
-# against gloo at world sizes 2, 3 and 4. Extra arguments go to pytest.
+# against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
+# (ci/test_backends.sh) and the XLA stage in its own environment
+# (ci/test_xla.sh). Extra arguments go to the main pytest run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,4 +24,6 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
     print(f"conformance gloo world size {data['world_size']}: {data['summary']}"
           + (f", ring hid {hidden:.2f} of its communication (rank 0)" if hidden is not None else ""))
 PY
+bash ci/test_backends.sh || status=1
+bash ci/test_xla.sh || status=1
 exit $status
