@@ -12,5 +12,5 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
-"$venv/bin/python" -m pip install --quiet -e ".[test]"
+"$venv/bin/python" -m pip install --quiet -e ".[test,bench]"
 echo "commfuse environment ready: $venv ($("$venv/bin/python" -c 'import torch, commfuse; print("torch", torch.__version__, "commfuse", commfuse.__version__)'))"

@@ -100,15 +100,27 @@ def _parse_algorithm(algorithm: str | Algorithm, collective: Collective) -> tupl
     return name, k or 1, 1
 
 
-def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes: int, capabilities=None) -> tuple[str, str]:
+def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes: int, capabilities=None, *,
+                     flops: float | None = None, backend=None) -> tuple[str, str]:
     """What ``algorithm="auto"`` takes, and why.
 
-    ``slice_bytes`` is what one ring hop would carry. World size 1, or slices
-    under :data:`MIN_SLICE_BYTES`, take ``vanilla``; otherwise ``ring``.
-    (The simulator-backed planner of a later release refines this.)
+    ``slice_bytes`` is what one ring hop would carry; ``flops`` the computation
+    on (all-gather) or for (reduce-scatter) one shard, when the op knows it.
+    When a hardware profile applies to ``backend`` (``COMMFUSE_PROFILE``, one
+    installed by ``commfuse simulate calibrate --install``, or a shipped one
+    whose device names match) and ``flops`` is known, the simulator predicts
+    vanilla, ring and bidirectional and the fastest is taken
+    (:func:`commfuse.sim.plan`, docs/simulator.md). Otherwise world size 1,
+    or slices under :data:`MIN_SLICE_BYTES`, take ``vanilla``; else ``ring``.
     """
     if world_size == 1:
         return "vanilla", "world size 1: nothing to communicate"
+    if flops is not None:
+        from commfuse.sim import plan  # pure Python, imported on first use
+
+        planned = plan(collective, world_size, slice_bytes, flops, backend)
+        if planned is not None:
+            return planned
     if slice_bytes < MIN_SLICE_BYTES:
         return "vanilla", (
             f"a ring hop would carry {slice_bytes} bytes, under {MIN_SLICE_BYTES}: per-step latency would "
@@ -144,11 +156,13 @@ def _shown(name: str, parts: int, chunks: int) -> str:
     return name if count == (2 if name == "sliced" else 1) else f"{name}:{count}"
 
 
-def _resolve(collective: Collective, algorithm, world_size: int, slice_bytes: int, backend, report) -> tuple[str, int, int]:
+def _resolve(collective: Collective, algorithm, world_size: int, slice_bytes: int, backend, report,
+             flops: float | None = None) -> tuple[str, int, int]:
     name, parts, chunks = _parse_algorithm(algorithm, collective)
     reason = "asked for"
     if name == "auto":
-        name, reason = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None))
+        name, reason = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None),
+                                        flops=flops, backend=backend)
     if report is not None:
         report.update(algorithm=_shown(name, parts, chunks), reason=reason, world_size=world_size)
     return name, parts, chunks
@@ -366,7 +380,8 @@ def all_gather_matmul(
     if n == 1:
         _resolve(Collective.ALL_GATHER, algorithm, 1, 0, be, report)  # validates `algorithm`
         return finish(a, [torch.matmul(a, bi) for bi in bs])
-    name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, a.numel() * a.element_size(), be, report)
+    name, parts, chunks = _resolve(Collective.ALL_GATHER, algorithm, n, a.numel() * a.element_size(), be, report,
+                                   flops=2.0 * a.numel() * sum(bi.shape[1] for bi in bs))
     call = Call(be, name, parts, chunks, timeout, check)
     if _grad_wanted(a, *bs):
         if contraction:
@@ -479,7 +494,8 @@ def matmul_reduce_scatter(
     per_rank = 1
     for i, d in enumerate(out_shape):
         per_rank *= sizes[0] if i == sd else d
-    name, parts, chunks = _resolve(Collective.REDUCE_SCATTER, algorithm, n, per_rank * a.element_size(), be, report)
+    name, parts, chunks = _resolve(Collective.REDUCE_SCATTER, algorithm, n, per_rank * a.element_size(), be, report,
+                                   flops=2.0 * a.numel() * b.shape[1] / n)
     call = Call(be, name, parts, chunks, timeout, check)
     if _grad_wanted(a, b):
         if sd == len(out_shape) - 1:

@@ -10,8 +10,9 @@ hardware :class:`Profile` in place of a backend; see ``docs/simulator.md``.
 ...     print(p.algorithm, round(1e3 * p.time, 1))
 """
 
-from commfuse.sim._engine import MODES, Engine, Event, OpCost, Phase, Timeline, simulate_phases
+from commfuse.sim._engine import MODES, Engine, OpCost, Phase, StepRecord, Timeline, simulate_phases
 from commfuse.sim._model import Kernel, collective_time, efficiency, kernel_time, ring_step_rate
+from commfuse.sim._planner import choose, crossovers, explain, op_times, plan, profile_for
 from commfuse.sim._predict import DEFAULT_ALGORITHMS, Prediction, compare, predict
 from commfuse.sim._profile import (
     ComputeSpec,
@@ -38,7 +39,6 @@ __all__ = [
     "ComputeSpec",
     "ContentionSpec",
     "Engine",
-    "Event",
     "HostSpec",
     "Kernel",
     "LinkSpec",
@@ -48,16 +48,23 @@ __all__ = [
     "Profile",
     "ProfileError",
     "ShardedOp",
+    "StepRecord",
     "Timeline",
     "Workload",
+    "choose",
     "collective_time",
     "compare",
+    "crossovers",
     "efficiency",
+    "explain",
     "from_dict",
     "kernel_time",
     "load_profile",
+    "op_times",
     "parse_algorithm",
+    "plan",
     "predict",
+    "profile_for",
     "ring_step_rate",
     "shipped",
     "simulate_phases",

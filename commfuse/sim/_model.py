@@ -13,8 +13,9 @@ Three pieces, each a small function of a :class:`~commfuse.sim.Profile`:
   divided among the messages sharing a port, link or bus (:func:`resources`
   says which a message uses; the engine does the sharing over time);
 * :func:`collective_time`: a whole collective over N ranks at the standard
-  ring cost, ``(N - 1) * (latency + piece / rate)``, where ``rate`` is what one
-  message of a ring step gets when every rank sends to its neighbour at once.
+  ring cost, ``(N - 1) * (latency + piece / (efficiency * rate))``, where
+  ``rate`` is what one message of a ring step gets when every rank sends to
+  its neighbour at once.
 """
 
 from __future__ import annotations
@@ -105,13 +106,26 @@ def ring_step_rate(profile: Profile, world_size: int) -> float:
     return min(profile.link.rate / load[key] for key, _ in usage)
 
 
-def collective_time(profile: Profile, world_size: int, piece_bytes: float) -> float:
-    """A whole all-gather / reduce-scatter / all-to-all over ``world_size`` ranks, per-rank piece ``piece_bytes``."""
+def collective_time(profile: Profile, world_size: int, piece_bytes: float, collective: str = "all_gather",
+                    free_bytes: float = 0.0) -> float:
+    """A whole all-gather / reduce-scatter / all-to-all over ``world_size`` ranks, per-rank piece ``piece_bytes``.
+
+    ``free_bytes``: bytes of each rank's messages a token bucket lets through at once (``link.burst``).
+    """
     n = world_size
     if n <= 1:
         return 0.0
-    rate = ring_step_rate(profile, n) * profile.collective.efficiency
-    return (n - 1) * (profile.collective_latency + piece_bytes / rate)
+    return (n - 1) * profile.collective_latency + max(0.0, collective_bytes(profile, n, piece_bytes, collective)
+                                                       - free_bytes) / ring_step_rate(profile, n)
+
+
+def collective_bytes(profile: Profile, world_size: int, piece_bytes: float, collective: str = "all_gather") -> float:
+    """What each rank's messages of a whole collective weigh on the link: ``(N - 1) * piece / efficiency``.
+
+    An efficiency under 1 is a library that moves more than the ring's bytes (gloo's reduce-scatter moves
+    twice as much: efficiency 0.5) or moves them less well.
+    """
+    return (world_size - 1) * piece_bytes / profile.collective.efficiency_of(str(collective))
 
 
 def transfer_time(profile: Profile, nbytes: float, sharing: int = 1) -> float:

@@ -29,9 +29,17 @@ from commfuse.sim._workloads import ShardedOp, Workload, schedule_for
 _PLAN_ROWS = 4
 
 
+def _collective(value) -> Collective:
+    try:
+        return Collective(value)
+    except ValueError:
+        names = ", ".join(c.value for c in Collective)
+        raise CommfuseValueError(f"unknown collective {value!r}; expected one of {names}") from None
+
+
 def candidates(collective: str | Collective) -> tuple[str, ...]:
     """What ``auto`` chooses among for ``collective``."""
-    c = Collective(collective)
+    c = _collective(collective)
     return ("vanilla", "ring") if c is Collective.ALL_TO_ALL else ("vanilla", "ring", "bidirectional")
 
 
@@ -51,7 +59,7 @@ def _op_phase(collective: Collective, n: int, algorithm: str, slice_bytes: float
 def op_times(collective: str | Collective, world_size: int, *, slice_bytes: float, flops: float, profile: Profile,
              compute_bytes: float | None = None, algorithms: Sequence[str] | None = None) -> dict[str, float]:
     """Predicted seconds of one call of the op under each algorithm (``slice_bytes``: one shard; ``flops``: per shard)."""
-    c = Collective(collective)
+    c = _collective(collective)
     algorithms = tuple(algorithms or candidates(c))
     return {a: simulate_phases([_op_phase(c, world_size, a, slice_bytes, flops, compute_bytes)], profile, world_size,
                                record=False).total for a in algorithms}
@@ -82,7 +90,7 @@ def choose(collective: str | Collective, world_size: int, *, slice_bytes: float,
     twice the shard). Candidates: ``vanilla``, ``ring`` and, except for
     all-to-all, ``bidirectional``. World size 1 is ``vanilla``.
     """
-    c = Collective(collective)
+    c = _collective(collective)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise CommfuseValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if world_size == 1:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from commfuse.sim._engine import Timeline, simulate_phases
+from commfuse.sim._model import kernel_time
 from commfuse.sim._profile import Profile, load_profile
 from commfuse.sim._workloads import Workload, parse_algorithm
 
@@ -22,7 +23,13 @@ DEFAULT_ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "ring", "bidirectional"
 
 @dataclass(frozen=True)
 class Prediction:
-    """The predicted figures of one algorithm on one workload; times in seconds."""
+    """The predicted figures of one algorithm on one workload; times in seconds.
+
+    The figures mean what ``commfuse bench``'s do (``commfuse/bench/report.py``):
+    ``compute_only`` and ``comm_only`` are the runs with transfers / with the
+    fused ops' compute removed; ``outside`` is compute outside the fused ops
+    (activations, weight-gradient GEMMs), which all three runs contain.
+    """
 
     workload: Workload
     algorithm: str
@@ -30,6 +37,7 @@ class Prediction:
     time: float
     compute_only: float
     comm_only: float
+    outside: float
     flops: float
     peak_flops: float
     speedup_vs_vanilla: float | None = None
@@ -41,16 +49,20 @@ class Prediction:
 
     @property
     def exposed(self) -> float:
-        """Communication not hidden: time beyond the compute-only time."""
-        return max(0.0, self.time - self.compute_only)
+        """Communication not hidden: the time beyond the compute-only time."""
+        return self.time - self.compute_only
 
     @property
-    def hidden_fraction(self) -> float:
-        """How much of the shorter of compute and comm was overlapped: 1 = fully, 0 = none (can go below with contention)."""
-        shorter = min(self.compute_only, self.comm_only)
-        if shorter <= 0:
-            return 1.0
-        return (self.compute_only + self.comm_only - self.time) / shorter
+    def comm(self) -> float:
+        """Pure communication time: comm-only minus the compute outside the fused ops."""
+        return self.comm_only - self.outside
+
+    @property
+    def hidden_fraction(self) -> float | None:
+        """``(compute_only + comm - time) / comm`` clipped to [0, 1]: 1 = every transfer ran behind compute."""
+        if self.comm <= 0:
+            return None
+        return min(1.0, max(0.0, (self.compute_only + self.comm - self.time) / self.comm))
 
     @property
     def mfu(self) -> float:
@@ -60,22 +72,29 @@ class Prediction:
     def record(self) -> dict:
         """The ``commfuse bench --json`` keys (``median_ms`` is the predicted time), plus the simulator's own."""
         w = self.workload
+        hidden = self.hidden_fraction
+
+        def ms(t: float) -> float:
+            return round(1e3 * t, 6)
+
         return {
             "workload": w.name,
             "algorithm": self.algorithm,
             "world_size": self.world_size,
-            "median_ms": round(1e3 * self.time, 6),
-            "compute_only_ms": round(1e3 * self.compute_only, 6),
-            "comm_only_ms": round(1e3 * self.comm_only, 6),
-            "exposed_ms": round(1e3 * self.exposed, 6),
+            "dtype": w.dtype,
+            "shape": {"batch": w.batch, "seq": w.seq, "hidden": w.hidden, "ffn": w.ffn, "tp": w.tp, "dp": w.dp,
+                      "passes": w.passes},
+            "median_ms": ms(self.time),
+            "compute_only_ms": ms(self.compute_only),
+            "comm_only_ms": ms(self.comm_only),
+            "outside_ms": ms(self.outside),
+            "exposed_ms": ms(self.exposed),
             "speedup_vs_vanilla": None if self.speedup_vs_vanilla is None else round(self.speedup_vs_vanilla, 4),
-            "hidden_fraction": round(self.hidden_fraction, 4),
-            "correct": None,  # the simulator computes no values; the executor's results are checked by bench/tests
+            "hidden_fraction": None if hidden is None else round(hidden, 4),
+            "correct": None,  # the simulator computes no values: correctness is the executor's (bench, tests)
             "predicted": True,
             "profile": self.profile,
             "mfu": round(self.mfu, 4),
-            "shape": {"tp": w.tp, "dp": w.dp, "batch": w.batch, "seq": w.seq, "hidden": w.hidden, "ffn": w.ffn,
-                      "dtype": w.dtype, "passes": w.passes},
         }
 
 
@@ -90,28 +109,34 @@ def _dtype_check(profile: Profile, workload: Workload) -> None:
 
 
 def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring", *, record: bool = False,
-            symmetric: bool | None = None) -> Prediction:
-    """Predict ``workload`` under ``algorithm`` (``"ring"``, ``"ring:2"``, ``"bidirectional"``, ``"sliced:4"``, ``"vanilla"``)."""
+            symmetric: bool | None = None, check: bool = False) -> Prediction:
+    """Predict ``workload`` under ``algorithm`` (``"ring"``, ``"ring:2"``, ``"bidirectional"``, ``"sliced:4"``, ``"vanilla"``).
+
+    ``check``: include the ops' fingerprint exchange (the executor's default;
+    ``commfuse bench`` times without it unless ``--fingerprint``). ``record``:
+    keep the timeline for traces and plots.
+    """
     profile = load_profile(profile)
     _dtype_check(profile, workload)
     parse_algorithm(algorithm)
     phases = workload.phases(algorithm)
     n = workload.world_size
-    main = simulate_phases(phases, profile, n, symmetric=symmetric, record=record)
+    main = simulate_phases(phases, profile, n, symmetric=symmetric, check=check, record=record)
     compute = simulate_phases(phases, profile, n, mode="compute_only", symmetric=symmetric, record=False)
-    comm = simulate_phases(phases, profile, n, mode="comm_only", symmetric=symmetric, record=False)
+    comm = simulate_phases(phases, profile, n, mode="comm_only", symmetric=symmetric, check=check, record=False)
+    outside = sum(kernel_time(profile, k) for p in phases if p.schedule is None for k in p.cost.compute(0, None))
     flops = sum(p.cost.flops(0) for p in phases)
-    return Prediction(workload, algorithm, profile.name, main.total, compute.total, comm.total, flops,
+    return Prediction(workload, algorithm, profile.name, main.total, compute.total, comm.total, outside, flops,
                       profile.compute.peak_flops, timeline=main if record else None)
 
 
 def compare(profile: "Profile | str", workload: Workload, algorithms: Sequence[str] = DEFAULT_ALGORITHMS, *,
-            record: bool = False, symmetric: bool | None = None) -> list[Prediction]:
+            record: bool = False, symmetric: bool | None = None, check: bool = False) -> list[Prediction]:
     """Predict every algorithm in ``algorithms``; ``speedup_vs_vanilla`` is filled in (vanilla is added if missing)."""
     profile = load_profile(profile)
     names = list(dict.fromkeys(algorithms))
     if "vanilla" not in names:
         names.insert(0, "vanilla")
-    out = [predict(profile, workload, a, record=record, symmetric=symmetric) for a in names]
+    out = [predict(profile, workload, a, record=record, symmetric=symmetric, check=check) for a in names]
     vanilla = next(p for p in out if p.algorithm == "vanilla")
     return [replace(p, speedup_vs_vanilla=vanilla.time / p.time if p.time > 0 else None) for p in out]

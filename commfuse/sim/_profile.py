@@ -25,10 +25,12 @@ Format (every number in SI units: flop/s, bytes/s, seconds)::
     bandwidth = 450e9             # bytes/s, per direction of one port or link
     efficiency = 0.80             # fraction of `bandwidth` a large message gets
     latency = 8e-6                # seconds per message (per ring hop)
+    burst = 0                     # bytes a token bucket lets through at once after a pause (tc tbf)
 
     [collective]                  # whole collectives (vanilla / sliced)
     latency = 8e-6                # per ring step; default: link.latency
     efficiency = 1.0              # relative to a point-to-point ring step
+    reduce_scatter_efficiency = 1.0   # default: efficiency
 
     [host]
     step_overhead = 4e-6          # per schedule step (the executor's own time)
@@ -131,7 +133,9 @@ class LinkSpec:
     medium for every message: a rate-limited loopback). ``duplex``: ``full``
     (the two directions of a port or link do not share bandwidth) or ``half``
     (they do). Concurrent messages on one port, link or bus share its
-    bandwidth equally.
+    bandwidth equally. ``burst``: a token bucket of that many bytes, refilled
+    at the link's rate while the link is idle, that lets the first bytes after
+    a pause through at once (a link shaped by ``tc tbf``; 0 for real links).
     """
 
     bandwidth: float
@@ -139,10 +143,12 @@ class LinkSpec:
     topology: str = "switch"
     duplex: str = "full"
     efficiency: float = 1.0
+    burst: float = 0.0
 
     def _check(self, where: str) -> None:
         _number(where, "[link].bandwidth", self.bandwidth, positive=True, unit=" bytes/s")
         _number(where, "[link].latency", self.latency, low=0.0, unit=" s")
+        _number(where, "[link].burst", self.burst, low=0.0, unit=" bytes")
         _choice(where, "[link].topology", self.topology, TOPOLOGIES)
         _choice(where, "[link].duplex", self.duplex, DUPLEX)
         _number(where, "[link].efficiency", self.efficiency, positive=True, high=1.0)
@@ -160,16 +166,28 @@ class CollectiveSpec:
     A collective over N ranks whose per-rank piece is S bytes takes
     ``(N - 1) * (latency + S / (efficiency * r))`` where ``r`` is the rate of
     one message of a ring step under the link model (every rank sending to its
-    neighbour at once). ``latency`` None means the link's latency.
+    neighbour at once). ``latency`` None means the link's latency;
+    ``reduce_scatter_efficiency`` None means ``efficiency`` (a library whose
+    reduce-scatter moves more than the ring's bytes, as gloo's does, gets its
+    own).
     """
 
     latency: float | None = None
     efficiency: float = 1.0
+    reduce_scatter_efficiency: float | None = None
 
     def _check(self, where: str) -> None:
         if self.latency is not None:
             _number(where, "[collective].latency", self.latency, low=0.0, unit=" s")
         _number(where, "[collective].efficiency", self.efficiency, positive=True, high=4.0)
+        if self.reduce_scatter_efficiency is not None:
+            _number(where, "[collective].reduce_scatter_efficiency", self.reduce_scatter_efficiency, positive=True,
+                    high=4.0)
+
+    def efficiency_of(self, collective: str) -> float:
+        if collective == "reduce_scatter" and self.reduce_scatter_efficiency is not None:
+            return self.reduce_scatter_efficiency
+        return self.efficiency
 
 
 @dataclass(frozen=True)
@@ -305,7 +323,10 @@ def _toml_value(value) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, float):
-        return f"{value:.6g}" if "e" in f"{value:.6g}" or "." in f"{value:.6g}" else f"{value:.6g}.0"
+        text = f"{value:.6g}"
+        if float(text) != value:  # keep every digit that matters: the file must load back to the same profile
+            text = repr(value)
+        return text if any(c in text for c in ".einf") else text + ".0"
     return str(value)
 
 

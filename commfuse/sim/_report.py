@@ -1,12 +1,15 @@
-"""Presenting predictions: the table, JSON records, Chrome traces and a Gantt chart.
+"""Presenting predictions: the table, JSON records, the trace and the Gantt chart.
 
-The trace is the Chrome trace-event format (``{"traceEvents": [...]}``, what
-``chrome://tracing`` and Perfetto open): one ``pid`` per rank, named
-``rank r``, with two threads, ``tid`` ``"compute"`` and ``"comm"``; every bar
-is a complete event (``"ph": "X"``) with microsecond ``ts`` and ``dur``.
-The Gantt chart draws the same bars, one row per rank and lane, one panel
-per algorithm: with matplotlib (Agg backend, any format it writes) when it
-is installed, else as a plain SVG file written here.
+Traces and charts are the benchmark's own (``commfuse.bench.trace`` and
+``commfuse.bench.plot``): a predicted timeline is turned into the per-step
+events the executor records (``post``, ``compute`` and ``wait`` spans, the
+peers of every send and receive), so a predicted trace opens beside a
+measured one with the same processes (one per algorithm), threads (a
+``compute`` and a ``comm`` lane per rank) and span kinds. The simulator
+knows more than the executor does: when the bytes of a step's messages were
+actually on the wire. Traces add that as a ``wire`` span inside each
+transfer, and the chart draws it the same way. An ``.svg`` path is drawn
+here, without matplotlib, in the same layout.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ DEFAULT_RANKS = 8
 
 def table(predictions: Sequence[Prediction]) -> str:
     """The text table ``commfuse simulate`` prints."""
-    head = ("algorithm", "time ms", "compute-only", "comm-only", "exposed", "hidden", "vs vanilla", "MFU")
+    head = ("algorithm", "predicted ms", "compute-only", "comm-only", "exposed", "hidden", "vs vanilla", "MFU")
     rows = [head]
     for p in predictions:
         speed = "" if p.speedup_vs_vanilla is None else f"{p.speedup_vs_vanilla:.3f}x"
+        hidden = "-" if p.hidden_fraction is None else f"{p.hidden_fraction:.2f}"
         rows.append((p.algorithm, f"{1e3 * p.time:.3f}", f"{1e3 * p.compute_only:.3f}", f"{1e3 * p.comm_only:.3f}",
-                     f"{1e3 * p.exposed:.3f}", f"{p.hidden_fraction:.2f}", speed, f"{100 * p.mfu:.1f}%"))
+                     f"{1e3 * p.exposed:.3f}", hidden, speed, f"{100 * p.mfu:.1f}%"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = []
     for i, r in enumerate(rows):
@@ -44,158 +48,187 @@ def records(predictions: Sequence[Prediction]) -> list[dict]:
     return [p.record() for p in predictions]
 
 
-def _ranks(prediction: Prediction, ranks: Sequence[int] | None) -> list[int]:
-    n = prediction.world_size
+def _ranks(n: int, ranks: Sequence[int] | None) -> list[int]:
     if ranks is None:
         return list(range(min(n, DEFAULT_RANKS)))
     bad = [r for r in ranks if not 0 <= r < n]
     if bad:
-        raise CommfuseValueError(f"rank(s) {bad} outside the world of {n} ranks")
+        raise CommfuseValueError(f"rank(s) {bad} are outside the world of {n} ranks")
     return list(ranks)
 
 
-def _timeline(prediction: Prediction):
-    if prediction.timeline is None or not prediction.timeline.events:
+def _step_events(prediction: Prediction, rank: int) -> list[dict]:
+    """Rank ``rank``'s steps as the executor's event dicts (``runtime.executor.execute(events=...)``)."""
+    tl = prediction.timeline
+    if tl is None or not tl.records:
         raise CommfuseValueError(f"the prediction of {prediction.algorithm} kept no timeline: predict with record=True")
-    return prediction.timeline
-
-
-def chrome_trace(prediction: Prediction, ranks: Sequence[int] | None = None) -> dict:
-    """The Chrome trace of one prediction's timeline (``ranks``: which to include; default the first 8)."""
-    tl = _timeline(prediction)
-    events = []
-    for r in _ranks(prediction, ranks):
-        events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
-        for lane in ("compute", "comm"):
-            events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": lane, "args": {"name": lane}})
-        for e in tl.events_of(r):
-            events.append({
-                "name": e.name, "ph": "X", "pid": r, "tid": e.lane, "ts": round(1e6 * e.start, 3),
-                "dur": round(1e6 * (e.end - e.start), 3),
-                "args": {"phase": e.phase, "step": e.step, "algorithm": prediction.algorithm},
-            })
-    meta = prediction.record()
-    meta["symmetric"] = tl.symmetric
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
-
-
-def trace_paths(path: str | Path, algorithms: Sequence[str]) -> dict[str, Path]:
-    """One file per algorithm: ``{algorithm}`` in ``path`` is replaced, else the name goes before the suffix."""
-    path = str(path)
-    out = {}
-    for a in algorithms:
-        safe = a.replace(":", "-")
-        if "{algorithm}" in path:
-            out[a] = Path(path.replace("{algorithm}", safe))
-        elif len(algorithms) == 1:
-            out[a] = Path(path)
-        else:
-            p = Path(path)
-            out[a] = p.with_name(f"{p.stem}.{safe}{p.suffix or '.json'}")
+    steps_of: dict[int, tuple] = {}
+    out = []
+    for rec in tl.records_of(rank):
+        phase = tl.phases[rec.phase]
+        schedule = phase.schedule
+        event = {
+            "label": phase.name,
+            "algorithm": schedule.algorithm.value if schedule is not None else "compute",
+            "step": max(rec.step, 0),
+            "post": (rec.start, rec.post),
+            "compute": (rec.post, rec.computed),
+            "wait": (rec.computed, rec.end),
+            "sends": [], "recvs": [], "collectives": [],
+            "computes": rec.computed > rec.post,
+            "wire": rec.comm,
+        }
+        if rec.step == -2:
+            ring = schedule.ring
+            event["label"] = f"{phase.name} fingerprint"
+            event["sends"] = [(ring.next(rank), 1000), (ring.prev(rank), 1001)]
+            event["recvs"] = [(ring.prev(rank), 1000), (ring.next(rank), 1001)]
+        elif schedule is not None:
+            if rec.phase not in steps_of:
+                steps_of[rec.phase] = schedule.steps(rank)
+            step = steps_of[rec.phase][rec.step]
+            event["sends"] = [(t.peer, t.channel) for t in step.sends]
+            event["recvs"] = [(t.peer, t.channel) for t in step.recvs]
+            event["collectives"] = [f"{c.collective.value}[{c.part}]" for c in step.collectives]
+        out.append(event)
     return out
 
 
-def write_traces(predictions: Sequence[Prediction], path: str | Path, ranks: Sequence[int] | None = None) -> list[Path]:
-    written = []
-    paths = trace_paths(path, [p.algorithm for p in predictions])
+def bench_run(predictions: Sequence[Prediction], ranks: Sequence[int] | None = None) -> dict:
+    """The predictions in the shape of ``commfuse bench``'s rank-0 result, traces included."""
+    if not predictions:
+        raise CommfuseValueError("no predictions to trace")
+    w = predictions[0].workload
+    n = predictions[0].world_size
+    chosen = _ranks(n, ranks)
+    traces = {}
     for p in predictions:
-        target = paths[p.algorithm]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(chrome_trace(p, ranks)))
-        written.append(target)
-    return written
+        traces[p.algorithm] = [{"rank": r, "end": p.time, "events": _step_events(p, r)} for r in chosen]
+    return {
+        "world_size": n,
+        "backend": f"simulated ({predictions[0].profile})",
+        "device": predictions[0].profile,
+        "results": [{"workload": w.name, "algorithms": [p.algorithm for p in predictions], "traces": traces}],
+    }
 
 
-_COLOURS = {"compute": "#4c72b0", "comm": "#dd8452"}
+def chrome_trace(predictions: Sequence[Prediction], ranks: Sequence[int] | None = None) -> dict:
+    """The benchmark's Chrome/Perfetto trace of the predicted timelines, plus ``wire`` spans (bytes moving)."""
+    from commfuse.bench.trace import chrome_trace as bench_trace
+
+    run = bench_run(predictions, ranks)
+    doc = bench_trace(run)
+    pid = 0
+    for res in run["results"]:
+        for alg in res["algorithms"]:
+            pid += 1
+            for t in res["traces"][alg]:
+                for e in t["events"]:
+                    if e["wire"] is None:
+                        continue
+                    a, b = e["wire"]
+                    doc["traceEvents"].append({
+                        "name": f"{e['label']} step {e['step']} on the wire", "cat": "wire", "ph": "X",
+                        "ts": round(1e6 * a, 3), "dur": round(1e6 * max(0.0, b - a), 3), "pid": pid,
+                        "tid": 2 * t["rank"] + 1,
+                        "args": {"workload": res["workload"], "algorithm": alg, "rank": t["rank"],
+                                 "op": e["label"], "step": e["step"]},
+                    })
+    p0 = predictions[0]
+    doc["otherData"].update(generator="commfuse simulate", profile=p0.profile, workload=p0.workload.describe(),
+                            symmetric=p0.timeline.symmetric)
+    return doc
 
 
-def _bars(predictions: Sequence[Prediction], ranks):
-    panels = []
-    for p in predictions:
-        tl = _timeline(p)
-        rows = []
-        for r in _ranks(p, ranks):
-            for lane in ("compute", "comm"):
-                rows.append((f"rank {r} {lane}", lane, [(e.start, e.end, e.name) for e in tl.events_of(r)
-                                                        if e.lane == lane]))
-        panels.append((p, rows))
-    return panels
-
-
-def plot(predictions: Sequence[Prediction], path: str | Path, ranks: Sequence[int] | None = None,
-         title: str = "") -> Path:
-    """Write a Gantt chart of the predictions' timelines to ``path`` (.svg without matplotlib; any format with it)."""
+def write_trace(predictions: Sequence[Prediction], path: str | Path, ranks: Sequence[int] | None = None) -> Path:
     path = Path(path)
-    panels = _bars(predictions, ranks)
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        if path.suffix.lower() != ".svg":
-            raise CommfuseValueError(
-                f"writing {path.name} needs matplotlib (pip install matplotlib); without it, ask for an .svg file"
-            ) from None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_svg(panels, title))
-        return path
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    end = max(p.time for p, _ in panels) * 1e3 or 1.0
-    heights = [len(rows) for _, rows in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.9 + 0.32 * sum(heights) + 0.5 * len(panels)),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for ax, (p, rows) in zip(axes[:, 0], panels):
-        for i, (label, lane, bars) in enumerate(rows):
-            ax.broken_barh([(1e3 * s, 1e3 * (e - s)) for s, e, _ in bars], (i - 0.4, 0.8),
-                           facecolors=_COLOURS[lane], edgecolor="white", linewidth=0.3)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([label for label, _, _ in rows], fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlim(0, end * 1.02)
-        ax.set_title(f"{p.algorithm}: {1e3 * p.time:.3f} ms", fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("ms")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    path.write_text(json.dumps(chrome_trace(predictions, ranks)))
     return path
+
+
+def write_plot(predictions: Sequence[Prediction], path: str | Path, ranks: Sequence[int] | None = None) -> Path:
+    """The benchmark's Gantt chart of the predicted timelines (matplotlib); SVG without it."""
+    path = Path(path)
+    run = bench_run(predictions, ranks)
+    if path.suffix.lower() == ".svg":  # drawn here: no matplotlib needed
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_svg(run))
+        return path
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        raise CommfuseValueError(
+            f"--plot {path.name} needs matplotlib (pip install matplotlib); without it, give a .svg path"
+        ) from None
+    from commfuse.bench import plot
+
+    drawn = [t["rank"] for t in run["results"][0]["traces"][predictions[0].algorithm]]
+    if drawn != list(range(len(drawn))):
+        raise CommfuseValueError(
+            f"the benchmark's chart draws ranks 0..k-1, not {drawn}: give --ranks as 0,1,...,k-1, or an .svg path "
+            "(drawn here, any ranks)"
+        )
+    return plot.write(dict(run, world_size=len(drawn)), path)
+
+
+# the benchmark's colours (commfuse.bench.plot.COLORS), and the wire
+_COLOURS = {"compute": "#3b6fb6", "transfer": "#f2b66d", "wait": "#d1495b", "wire": "#7a7a7a"}
 
 
 def _esc(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 
-def _svg(panels, title: str) -> str:
-    width, left, row_h, gap = 1100, 150, 14, 28
-    end = max(p.time for p, _ in panels) or 1.0
+def _svg(run: dict) -> str:
+    """The same chart as ``commfuse.bench.plot`` (panels per algorithm, a compute and a comm lane per rank) as SVG."""
+    from commfuse.bench.trace import spans
+
+    res = run["results"][0]
+    width, left, lane_h = 1100, 130, 16
+    end = max(t["end"] for alg in res["algorithms"] for t in res["traces"][alg]) or 1.0
     scale = (width - left - 20) / end
-    y = 30 if title else 10
-    out = []
-    if title:
-        out.append(f'<text x="10" y="20" font-size="13" font-family="sans-serif">{_esc(title)}</text>')
-    for p, rows in panels:
-        out.append(f'<text x="10" y="{y + 12}" font-size="12" font-family="sans-serif">'
-                   f'{_esc(p.algorithm)}: {1e3 * p.time:.3f} ms</text>')
+    out, y = [], 8
+    for alg in res["algorithms"]:
+        per_rank = res["traces"][alg]
+        total = max(t["end"] for t in per_rank)
+        out.append(f'<text x="8" y="{y + 12}" font-size="12" font-family="sans-serif">'
+                   f'{_esc(res["workload"])}  {_esc(alg)}: {1e3 * total:.3f} ms (predicted)</text>')
         y += 18
-        for label, lane, bars in rows:
-            out.append(f'<text x="10" y="{y + row_h - 3}" font-size="10" font-family="sans-serif">{_esc(label)}</text>')
-            for s, e, name in bars:
-                x, w = left + s * scale, max((e - s) * scale, 0.5)
-                out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h - 2}" '
-                           f'fill="{_COLOURS[lane]}"><title>{_esc(name)} ({1e3 * (e - s):.3f} ms)</title></rect>')
-            y += row_h
-        y += gap
-    ticks = []
+        for t in sorted(per_rank, key=lambda t: t["rank"]):
+            for lane in ("compute", "comm"):
+                out.append(f'<text x="8" y="{y + lane_h - 4}" font-size="10" font-family="sans-serif">'
+                           f'rank {t["rank"]} {lane}</text>')
+                bars = [(s["start"], s["end"], s["kind"], s["name"]) for s in spans(t["events"]) if s["stream"] == lane]
+                if lane == "comm":
+                    bars += [(e["wire"][0], e["wire"][1], "wire", f"{e['label']} step {e['step']} on the wire")
+                             for e in t["events"] if e["wire"] is not None]
+                for s, e, kind, name in bars:
+                    h = lane_h - 2 if kind in ("compute", "transfer") else (lane_h - 2) // 2
+                    top = y + (lane_h - 2 - h) / 2
+                    out.append(f'<rect x="{left + s * scale:.2f}" y="{top:.1f}" width="{max((e - s) * scale, 0.5):.2f}" '
+                               f'height="{h}" fill="{_COLOURS[kind]}"><title>{_esc(name)} '
+                               f'({1e3 * (e - s):.3f} ms)</title></rect>')
+                y += lane_h
+        out.append(f'<line x1="{left + total * scale:.1f}" y1="{y - lane_h * 2 * len(per_rank)}" '
+                   f'x2="{left + total * scale:.1f}" y2="{y}" stroke="black" stroke-dasharray="4 3"/>')
+        y += 14
     for i in range(11):
-        t = end * i / 10
-        x = left + t * scale
-        ticks.append(f'<line x1="{x:.1f}" y1="{y - gap + 4}" x2="{x:.1f}" y2="{y - gap + 9}" stroke="black"/>'
-                     f'<text x="{x:.1f}" y="{y - gap + 20}" font-size="9" text-anchor="middle" '
-                     f'font-family="sans-serif">{1e3 * t:.3g}</text>')
-    out += ticks
-    height = y + 10
+        x = left + end * i / 10 * scale
+        out.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 5}" stroke="black"/>'
+                   f'<text x="{x:.1f}" y="{y + 16}" font-size="9" text-anchor="middle" font-family="sans-serif">'
+                   f'{1e3 * end * i / 10:.3g}</text>')
+    y += 22
+    legend = [("compute", "compute"), ("transfer", "transfer: posted until known done"),
+              ("wait", "waiting on it: exposed"), ("wire", "bytes on the wire (simulated)")]
+    x = left
+    for kind, text in legend:
+        out.append(f'<rect x="{x}" y="{y}" width="10" height="10" fill="{_COLOURS[kind]}"/>'
+                   f'<text x="{x + 14}" y="{y + 9}" font-size="10" font-family="sans-serif">{_esc(text)}</text>')
+        x += 14 + 7 * len(text) + 20
+    y += 18
+    out.append(f'<text x="{left}" y="{y + 4}" font-size="10" font-family="sans-serif">ms from the start</text>')
+    height = y + 12
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}">\n<rect width="100%" height="100%" fill="white"/>\n'
             + "\n".join(out) + "\n</svg>\n")

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commfuse.errors import CommfuseValueError
-from commfuse.schedule import Collective, CollectiveCall, Schedule, SliceId, Step, Transfer, build
+from commfuse.schedule import CollectiveCall, Schedule, SliceId, Step, Transfer, build
 from commfuse.sim._engine import Phase
 from commfuse.sim._model import Kernel
 from commfuse.sim._profile import DTYPES
@@ -74,11 +74,17 @@ def parse_algorithm(text: str) -> tuple[str, int, int]:
     return name, k or 1, 1
 
 
+#: Above this world size the simulator skips ``build``'s symbolic validation: at 4096 ranks it is ~90% of the
+#: build time, and the schedule is the builder's same output (the executor validates it when it builds it).
+VALIDATE_LIMIT = 1024
+
+
 @functools.lru_cache(maxsize=256)
 def schedule_for(collective: str, world_size: int, algorithm: str) -> Schedule:
-    """The schedule the ops would run for ``algorithm`` (``build``'s, validated, cached)."""
+    """The schedule the ops would run for ``algorithm``: ``commfuse.schedule.build``'s, cached."""
     name, parts, chunks = parse_algorithm(algorithm)
-    return build(collective, world_size, algorithm=name, parts=parts, chunks=chunks)
+    return build(collective, world_size, algorithm=name, parts=parts, chunks=chunks,
+                 validate=world_size <= VALIDATE_LIMIT)
 
 
 class ShardedOp:
@@ -103,20 +109,29 @@ class ShardedOp:
         self.add_row_bytes, self.name = add_row_bytes, name
         n, pieces = schedule.world_size, schedule.pieces
         self.shard_rows = split_sizes(rows, n)
-        self.piece_rows = [split_sizes(s, pieces) for s in self.shard_rows]
-        self.offsets = []
-        for s, sizes in enumerate(self.piece_rows):
-            start = sum(self.shard_rows[:s])
-            offs = []
-            for size in sizes:
-                offs.append(start)
-                start += size
-            self.offsets.append(offs)
         self.uniform = rows % n == 0 and (rows // n) % pieces == 0
+        if self.uniform:  # every slice alike: one row of sizes serves all shards
+            same = split_sizes(rows // n, pieces)
+            self.piece_rows = [same] * n
+        else:
+            self.piece_rows = [split_sizes(s, pieces) for s in self.shard_rows]
+        self._offsets: list[list[int]] | None = None
         self._compute: dict = {}
 
     def slice_rows(self, x: SliceId) -> int:
         return self.piece_rows[x.shard][self.schedule.piece(x)]
+
+    def offset(self, x: SliceId) -> int:
+        """Where slice ``x`` starts along the sharded dim (its shards laid out in rank order)."""
+        if self._offsets is None:
+            self._offsets, start = [], 0
+            for sizes in self.piece_rows:
+                offs = []
+                for size in sizes:
+                    offs.append(start)
+                    start += size
+                self._offsets.append(offs)
+        return self._offsets[x.shard][self.schedule.piece(x)]
 
     def _gemm(self, slices: Sequence[SliceId]) -> tuple[Kernel, ...]:
         rows = [self.slice_rows(x) for x in slices]
@@ -124,8 +139,17 @@ class ShardedOp:
         kernels = []
         if len(slices) > 1 and self.cat_row_bytes:
             copy = self.cat == "always"
-            if not copy:
-                spans = sorted((self.offsets[x.shard][self.schedule.piece(x)], r) for x, r in zip(slices, rows))
+            if not copy and self.uniform:
+                # adjacency in ring order (the last slice of shard N-1 next to the first of shard 0): the
+                # same on every rank, so ranks stay alike; it differs from the ops only in the rare step
+                # whose two slices meet across that wrap
+                pieces = self.schedule.pieces
+                around = self.schedule.world_size * pieces
+                pos = sorted({x.shard * pieces + self.schedule.piece(x) for x in slices})
+                breaks = sum(1 for a, b in zip(pos, pos[1:] + [pos[0] + around]) if b - a != 1)
+                copy = len(pos) < around and breaks != 1
+            elif not copy:
+                spans = sorted((self.offset(x), r) for x, r in zip(slices, rows))
                 copy = any(a + ra != b for (a, ra), (b, _) in zip(spans, spans[1:]))
             if copy:
                 kernels.append(Kernel(0.0, total * self.cat_row_bytes, f"{self.name} cat"))
@@ -136,7 +160,7 @@ class ShardedOp:
         if step is None or not step.compute:
             return ()
         if self.uniform:  # every slice alike: the kernels depend on how many, and on adjacency for "gaps"
-            key = (len(step.compute), step.compute if self.cat == "gaps" and len(step.compute) > 1 else None)
+            key = (len(step.compute), step.index if self.cat == "gaps" and len(step.compute) > 1 else None)
             found = self._compute.get(key)
             if found is None:
                 found = self._compute[key] = self._gemm(step.compute)
@@ -227,7 +251,7 @@ class Workload:
                 raise CommfuseValueError(f"fsdp_linear: ffn {self.ffn} must divide by tp {self.tp} (the TP shard "
                                          f"of the weight's columns)")
         else:
-            for f in ("ffn", "hidden"):
+            for f in ("hidden",) if self.name == "attention" else ("ffn",):
                 if getattr(self, f) % self.tp:
                     raise CommfuseValueError(f"{self.name}: {f} {getattr(self, f)} must divide by tp {self.tp} "
                                              f"(weights are split evenly across TP ranks)")
