@@ -46,6 +46,12 @@ def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> 
             value = fn(rank, world_size, *args)
         finally:
             try:
+                import gc
+
+                from commfuse.ops import release_backends
+
+                release_backends()  # a backend kept past destroy can abort the process at exit
+                gc.collect()
                 dist.destroy_process_group()
             except Exception:  # a failed rank may leave the group unusable
                 pass

@@ -150,6 +150,11 @@ def _backend(backend, group, device: torch.device):
     return found
 
 
+def release_backends() -> None:
+    """Forget the cached backend objects; call before ``torch.distributed.destroy_process_group()``."""
+    _BACKENDS.clear()
+
+
 def _shown(name: str, parts: int, chunks: int) -> str:
     """The algorithm as a user writes it: "ring", "ring:2", "sliced" (2 chunks), "sliced:4"."""
     count = chunks if name == "sliced" else parts

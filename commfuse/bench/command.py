@@ -64,7 +64,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     g = p.add_argument_group("how to run")
-    g.add_argument("-n", "--world-size", type=int, default=2, help="ranks to launch (default 2; torchrun decides there)")
+    g.add_argument("-n", "--world-size", type=int, default=2,
+                   help="ranks to launch (default 2; torchrun decides there)")
     g.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1)")
     g.add_argument("-r", "--repeats", type=int, default=10, help="timed repeats per algorithm and mode (default 10)")
     g.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
@@ -197,7 +198,9 @@ def execute_torchrun(config: BenchConfig, *, progress: bool = False) -> dict | N
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=config.timeout))
     try:
         result = runner.run_rank(rank, world, config, str(dev), progress)
+        dist.barrier()  # leave together
     finally:
+        runner.release_backends()
         dist.destroy_process_group()
     return result if rank == 0 else None
 

@@ -32,7 +32,7 @@ SCHEMA_KEYS = (
     "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
     "median_ms", "p25_ms", "p75_ms", "min_ms", "max_ms", "compute_only_ms", "comm_only_ms", "outside_ms",
     "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "hidden_fraction", "correct", "max_rel_error",
-    "unmeasured",
+    "unmeasured", "load", "cpus",
 )
 
 
@@ -106,6 +106,8 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
                 "correct": bool(res["correct"][i]),
                 "max_rel_error": float(f"{res['max_rel_error'][i]:.3g}"),
                 "unmeasured": dict(res.get("unusable_modes", {})),
+                "load": run.get("load"),
+                "cpus": run.get("cpus"),
             })
         vanilla = next(r["median_ms"] for r in rows if r["algorithm"] == "vanilla")
         for r in rows:
@@ -116,6 +118,14 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def run_load(recs: list[dict]) -> str:
+    load = recs[0].get("load") if recs else None
+    if not load or None in load:
+        return ""
+    return (f"load average (1 min) {load[0]:.2f} at the start, {load[1]:.2f} at the end, on {recs[0]['cpus']} CPUs "
+            "(the benchmark's own ranks count): above the rank count, other work shared the cores")
 
 
 def table(recs: list[dict], config: BenchConfig) -> str:
@@ -157,6 +167,9 @@ def table(recs: list[dict], config: BenchConfig) -> str:
         for mode, why in r0["unmeasured"].items():
             lines.append(f"  ({mode} could not be measured, this workload fails in it: {why})")
         lines.append("")
+    load = run_load(recs)
+    if load:
+        lines.append(load)
     lines.append("ms: milliseconds per iteration. compute-only: transfers removed; comm-only: compute removed; "
                  "exposed = median - compute-only;")
     lines.append("hidden: fraction of the communication that ran behind compute, 1 - exposed / comm "
@@ -171,12 +184,10 @@ def targets(recs: list[dict]) -> list[str]:
     for workload in dict.fromkeys(r["workload"] for r in recs):
         van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
         sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
-        if van and van["compute_only_ms"] and van["comm_only_ms"] is not None:
-            ratio = van["comm_only_ms"] / van["compute_only_ms"]
-            lines.append(f"{workload}: vanilla's comm-only / compute-only = {ratio:.2f} (the overlap targets assume "
-                         "about 0.5)")
-        else:
-            lines.append(f"{workload}:")
+        ratios = [f"{r['algorithm']} {r['comm_only_ms'] / r['compute_only_ms']:.2f}" for r in (van, ring)
+                  if r and r["compute_only_ms"] and r["comm_only_ms"] is not None]
+        lines.append(f"{workload}: comm-only / compute-only {', '.join(ratios)} (the overlap targets assume about "
+                     "0.4-0.5)" if ratios else f"{workload}:")
         if ring and ring["exposed_fraction"] is not None:
             x = ring["exposed_fraction"]
             lines.append(f"  ring exposes {100 * x:.1f}% of its comm-only time "

@@ -71,6 +71,14 @@ def _fingerprints(on: bool):
             os.environ["COMMFUSE_CHECK"] = before
 
 
+def _load() -> float | None:
+    """The 1-minute load average: how busy the machine was besides (and with) this run."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def _executor_seconds(events: list[dict]) -> float:
     return sum(e["wait"][1] - e["post"][0] for e in events)
 
@@ -105,6 +113,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             torch.accelerator.synchronize(dev)
 
     clock = time.perf_counter
+    load_before = _load()
     bar = Progress(units(config), enabled=progress and rank == 0)
     results = []
     for name in config.workloads:
@@ -211,6 +220,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         })
         del workload
     return {
+        "load": [load_before, _load()],
+        "cpus": os.cpu_count(),
         "world_size": world_size,
         "backend": dist.get_backend(),
         "device": str(dev),
@@ -218,7 +229,26 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
     }
 
 
+def release_backends() -> None:
+    """Drop the ops' cached backends (and their buffer pools) before the process group goes.
+
+    The cache in ``commfuse.ops`` keeps the group's backend alive past
+    ``destroy_process_group``; torn down at interpreter exit instead, gloo
+    aborted the process now and then ("terminate called without an active
+    exception", exit status -6 under torchrun).
+    """
+    import gc
+
+    from commfuse import ops
+
+    ops._BACKENDS.clear()
+    gc.collect()
+
+
 def launched(rank: int, world_size: int, config: BenchConfig, progress: bool) -> dict | None:
     """Entry point of a rank started by :func:`commfuse.launch.launch` (gloo on CPU)."""
-    out = run_rank(rank, world_size, config, config.device or "cpu", progress)
+    try:
+        out = run_rank(rank, world_size, config, config.device or "cpu", progress)
+    finally:
+        release_backends()  # the launcher destroys the process group next
     return out if rank == 0 else None

@@ -1,0 +1,125 @@
+"""Tier (b), real gloo ranks: `commfuse bench` runs end to end and writes valid records, traces and Gantt charts.
+
+The runs: ranks it launches itself, ranks under torchrun, ranks behind a shaped loopback.
+
+Sizes are tiny and repeats few: these tests check what the benchmark writes,
+never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from commfuse.bench.report import SCHEMA_KEYS
+from commfuse.cli import main
+
+TINY = ["--preset", "tiny", "--repeats", "2", "--warmup", "0", "--no-progress"]
+REQUIRED = {"workload", "algorithm", "world_size", "median_ms", "compute_only_ms", "comm_only_ms", "exposed_ms",
+            "speedup_vs_vanilla", "hidden_fraction", "correct"}
+
+
+def _check_records(recs: list[dict], workloads: list[str], algorithms: list[str], world_size: int) -> None:
+    assert isinstance(recs, list)
+    assert {(r["workload"], r["algorithm"]) for r in recs} == {(w, a) for w in workloads for a in algorithms}
+    for r in recs:
+        assert REQUIRED <= set(r) and set(r) == set(SCHEMA_KEYS)
+        assert r["world_size"] == world_size and r["correct"] is True, r
+        assert r["median_ms"] > 0 and r["compute_only_ms"] > 0
+        assert r["exposed_ms"] == pytest.approx(r["median_ms"] - r["compute_only_ms"], abs=2e-3)
+        assert r["hidden_fraction"] is None or 0.0 <= r["hidden_fraction"] <= 1.0
+        if r["algorithm"] == "vanilla":
+            assert r["speedup_vs_vanilla"] == 1.0
+
+
+def _check_trace(path: Path, workloads: list[str], algorithms: list[str], world_size: int) -> None:
+    doc = json.loads(path.read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for w in workloads:
+        for alg in algorithms:
+            for rank in range(world_size):
+                mine = [e for e in spans if e["args"]["workload"] == w and e["args"]["algorithm"] == alg
+                        and e["args"]["rank"] == rank]
+                cats = {e["cat"] for e in mine}
+                assert {"compute", "transfer"} <= cats, (w, alg, rank, cats)
+                assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
+                # the executor's own step events: compute on one lane, transfers on the other
+                assert {e["tid"] for e in mine if e["cat"] == "compute"} == {2 * rank}
+                assert {e["tid"] for e in mine if e["cat"] == "transfer"} == {2 * rank + 1}
+
+
+def _run(cmd: list[str], timeout: float, env=None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole session (torchrun's ranks included)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def test_bench_end_to_end_json_trace_plot(tmp_path, capsys):
+    out, tr, png = tmp_path / "records.json", tmp_path / "trace.json", tmp_path / "gantt.png"
+    algs = ["vanilla", "sliced:2", "ring", "bidirectional", "auto"]
+    rc = main(["bench", *TINY, "-w", "ag_matmul", "matmul_rs", "-a", *algs, "--json", str(out), "--trace", str(tr),
+               "--plot", str(png)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "ag_matmul:" in printed.out and "targets (printed, never asserted)" in printed.out
+    _check_records(json.loads(out.read_text()), ["ag_matmul", "matmul_rs"], algs, 2)
+    _check_trace(tr, ["ag_matmul", "matmul_rs"], algs, 2)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer_workloads_three_ranks(tmp_path, capsys):
+    out, tr = tmp_path / "records.json", tmp_path / "trace.json"
+    workloads = ["mlp", "attention", "ulysses", "fsdp_linear"]
+    rc = main(["bench", *TINY, "--repeats", "1", "-n", "3", "--seq", "48", "--heads", "6", "--hidden", "48",
+               "--ffn", "96", "-w", *workloads, "-a", "vanilla", "ring", "--json", str(out), "--trace", str(tr)])
+    assert rc == 0, capsys.readouterr().err
+    recs = json.loads(out.read_text())
+    _check_records(recs, workloads, ["vanilla", "ring"], 3)
+    _check_trace(tr, workloads, ["vanilla", "ring"], 3)
+
+
+def test_json_to_stdout_is_only_json(capsys):
+    rc = main(["bench", *TINY, "-w", "ag_matmul", "-a", "vanilla", "ring", "--json"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    _check_records(json.loads(printed.out), ["ag_matmul"], ["vanilla", "ring"], 2)
+    assert "ag_matmul:" in printed.err  # the table went to stderr
+
+
+def test_under_torchrun(tmp_path):
+    """Each torchrun process is one rank joining the env:// rendezvous; rank 0 writes the records."""
+    out = tmp_path / "records.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "commfuse.bench", *TINY, "-w", "ag_matmul", "-a", "vanilla", "ring", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = _run(cmd, 180, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check_records(json.loads(out.read_text()), ["ag_matmul"], ["vanilla", "ring"], 2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "ip", "tc")),
+                    reason="--link-rate needs root, unshare, ip and tc")
+def test_link_rate_runs_in_a_shaped_namespace(tmp_path):
+    out = tmp_path / "records.json"
+    cmd = [sys.executable, "-m", "commfuse.bench", *TINY, "--link-rate", "1gbit", "-w", "ag_matmul", "-a", "vanilla",
+           "ring", "--json", str(out)]
+    done = _run(cmd, 180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    recs = json.loads(out.read_text())
+    _check_records(recs, ["ag_matmul"], ["vanilla", "ring"], 2)
+    assert {r["link_rate"] for r in recs} == {"1gbit"}
+    assert "loopback shaped to 1gbit" in done.stdout
