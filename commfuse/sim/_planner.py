@@ -137,6 +137,17 @@ def _device_name(device) -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=16)
+def _profile_dir(key: tuple):
+    """``user_dir()`` for one environment (``key``: the variables that place it).
+
+    Cached: ``auto`` asks on every op call and resolving the folder costs tens
+    of microseconds, more than a tiny op's whole budget; the file check that
+    follows is one ``stat``, so a profile installed mid-run is still seen.
+    """
+    return user_dir()
+
+
 def profile_for(backend=None) -> Profile | None:
     """The profile ``auto`` uses for ``backend``, or None when none applies (see the module docstring)."""
     env = os.environ.get("COMMFUSE_PROFILE")
@@ -146,7 +157,8 @@ def profile_for(backend=None) -> Profile | None:
         return None
     name = getattr(backend, "name", None)
     if isinstance(name, str) and name:
-        installed = user_dir() / f"{name}.toml"
+        key = tuple(os.environ.get(k) for k in ("COMMFUSE_PROFILE_DIR", "XDG_CONFIG_HOME", "HOME"))
+        installed = _profile_dir(key) / f"{name}.toml"
         if installed.is_file():
             return _load(str(installed))
     device = _device_name(getattr(backend, "device", None))
