@@ -211,7 +211,7 @@ def _children() -> set[int]:
     """Child processes of this process, zombies included, but for multiprocessing's resource tracker
     (started with the first launch and meant to outlive it): no rank may outlive its launch."""
     try:
-        text = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True,
+        text = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True,
                               text=True).stdout
     except FileNotFoundError:  # pragma: no cover - no ps
         return set()
