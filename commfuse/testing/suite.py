@@ -218,7 +218,7 @@ def _children() -> set[int]:
     pids = set()
     for line in text.splitlines():
         pid, _, args = line.strip().partition(" ")
-        if pid and "resource_tracker" not in args and "ps -o" not in args:
+        if pid and "resource_tracker" not in args and not args.startswith("ps "):
             pids.add(int(pid))
     return pids
 
