@@ -39,10 +39,12 @@ from commfuse.schedule import Algorithm, Collective
 
 __all__ = [
     "MIN_SLICE_BYTES",
+    "StandIn",
     "all_gather_consume",
     "all_gather_matmul",
     "all_to_all_consume",
     "choose_algorithm",
+    "collect",
     "matmul_reduce_scatter",
     "produce_reduce_scatter",
 ]
@@ -538,6 +540,35 @@ def matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, 
 # -- consume / produce forms -------------------------------------------------
 
 
+class StandIn:
+    """A consumer with a stand-in for ``measure("comm_only")`` runs, which remove the compute.
+
+    ``consumer(tensor, source)`` runs normally; in a ``comm_only`` run
+    ``stand_in(tensor, source)`` runs in its place and should be (nearly) free
+    while returning what later code needs: a tensor of the result's shape,
+    say, so that a layer built of several ops still runs end to end with its
+    compute removed. A consumer without one gives None there.
+    """
+
+    __slots__ = ("consumer", "stand_in")
+
+    def __init__(self, consumer: Callable[[torch.Tensor, int], Any],
+                 stand_in: Callable[[torch.Tensor, int], Any]) -> None:
+        self.consumer, self.stand_in = consumer, stand_in
+
+    def __call__(self, tensor: torch.Tensor, source: int) -> Any:
+        return self.consumer(tensor, source)
+
+
+def _identity(tensor: torch.Tensor, source: int) -> torch.Tensor:
+    return tensor
+
+
+#: The consumer that only collects what arrives: results are the shards
+#: themselves, in ``comm_only`` runs too (collecting is not compute).
+collect = StandIn(_identity, _identity)
+
+
 class _Assembler:
     """Calls ``consumer(shard, source)`` once per shard, once all of its slices are there."""
 
@@ -547,18 +578,27 @@ class _Assembler:
         self.results: list[Any] = [None] * n
 
     def __call__(self, slices, tensors) -> None:
+        self._feed(slices, tensors, self.consumer)
+
+    def skip(self, slices, tensors) -> None:
+        """The ``comm_only`` stand-in for ``__call__``: the consumer's stand-in, if it has one, else nothing."""
+        stand_in = getattr(self.consumer, "stand_in", None)
+        if stand_in is not None:
+            self._feed(slices, tensors, stand_in)
+
+    def _feed(self, slices, tensors, consumer: Callable) -> None:
         pieces = self.schedule.pieces
         for x, t in zip(slices, tensors):
             source = self.key(x)
             if pieces == 1:
-                self.results[source] = self.consumer(t, source)
+                self.results[source] = consumer(t, source)
                 continue
             got = self.pending.setdefault(source, {})
             got[self.schedule.piece(x)] = t
             if len(got) == pieces:
                 whole = torch.cat([got[i] for i in range(pieces)], dim=self.dim)
                 del self.pending[source]
-                self.results[source] = self.consumer(whole, source)
+                self.results[source] = consumer(whole, source)
 
 
 def all_gather_consume(
@@ -580,7 +620,10 @@ def all_gather_consume(
     (``ring:m``, ``bidirectional``) the shard is cut along ``dim`` and the
     consumer is called once its last slice has arrived. The consumer may keep
     the tensors it is given. Not differentiable itself: the layers build their
-    backward passes from it (``commfuse.autograd``).
+    backward passes from it (``commfuse.autograd``). Under
+    ``commfuse.runtime.measure("comm_only")`` the consumer is not called: the
+    results are None, or a :class:`StandIn`'s stand-ins (:data:`collect`
+    collects in every mode).
     """
     shard = _tensor("shard", shard)
     if not callable(consumer):
@@ -751,6 +794,8 @@ def all_to_all_consume(
     All chunks have one shape (as in Ulysses, where heads are split evenly).
     Returns the consumer's results indexed by source rank. The pairwise ring
     computes on the chunk from r - k while the next exchange is in flight.
+    ``comm_only`` measurements call no consumer, as for
+    :func:`all_gather_consume` (a :class:`StandIn` gives stand-ins).
     """
     if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
         raise CommfuseTypeError(f"chunks must be a list of tensors, one per rank, got {type(chunks).__name__}")

@@ -193,7 +193,7 @@ class _UlyssesAttention(torch.autograd.Function):
         hq_l, hkv_l = hq // n, k.shape[2] // n
         kv = torch.stack([k, v])  # (2, b, L, Hkv, d)
         kv_chunks = [kv[:, :, :, t * hkv_l : (t + 1) * hkv_l].contiguous() for t in range(n)]
-        got = ops.all_to_all_consume_core(call, kv_chunks, lambda t, s: t, 2, label="ulysses.kv")
+        got = ops.all_to_all_consume_core(call, kv_chunks, ops.collect, 2, label="ulysses.kv")
         kv_full = torch.cat(got, dim=2)  # (2, b, s, Hkv/N, d): rows in source order
         kk, vv = kv_full[0], kv_full[1]
         q_chunks = [q[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
@@ -203,10 +203,12 @@ class _UlyssesAttention(torch.autograd.Function):
             return attend(q_s, kk[:, keys], vv[:, keys], causal=causal, q_offset=s * length)
 
         # every arriving query chunk's attention runs while the next chunk is in flight
+        # (comm_only measurements: the attention's stand-in is an empty tensor of its shape, that of q_s)
         arrived = ops.all_to_all_consume_core(
-            call, q_chunks, lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()), 1, label="ulysses.q")
+            call, q_chunks, ops.StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
+                                        lambda q_s, s: (q_s, torch.empty_like(q_s))), 1, label="ulysses.q")
         q_got = [a[0] for a in arrived]
-        back = ops.all_to_all_consume_core(call, [a[1] for a in arrived], lambda t, s: t, 1, label="ulysses.out")
+        back = ops.all_to_all_consume_core(call, [a[1] for a in arrived], ops.collect, 1, label="ulysses.out")
         ctx.call, ctx.causal, ctx.length = call, causal, length
         ctx.save_for_backward(torch.stack(q_got), kk, vv)
         return torch.cat(back, dim=2)
@@ -232,11 +234,12 @@ class _UlyssesAttention(torch.autograd.Function):
             return dq_s.contiguous()
 
         do_chunks = [do[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
-        dq_chunks = ops.all_to_all_consume_core(call, do_chunks, back_chunk, 1, label="ulysses.backward")
-        dq = torch.cat(ops.all_to_all_consume_core(call, dq_chunks, lambda t, s: t, 1, label="ulysses.dq"), dim=2)
+        back = ops.StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
+        dq_chunks = ops.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
+        dq = torch.cat(ops.all_to_all_consume_core(call, dq_chunks, ops.collect, 1, label="ulysses.dq"), dim=2)
         rows = [slice(s * length, (s + 1) * length) for s in range(n)]
         dkv_chunks = [torch.stack([dk[:, r], dv[:, r]]).contiguous() for r in rows]
-        dkv = torch.cat(ops.all_to_all_consume_core(call, dkv_chunks, lambda t, s: t, 2, label="ulysses.dkv"), dim=3)
+        dkv = torch.cat(ops.all_to_all_consume_core(call, dkv_chunks, ops.collect, 2, label="ulysses.dkv"), dim=3)
         return None, None, dq, dkv[0], dkv[1]
 
 

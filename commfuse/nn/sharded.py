@@ -51,7 +51,7 @@ class _ShardedLinear(torch.autograd.Function):
 
         ops.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.forward")
         if bias is not None:
-            y += torch.cat(ops.all_gather_consume_core(call, bias.detach(), lambda t, s: t, 0,
+            y += torch.cat(ops.all_gather_consume_core(call, bias.detach(), ops.collect, 0,
                                                        label="sharded_linear.bias"))
         ctx.call, ctx.average, ctx.has_bias = call, average, bias is not None
         ctx.save_for_backward(x, weight)

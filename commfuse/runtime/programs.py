@@ -145,7 +145,25 @@ class _Base(Program):
         return text + ", " + self._describe(values[5:])
 
 
-class GatherProgram(_Base):
+class _Consuming:
+    """The compute side of the gather-like programs: ``consume(slices, tensors)`` on what is held.
+
+    In ``comm_only`` measurements the compute is skipped; a consumer that has
+    a ``skip(slices, tensors)`` method is told instead, so it can leave
+    stand-ins for the results later code needs (``commfuse.ops``'s consumers
+    with ``stand_in``).
+    """
+
+    def compute(self, slices):
+        self.consume(slices, [self.held[x] for x in slices])
+
+    def skip(self, slices):
+        told = getattr(self.consume, "skip", None)
+        if told is not None:
+            told(slices, [self.held[x] for x in slices])
+
+
+class GatherProgram(_Consuming, _Base):
     """All-gather: rank r starts with its shard and consumes every rank's slices.
 
     ``consume(slices, tensors)`` is called once per step with the step's slices
@@ -175,12 +193,6 @@ class GatherProgram(_Base):
 
     def land(self, x, tensor):
         self.held[x] = tensor
-
-    def compute(self, slices):
-        self.consume(slices, [self.held[x] for x in slices])
-
-    def skip(self, slices):
-        pass
 
     def collective_io(self, call):
         part = call.part
@@ -272,7 +284,7 @@ class ReduceScatterProgram(_Base):
         return [self.sums[x] for x in self.schedule.slices(self.rank)]
 
 
-class AllToAllProgram(_Base):
+class AllToAllProgram(_Consuming, _Base):
     """All-to-all: ``blocks[d]`` goes to rank d; rank r consumes every block destined for it.
 
     ``recv_shape(source, x)`` gives the shape of the slice x of the block that
@@ -301,12 +313,6 @@ class AllToAllProgram(_Base):
 
     def land(self, x, tensor):
         self.held[x] = tensor
-
-    def compute(self, slices):
-        self.consume(slices, [self.held[x] for x in slices])
-
-    def skip(self, slices):
-        pass
 
     def collective_io(self, call):
         part = call.part

@@ -246,6 +246,55 @@ def layers(rank, n):
         fresh.load_state_dict(state)
         assert torch.equal(fresh.weight, lin.weight)
 
+    def measure_modes():
+        # every layer runs forward + backward with its fused ops' compute or transfers removed (what
+        # `commfuse bench` times), gives outputs and gradients of the right shapes, and in comm_only
+        # never runs the attention that the Ulysses all-to-all's consumer would compute
+        import commfuse.nn.attention as attention_module
+        from commfuse.runtime import measure
+
+        heads = 2 * n
+        hd = 2 * heads
+        layers_ = {"mlp": ParallelMLP(hd, 2 * hd), "attention": ParallelAttention(hd, heads),
+                   "ulysses": UlyssesAttention(hd, heads), "sharded": ShardedLinear(hd, 2 * n)}
+        real_attend, calls = attention_module.attend, []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real_attend(*args, **kwargs)
+
+        attention_module.attend = counted
+        try:
+            for name, layer in layers_.items():
+                for mode in ("comm_only", "compute_only"):
+                    for alg in ("ring", "vanilla"):
+                        layer.algorithm = alg
+                        layer.zero_grad()
+                        x = torch.randn(b, L, hd, requires_grad=True)
+                        with torch.no_grad():
+                            want = layer(x).shape
+                        calls.clear()
+                        with measure(mode):
+                            y = layer(x)
+                            y.sum().backward()
+                        where = f"{name} {alg} under measure({mode!r})"
+                        if y.shape != want or x.grad is None or x.grad.shape != x.shape:
+                            raise AssertionError(f"{where}: output {list(y.shape)} (want {list(want)}), input grad "
+                                                 f"{None if x.grad is None else list(x.grad.shape)}")
+                        for pname, p in layer.named_parameters():
+                            # comm_only may leave a weight gradient computed inside a removed consumer unset
+                            if (p.grad is None and mode == "compute_only") or (p.grad is not None
+                                                                              and p.grad.shape != p.shape):
+                                raise AssertionError(f"{where}: parameter {pname} has grad "
+                                                     f"{None if p.grad is None else list(p.grad.shape)}")
+                        if name == "ulysses" and mode == "comm_only" and calls:
+                            raise AssertionError(f"{where}: the attention ran {len(calls)} times; it is the "
+                                                 "consumer's compute and should have been removed")
+                        if name == "ulysses" and mode == "compute_only" and not calls:
+                            raise AssertionError(f"{where}: the attention never ran")
+        finally:
+            attention_module.attend = real_attend
+
     def seeded(fn, seed):
         def run():
             torch.manual_seed(seed)  # every rank draws the same reference weights and data
@@ -253,7 +302,7 @@ def layers(rank, n):
         return run
 
     for seed, (name, fn) in enumerate([("column", column), ("row", row), ("mlp", mlp), ("attention", attention), ("ulysses", ulysses),
-                     ("sharded", sharded), ("roundtrip", roundtrip)]):
+                     ("sharded", sharded), ("roundtrip", roundtrip), ("measure-modes", measure_modes)]):
         _run(results, name, seeded(fn, seed))
     for alg in ("ring", "bidirectional", "sliced:2", "vanilla"):
         for keep in (True, False):

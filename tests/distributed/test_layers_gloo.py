@@ -18,7 +18,7 @@ import _layer_cases  # noqa: E402
 from commfuse.launch import launch  # noqa: E402
 
 WORLD_SIZES = (1, 2, 3, 4)
-LAYERS = ["column", "row", "mlp", "attention", "ulysses", "sharded", "roundtrip"]
+LAYERS = ["column", "row", "mlp", "attention", "ulysses", "sharded", "roundtrip", "measure-modes"]
 OPS = [f"ops-{alg}-keep{keep}-dim{dim}" for alg in ("ring", "bidirectional", "sliced:2", "vanilla")
        for keep in (True, False) for dim in (0, 1)]
 
