@@ -138,14 +138,15 @@ def _device_name(device) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _profile_dir(key: tuple):
-    """``user_dir()`` for one environment (``key``: the variables that place it).
+def _installed_path(name: str, key: tuple) -> str:
+    """Where ``commfuse simulate calibrate --install`` puts ``name``'s profile, for one environment
+    (``key``: the variables that place it).
 
     Cached: ``auto`` asks on every op call and resolving the folder costs tens
     of microseconds, more than a tiny op's whole budget; the file check that
     follows is one ``stat``, so a profile installed mid-run is still seen.
     """
-    return user_dir()
+    return str(user_dir() / f"{name}.toml")
 
 
 def profile_for(backend=None) -> Profile | None:
@@ -157,10 +158,10 @@ def profile_for(backend=None) -> Profile | None:
         return None
     name = getattr(backend, "name", None)
     if isinstance(name, str) and name:
-        key = tuple(os.environ.get(k) for k in ("COMMFUSE_PROFILE_DIR", "XDG_CONFIG_HOME", "HOME"))
-        installed = _profile_dir(key) / f"{name}.toml"
-        if installed.is_file():
-            return _load(str(installed))
+        env = os.environ
+        installed = _installed_path(name, (env.get("COMMFUSE_PROFILE_DIR"), env.get("XDG_CONFIG_HOME"), env.get("HOME")))
+        if os.path.isfile(installed):
+            return _load(installed)
     device = _device_name(getattr(backend, "device", None))
     if device:
         for p in _shipped_profiles():
