@@ -18,6 +18,7 @@ the ops run as world size 1.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -155,6 +156,7 @@ def _backend(backend, group, device: torch.device):
 def release_backends() -> None:
     """Forget the cached backend objects; call before ``torch.distributed.destroy_process_group()``."""
     _BACKENDS.clear()
+    _CHOSEN.clear()
 
 
 def _shown(name: str, parts: int, chunks: int) -> str:
@@ -163,13 +165,35 @@ def _shown(name: str, parts: int, chunks: int) -> str:
     return name if count == (2 if name == "sliced" else 1) else f"{name}:{count}"
 
 
+#: How long (seconds) ``auto``'s choice for one call signature (collective, world size, bytes, flops,
+#: backend) stands before it is made again. Choosing reads the environment and looks for an installed
+#: profile, some 10-40 us that an op of a millisecond cannot spare on every call; a profile installed,
+#: or ``COMMFUSE_PROFILE`` changed, mid-run is taken into account within this time.
+AUTO_RECHECK_S = 1.0
+_CHOSEN: dict[tuple, tuple[float, Any, tuple[str, str]]] = {}
+
+
+def _auto(collective: Collective, world_size: int, slice_bytes: int, backend, flops: float | None) -> tuple[str, str]:
+    """:func:`choose_algorithm`, remembered for :data:`AUTO_RECHECK_S` per call signature."""
+    key = (collective, world_size, slice_bytes, flops, id(backend))
+    now = time.monotonic()
+    hit = _CHOSEN.get(key)
+    if hit is not None and hit[1] is backend and now - hit[0] < AUTO_RECHECK_S:
+        return hit[2]
+    chosen = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None),
+                              flops=flops, backend=backend)
+    if len(_CHOSEN) > 1024:
+        _CHOSEN.clear()
+    _CHOSEN[key] = (now, backend, chosen)  # holding the backend keeps its id from being reused while cached
+    return chosen
+
+
 def _resolve(collective: Collective, algorithm, world_size: int, slice_bytes: int, backend, report,
              flops: float | None = None) -> tuple[str, int, int]:
     name, parts, chunks = _parse_algorithm(algorithm, collective)
     reason = "asked for"
     if name == "auto":
-        name, reason = choose_algorithm(collective, world_size, slice_bytes, getattr(backend, "capabilities", None),
-                                        flops=flops, backend=backend)
+        name, reason = _auto(collective, world_size, slice_bytes, backend, flops)
     if report is not None:
         report.update(algorithm=_shown(name, parts, chunks), reason=reason, world_size=world_size)
     return name, parts, chunks
