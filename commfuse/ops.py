@@ -114,7 +114,8 @@ def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes:
     whose device names match) and ``flops`` is known, the simulator predicts
     vanilla, ring and bidirectional and the fastest is taken
     (:func:`commfuse.sim.plan`, docs/simulator.md). Otherwise world size 1,
-    or slices under :data:`MIN_SLICE_BYTES`, take ``vanilla``; else ``ring``.
+    or slices under the backend's ``capabilities.auto_min_slice_bytes``
+    (default :data:`MIN_SLICE_BYTES`), take ``vanilla``; else ``ring``.
     """
     if world_size == 1:
         return "vanilla", "world size 1: nothing to communicate"
@@ -124,9 +125,11 @@ def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes:
         planned = plan(collective, world_size, slice_bytes, flops, backend)
         if planned is not None:
             return planned
-    if slice_bytes < MIN_SLICE_BYTES:
+    limit = getattr(capabilities, "auto_min_slice_bytes", None)
+    limit = MIN_SLICE_BYTES if limit is None else limit
+    if slice_bytes < limit:
         return "vanilla", (
-            f"a ring hop would carry {slice_bytes} bytes, under {MIN_SLICE_BYTES}: per-step latency would "
+            f"a ring hop would carry {slice_bytes} bytes, under {limit}: per-step latency would "
             f"outweigh the overlap, so one collective is cheaper"
         )
     return "ring", f"a ring hop carries {slice_bytes} bytes: each of the {world_size - 1} hops hides behind one shard of compute"
@@ -731,7 +734,7 @@ def produce_reduce_scatter(
         src = (be.rank - 1) % n
         first = _tensor(f"producer({src})", call_producer(src))
         early[src] = first
-        name, reason = choose_algorithm(Collective.REDUCE_SCATTER, n, first.numel() * first.element_size())
+        name, reason = _auto(Collective.REDUCE_SCATTER, n, first.numel() * first.element_size(), be, None)
     else:
         reason = "asked for"
     if report is not None:

@@ -4,9 +4,9 @@ Timing. Every timed run starts behind a barrier (and a device synchronise
 off-CPU) and ends with a synchronise; each rank times its own run, and the
 figure of an iteration is the largest over ranks (the slowest rank decides
 the step time). One repeat runs every algorithm in three modes (normal,
-``compute_only``, ``comm_only``); the order of algorithms and of modes
-rotates from repeat to repeat so that a drift in the machine's load, or a
-cache warmed by the previous run, falls on all of them alike.
+``compute_only``, ``comm_only``); the order of algorithms and of modes is
+shuffled anew every repeat so that a drift in the machine's load, or what
+the previous run left behind, falls on all of them alike.
 
 Outside time. Layer workloads do work outside the fused ops (activations,
 attention cores, weight-gradient GEMMs); it runs in all three modes, so
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
 
 import torch
@@ -34,9 +35,17 @@ from commfuse.runtime import measure, record_events
 MODES = ("normal", "compute_only", "comm_only")
 
 
-def rotated(items: list, k: int) -> list:
-    k %= max(1, len(items))
-    return items[k:] + items[:k]
+def shuffled(items: list, seed: int, rep: int) -> list:
+    """``items`` in the order of repeat ``rep``: a permutation drawn anew every repeat, the same on every rank.
+
+    A rotation (the order this replaced) keeps every algorithm behind the same
+    neighbour in all repeats; what one run leaves behind (gloo's threads, socket
+    buffers, caches) then always falls on the same next one. On tiny sizes that
+    gave two runs of one schedule medians 10% apart.
+    """
+    out = list(items)
+    random.Random(1_000_003 * seed + rep).shuffle(out)
+    return out
 
 
 def units(config: BenchConfig) -> int:
@@ -165,8 +174,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         outside = torch.full((reps, len(algs)), float("nan"), dtype=torch.float64)
         with _fingerprints(config.fingerprint):
             for rep in range(warm + reps):
-                for i in rotated(list(range(len(algs))), rep):
-                    for m in rotated(modes, rep):
+                for i in shuffled(list(range(len(algs))), config.seed, rep):
+                    for m in shuffled(modes, config.seed + 1, rep):
                         mode = MODES[m]
                         dist.barrier()
                         sync()

@@ -85,6 +85,10 @@ def commfuse_backends() -> Iterator[BackendSpec]:
             streams=False,
             # gloo's isend/irecv progress in background threads while the host computes.
             overlap=True,
+            # Ring hops beat gloo's own collectives on loopback even for 2 KiB hops, at 2-4 ranks: all_gather
+            # 1.0-1.6x, reduce_scatter 2.5-5x (gloo's reduce_scatter costs about an all-reduce here);
+            # docs/benchmarks.md, "Tiny sizes". So auto takes the ring at every size.
+            auto_min_slice_bytes=0,
         ),
         check=_gloo_check,
         factory=_c10d_factory("gloo"),

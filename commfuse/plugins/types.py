@@ -83,10 +83,19 @@ class Capabilities:
     collectives: tuple[str, ...] = COLLECTIVES
     #: Transfers make progress while the host computes; the conformance suite gates its overlap threshold on it.
     overlap: bool = False
+    #: Without a hardware profile, ``algorithm="auto"`` takes ``vanilla`` when one ring hop would carry fewer
+    #: bytes than this: below it the backend's whole collective costs less than N - 1 hops. None: the ops'
+    #: default, ``commfuse.ops.MIN_SLICE_BYTES``; 0: the ring at every size.
+    auto_min_slice_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bidirectional_links", "streams", "overlap"):
             _check_type("Capabilities", name, getattr(self, name), bool, "a bool")
+        limit = self.auto_min_slice_bytes
+        if limit is not None:
+            _check_type("Capabilities", "auto_min_slice_bytes", limit, int, "an int or None")
+            if isinstance(limit, bool) or limit < 0:
+                raise PluginError(f"Capabilities.auto_min_slice_bytes must be an int >= 0 or None, got {limit!r}")
         fused = _str_tuple("Capabilities", "native_fused_ops", self.native_fused_ops)
         _identifiers("Capabilities", "native_fused_ops", fused)
         object.__setattr__(self, "native_fused_ops", fused)

@@ -128,7 +128,8 @@ def test_builtins_register_through_the_hook_not_entry_points():
 def test_builtin_capabilities_and_priorities():
     gloo, accelerator = backends.spec("gloo"), backends.spec("accelerator")
     assert gloo.device_types == ("cpu",) and gloo.matches("cpu") and not gloo.matches("cuda")
-    assert gloo.capabilities == Capabilities(bidirectional_links=True, execution="eager", streams=False, overlap=True)
+    assert gloo.capabilities == Capabilities(bidirectional_links=True, execution="eager", streams=False, overlap=True,
+                                             auto_min_slice_bytes=0)
     assert accelerator.device_types == ("accelerator",) and not accelerator.matches("cpu")
     assert accelerator.priority < gloo.priority == 0
     assert accelerator.capabilities.streams and accelerator.capabilities.overlap
@@ -342,6 +343,8 @@ def spec_fields(**overrides):
         (lambda: Capabilities(execution="lazy"), PluginError, "Capabilities.execution .* got 'lazy'"),
         (lambda: Capabilities(overlap="yes"), CommfuseTypeError, "Capabilities.overlap must be a bool, got str 'yes'"),
         (lambda: Capabilities(collectives=("all_reduce",)), PluginError, "Capabilities.collectives .*'all_reduce'"),
+        (lambda: Capabilities(auto_min_slice_bytes=-1), PluginError, "auto_min_slice_bytes must be an int >= 0 .* -1"),
+        (lambda: Capabilities(auto_min_slice_bytes=1.5), CommfuseTypeError, "auto_min_slice_bytes must be an int"),
         (lambda: Availability(False), PluginError, "Availability.reason must say why"),
         (lambda: Availability(True, reason="but"), PluginError, "Availability.reason and .fix must be empty"),
     ],
