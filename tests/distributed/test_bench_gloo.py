@@ -90,6 +90,9 @@ def test_layer_workloads_three_ranks(tmp_path, capsys):
     recs = json.loads(out.read_text())
     _check_records(recs, workloads, ["vanilla", "ring"], 3)
     _check_trace(tr, workloads, ["vanilla", "ring"], 3)
+    # every layer runs with its compute removed too (Ulysses and ShardedLinear through their consumers' stand-ins)
+    for r in recs:
+        assert r["comm_only_ms"] is not None and r["comm_only_ms"] > 0 and not r["unmeasured"], r
 
 
 def test_json_to_stdout_is_only_json(capsys):

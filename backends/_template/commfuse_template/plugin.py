@@ -19,6 +19,9 @@ CAPABILITIES = Capabilities(
     execution="eager",  # "traced" if post() builds a graph instead of moving data (see backends/xla)
     streams=False,  # True if transfers run on their own device stream
     overlap=True,  # gloo progresses transfers in its own threads while the host computes
+    # auto without a profile: vanilla for ring hops under this many bytes (None: 64 KiB). Compare ring and
+    # vanilla with `commfuse bench --preset tiny` on your hardware before lowering it.
+    auto_min_slice_bytes=None,
 )
 
 
