@@ -287,7 +287,8 @@ def layers(rank, n):
                                                                               and p.grad.shape != p.shape):
                                 raise AssertionError(f"{where}: parameter {pname} has grad "
                                                      f"{None if p.grad is None else list(p.grad.shape)}")
-                        if name == "ulysses" and mode == "comm_only" and calls:
+                        # (world size 1 runs no fused op: the attention is plain local compute there)
+                        if name == "ulysses" and mode == "comm_only" and calls and n > 1:
                             raise AssertionError(f"{where}: the attention ran {len(calls)} times; it is the "
                                                  "consumer's compute and should have been removed")
                         if name == "ulysses" and mode == "compute_only" and not calls:
