@@ -146,13 +146,20 @@ class _Base(Program):
 
 
 class _Consuming:
-    """The compute side of the gather-like programs: ``consume(slices, tensors)`` on what is held.
+    """The gather-like programs: slices sent from, and landed in, ``self.held``; ``consume(slices, tensors)``
+    computes on what is held.
 
     In ``comm_only`` measurements the compute is skipped; a consumer that has
     a ``skip(slices, tensors)`` method is told instead, so it can leave
     stand-ins for the results later code needs (``commfuse.ops``'s consumers
     with ``stand_in``).
     """
+
+    def payload(self, x):
+        return self.held[x]
+
+    def land(self, x, tensor):
+        self.held[x] = tensor
 
     def compute(self, slices):
         self.consume(slices, [self.held[x] for x in slices])
@@ -185,14 +192,8 @@ class GatherProgram(_Consuming, _Base):
     def _shape(self, x: SliceId) -> list[int]:
         return _shape_with(self.shape, self.dim, self.layout.size(x.shard, x))
 
-    def payload(self, x):
-        return self.held[x]
-
     def buffer(self, x):
         return self.pool.get(self._shape(x), self.dtype)
-
-    def land(self, x, tensor):
-        self.held[x] = tensor
 
     def collective_io(self, call):
         part = call.part
@@ -305,14 +306,8 @@ class AllToAllProgram(_Consuming, _Base):
             for x, p in zip(schedule.slices(d, self.rank), torch.tensor_split(block, offsets(sizes)[1:], dim=dim)):
                 self.held[x] = p.contiguous()
 
-    def payload(self, x):
-        return self.held[x]
-
     def buffer(self, x):
         return self.pool.get(self.recv_shape(x.source, x), self.dtype)
-
-    def land(self, x, tensor):
-        self.held[x] = tensor
 
     def collective_io(self, call):
         part = call.part

@@ -142,9 +142,10 @@ def _installed_path(name: str, key: tuple) -> str:
     """Where ``commfuse simulate calibrate --install`` puts ``name``'s profile, for one environment
     (``key``: the variables that place it).
 
-    Cached: ``auto`` asks on every op call and resolving the folder costs tens
-    of microseconds, more than a tiny op's whole budget; the file check that
-    follows is one ``stat``, so a profile installed mid-run is still seen.
+    Cached: resolving the folder costs tens of microseconds (``auto`` asks
+    once a second per op signature, ``commfuse.ops.AUTO_RECHECK_S``; direct
+    ``plan`` callers on every call); the file check that follows is one
+    ``stat``, so a profile installed mid-run is still seen.
     """
     return str(user_dir() / f"{name}.toml")
 
