@@ -6,7 +6,9 @@ opposite ring with the same overlap as the forward. Weight gradients ride in
 the ring steps too, so they add compute behind the same hops.
 
 Private ``_CamelCase`` Functions, public snake_case entry points (the ops in
-``commfuse.ops`` call these when a gradient is wanted).
+``commfuse.ops`` call these when a gradient is wanted), and the forward
+computations the ops run when none is (``*_forward``). Built on the
+pipelined primitives of ``commfuse.runtime.pipelined``.
 """
 
 from __future__ import annotations
@@ -15,20 +17,96 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commfuse.ops import (
-    Call,
-    _ag_meta,
+from commfuse.runtime.calls import Call
+from commfuse.runtime.pipelined import (
     all_gather_consume_core,
-    all_gather_matmul_forward,
     gather_spans,
     join,
-    matmul_reduce_scatter_forward,
     matmul_rows,
     produce_reduce_scatter_core,
     rows_of,
     scatter_spans,
+    write_rows,
 )
-from commfuse.runtime.programs import split_sizes
+from commfuse.runtime.programs import dtype_code
+from commfuse.schedule import split_sizes
+
+__all__ = [
+    "all_gather_matmul_fn", "all_gather_matmul_forward", "matmul_reduce_scatter_fn", "matmul_reduce_scatter_forward",
+    "produce_reduce_scatter_fn",
+]
+
+
+def _ag_meta(a: torch.Tensor, bs, gd: int, total: int):
+    """The fingerprint integers of an all-gather + matmul (read back by ``all_gather_matmul``'s format)."""
+    def meta():
+        full = list(a.shape)
+        full[gd] = total
+        return [dtype_code(a.dtype), gd, a.ndim, *full, len(bs)] + [d for bi in bs for d in bi.shape]
+
+    return meta
+
+
+def all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
+    """The forward of :func:`commfuse.all_gather_matmul` on ``call``'s backend; returns (gathered or None, outputs)."""
+    total = sum(sizes)
+    contraction = gd == a.ndim - 1
+    lead = list(a.shape[:-1])
+    if not contraction:
+        lead[gd] = total
+    make = torch.zeros if contraction else torch.empty
+    outs = [make(lead + [bi.shape[1]], dtype=a.dtype, device=a.device) for bi in bs]
+    gathered = None
+    if return_gathered:
+        full_a = list(a.shape)
+        full_a[gd] = total
+        gathered = torch.empty(full_a, dtype=a.dtype, device=a.device)
+
+    if contraction:
+        def consume(spans):
+            piece = join(spans, gd)
+            if gathered is not None:
+                write_rows(gathered, spans, gd, piece)
+            for bi, out in zip(bs, outs):
+                out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
+    elif gathered is None and len(bs) == 1:
+        b0, out0 = bs[0], outs[0]
+
+        def consume(spans):
+            matmul_rows(out0, spans, gd, join(spans, gd), b0)
+    else:
+        def consume(spans):
+            piece = join(spans, gd)
+            if gathered is not None:
+                write_rows(gathered, spans, gd, piece)
+            for bi, out in zip(bs, outs):
+                matmul_rows(out, spans, gd, piece, bi)
+
+    gather_spans(call, a, gd, sizes, consume, label="all_gather_matmul", meta=_ag_meta(a, bs, gd, total))
+    return gathered, outs
+
+
+def matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int) -> torch.Tensor:
+    """The forward of :func:`commfuse.matmul_reduce_scatter` (a sum) on ``call``'s backend."""
+    out_shape = [*a.shape[:-1], b.shape[1]]
+    last = sd == len(out_shape) - 1
+
+    if last:
+        def produce(spans):
+            y = torch.matmul(a, rows_of(b, spans, 1))
+            return [y] if len(spans) == 1 else list(torch.split(y, [size for _, size in spans], dim=sd))
+    else:
+        def produce(spans):
+            if len(spans) == 1:
+                start, size = spans[0]
+                return [torch.matmul(a.narrow(sd, start, size), b)]
+            y = torch.matmul(rows_of(a, spans, sd), b)
+            return list(torch.split(y, [size for _, size in spans], dim=sd))
+
+    def meta():
+        return [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
+
+    return scatter_spans(call, out_shape, sd, a.dtype, produce, label="matmul_reduce_scatter", meta=meta)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -82,9 +160,8 @@ class _AllGatherMatmul(torch.autograd.Function):
         full = list(x.shape) if ctx.keep else list(x.shape[:gd]) + [sum(sizes)] + list(x.shape[gd + 1:])
         if not ctx.keep and any(db is not None for db in dbs):
             # gather a again; every arriving shard's wgrad GEMM hides the next hop
-            meta, describe = _ag_meta(x, bs, gd, sum(sizes))
             gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
-                         label="all_gather_matmul.wgrad", meta=meta, describe=describe)
+                         label="all_gather_matmul.wgrad", meta=_ag_meta(x, bs, gd, sum(sizes)))
         if need_a and pairs:
             def produce(spans):
                 part = None
@@ -98,7 +175,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
             full[-1] = k
             da = scatter_spans(call, full, gd, x.dtype, produce, label="all_gather_matmul.dgrad",
-                               meta=[0xDA, gd, *full], describe=lambda v: f"dgrad of {v[2:]} along dim {v[1]}")
+                               meta=lambda: [dtype_code(x.dtype), gd, *full])
         elif ctx.keep and any(db is not None for db in dbs):
             wgrad(x, lambda d: d)
         return (None, None, None, None, da, *dbs)
@@ -154,9 +231,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 db.add_(_flat(rows_of(a, spans, sd)).t() @ _flat(piece))
 
         if need_a or need_b:
-            meta, describe = _ag_meta(dz, [bt], sd, a.shape[sd])
-            gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad", meta=meta,
-                         describe=describe)
+            gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
+                         meta=_ag_meta(dz, [bt], sd, a.shape[sd]))
         return None, None, None, da, db
 
 
@@ -182,7 +258,7 @@ class _ProduceReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call: Call, fn: Callable, dim: int, early, *inputs: torch.Tensor):
+    def forward(ctx, call: Call, fn: Callable, dim: int, *inputs: torch.Tensor):
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         graphs: dict[int, torch.Tensor] = {}
 
@@ -211,13 +287,13 @@ class _ProduceReduceScatter(torch.autograd.Function):
 
         all_gather_consume_core(ctx.call, dout.contiguous(), consume, 0, keep=False,
                                 label="produce_reduce_scatter.backward")
-        return (None, None, None, None, *grads)
+        return (None, None, None, *grads)
 
 
-def produce_reduce_scatter_fn(call: Call, fn: Callable, inputs: Sequence[torch.Tensor], dim: int, early) -> torch.Tensor:
+def produce_reduce_scatter_fn(call: Call, fn: Callable, inputs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """Differentiable :func:`commfuse.produce_reduce_scatter` with respect to ``inputs``.
 
     A partial produced early to choose the algorithm is discarded (it has no
     graph on the detached inputs); the ring produces it again.
     """
-    return _ProduceReduceScatter.apply(call, fn, dim, None, *inputs)
+    return _ProduceReduceScatter.apply(call, fn, dim, *inputs)

@@ -14,6 +14,8 @@ torch is imported only when a device has to be looked at or a backend made.
 from __future__ import annotations
 
 import difflib
+import os
+import threading
 from typing import TYPE_CHECKING
 
 from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
@@ -31,7 +33,10 @@ KNOWN_BACKENDS = {
     "xla": "commfuse-xla",
 }
 
-__all__ = ["KNOWN_BACKENDS", "availability", "available", "get", "install_hint", "spec", "specs"]
+__all__ = [
+    "KNOWN_BACKENDS", "availability", "available", "get", "install_hint", "on_release", "release", "resolve", "spec",
+    "specs",
+]
 
 
 def specs() -> list[BackendSpec]:
@@ -169,3 +174,68 @@ def _torch_device(device: object) -> torch.device | None:
         except (RuntimeError, ValueError) as e:
             raise CommfuseValueError(f"device {device!r} is not a device torch knows: {e}") from None
     return device
+
+
+# -- the process-wide cache of backend objects the ops use ---------------------------------------------------
+
+_CACHE: dict[tuple, object] = {}
+_CACHE_LOCK = threading.Lock()
+_ON_RELEASE: list = []
+
+
+def on_release(forget) -> None:
+    """Have :func:`release` call ``forget()`` too (modules that remember per-call state register here)."""
+    _ON_RELEASE.append(forget)
+
+
+def resolve(backend=None, group=None, device=None):
+    """The backend object an op call runs on, or None for a single process without torch.distributed.
+
+    ``backend`` is a name, a backend object (returned as it is) or None (the
+    one that fits ``device``). Objects are made once per (name, group, device)
+    and kept until :func:`release`. With ``group=None`` and no initialised
+    process group the call runs as world size 1, unless ``WORLD_SIZE`` > 1
+    says the user meant a group: then this raises instead of giving a wrong,
+    unsharded result.
+    """
+    if backend is not None and not isinstance(backend, str):
+        return backend
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        size = os.environ.get("WORLD_SIZE", "")
+        if size.isdigit() and int(size) > 1:
+            raise CommfuseValueError(
+                f"WORLD_SIZE={size} says this process is one of {size} ranks, but torch.distributed is not "
+                "initialised and no group was given: call torch.distributed.init_process_group(...) first "
+                "(running as a single process would give a wrong, unsharded result)"
+            )
+        if backend is None:
+            return None
+    key = (backend, group if group is not None else dist.group.WORLD, str(device))
+    found = _CACHE.get(key)
+    if found is None:
+        found = get(backend, device=device, group=group)
+        with _CACHE_LOCK:
+            if len(_CACHE) > 64:
+                _CACHE.clear()
+            _CACHE[key] = found
+    return found
+
+
+def release() -> None:
+    """Forget every cached backend object, resolved call, plan and group state.
+
+    Call it before ``torch.distributed.destroy_process_group()``: a backend (and
+    its buffers) kept past destroy can abort the process at exit, and a later
+    group must not inherit an old one's call numbers.
+    """
+    from commfuse.runtime import calls, executor, pipelined
+
+    with _CACHE_LOCK:
+        _CACHE.clear()
+    calls.forget_calls()
+    pipelined.forget_plans()
+    executor.forget_groups()
+    for forget in _ON_RELEASE:
+        forget()

@@ -51,3 +51,8 @@ class CommfuseTimeoutError(CommunicationError, TimeoutError):
 
 class MismatchError(CommunicationError, ValueError):
     """Ranks called one op with different collectives, algorithms, shapes or dtypes."""
+
+
+class ConcurrentUseError(CommfuseError, RuntimeError):
+    """An op was started on a process group while another op was in flight on it (another thread, or a
+    consumer calling an op); the message names the group and the op in flight."""

@@ -239,18 +239,18 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
 
 
 def release_backends() -> None:
-    """Drop the ops' cached backends (and their buffer pools) before the process group goes.
+    """Drop the ops' cached backends, plans (and their buffer pools) before the process group goes.
 
-    The cache in ``commfuse.ops`` keeps the group's backend alive past
+    The cache in ``commfuse.backends`` keeps the group's backend alive past
     ``destroy_process_group``; torn down at interpreter exit instead, gloo
     aborted the process now and then ("terminate called without an active
     exception", exit status -6 under torchrun).
     """
     import gc
 
-    from commfuse import ops
+    from commfuse import backends
 
-    ops._BACKENDS.clear()
+    backends.release()
     gc.collect()
 
 

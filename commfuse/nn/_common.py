@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.runtime.programs import offsets, split_sizes
+from commfuse.schedule import offsets, split_sizes
 
 
 def resolve_group(group):

@@ -31,7 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import commfuse.ops as ops
+from commfuse import backends
 from commfuse.errors import CommfuseValueError
+from commfuse.runtime import pipelined
+from commfuse.runtime.calls import resolve_call
 from commfuse.nn._common import gather_dim, replicated, resolve_group, world
 from commfuse.nn.linear import _init_linear
 
@@ -117,9 +120,11 @@ class ParallelAttention(nn.Module):
             o = attend(q[:, rows], k[:, keys], v[:, keys], causal=causal, q_offset=dest * local)
             return o.reshape(b, local, -1) @ wo.t()
 
-        algorithm = self.algorithm
-        if algorithm == "auto":
-            algorithm, _ = ops.choose_algorithm("reduce_scatter", self.world_size, b * local * self.hidden_size * x.element_size())
+        # auto decided here, on the partials' size (the same on every rank), as for every other op: left to
+        # produce_reduce_scatter it would run one attention slice an extra time to learn that size
+        call = resolve_call("reduce_scatter", self.algorithm, group=self.group, backend=self.backend,
+                            device=x.device, slice_bytes=b * local * self.hidden_size * x.element_size())
+        algorithm = "vanilla" if call is None else call.spec.shown
         out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, self.wo), group=self.group, dim=1,
                                          algorithm=algorithm, backend=self.backend)
         return out + replicated(self.bo, self.group) if self.bo is not None else out
@@ -193,7 +198,7 @@ class _UlyssesAttention(torch.autograd.Function):
         hq_l, hkv_l = hq // n, k.shape[2] // n
         kv = torch.stack([k, v])  # (2, b, L, Hkv, d)
         kv_chunks = [kv[:, :, :, t * hkv_l : (t + 1) * hkv_l].contiguous() for t in range(n)]
-        got = ops.all_to_all_consume_core(call, kv_chunks, ops.collect, 2, label="ulysses.kv")
+        got = pipelined.all_to_all_consume_core(call, kv_chunks, pipelined.collect, 2, label="ulysses.kv")
         kv_full = torch.cat(got, dim=2)  # (2, b, s, Hkv/N, d): rows in source order
         kk, vv = kv_full[0], kv_full[1]
         q_chunks = [q[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
@@ -204,11 +209,11 @@ class _UlyssesAttention(torch.autograd.Function):
 
         # every arriving query chunk's attention runs while the next chunk is in flight
         # (comm_only measurements: the attention's stand-in is an empty tensor of its shape, that of q_s)
-        arrived = ops.all_to_all_consume_core(
-            call, q_chunks, ops.StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
+        arrived = pipelined.all_to_all_consume_core(
+            call, q_chunks, pipelined.StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
                                         lambda q_s, s: (q_s, torch.empty_like(q_s))), 1, label="ulysses.q")
         q_got = [a[0] for a in arrived]
-        back = ops.all_to_all_consume_core(call, [a[1] for a in arrived], ops.collect, 1, label="ulysses.out")
+        back = pipelined.all_to_all_consume_core(call, [a[1] for a in arrived], pipelined.collect, 1, label="ulysses.out")
         ctx.call, ctx.causal, ctx.length = call, causal, length
         ctx.save_for_backward(torch.stack(q_got), kk, vv)
         return torch.cat(back, dim=2)
@@ -234,12 +239,12 @@ class _UlyssesAttention(torch.autograd.Function):
             return dq_s.contiguous()
 
         do_chunks = [do[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
-        back = ops.StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
-        dq_chunks = ops.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
-        dq = torch.cat(ops.all_to_all_consume_core(call, dq_chunks, ops.collect, 1, label="ulysses.dq"), dim=2)
+        back = pipelined.StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
+        dq_chunks = pipelined.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
+        dq = torch.cat(pipelined.all_to_all_consume_core(call, dq_chunks, pipelined.collect, 1, label="ulysses.dq"), dim=2)
         rows = [slice(s * length, (s + 1) * length) for s in range(n)]
         dkv_chunks = [torch.stack([dk[:, r], dv[:, r]]).contiguous() for r in rows]
-        dkv = torch.cat(ops.all_to_all_consume_core(call, dkv_chunks, ops.collect, 2, label="ulysses.dkv"), dim=3)
+        dkv = torch.cat(pipelined.all_to_all_consume_core(call, dkv_chunks, pipelined.collect, 2, label="ulysses.dkv"), dim=3)
         return None, None, dq, dkv[0], dkv[1]
 
 
@@ -251,16 +256,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     (b, s/N, H, d).
     """
     group = resolve_group(group)
-    be = ops._backend(backend, group, q.device)
+    be = backends.resolve(backend, group, q.device)
     n = 1 if be is None else be.world_size
     if n == 1:
         return attend(q, k, v, causal=causal)
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % n:
             raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
-    name, parts, chunks = ops._resolve(ops.Collective.ALL_TO_ALL, algorithm, n,
-                                       q.numel() // n * q.element_size(), be, None)
-    call = ops.Call(be, name, parts, chunks, timeout, None)
+    call = resolve_call("all_to_all", algorithm, group=group, backend=be, device=q.device,
+                        slice_bytes=q.numel() // n * q.element_size(), timeout=timeout)
     return _UlyssesAttention.apply(call, causal, q, k, v)
 
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import commfuse.ops as ops
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import linear_from_row_shards, load_row_shard, resolve_group, shard_range, world
 from commfuse.nn.linear import _init_linear
+from commfuse.runtime import pipelined
+from commfuse.runtime.calls import resolve_call
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -49,9 +50,9 @@ class _ShardedLinear(torch.autograd.Function):
         def consume(w_s: torch.Tensor, s: int) -> None:
             y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
 
-        ops.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.forward")
+        pipelined.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.forward")
         if bias is not None:
-            y += torch.cat(ops.all_gather_consume_core(call, bias.detach(), ops.collect, 0,
+            y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach(), pipelined.collect, 0,
                                                        label="sharded_linear.bias"))
         ctx.call, ctx.average, ctx.has_bias = call, average, bias is not None
         ctx.save_for_backward(x, weight)
@@ -70,14 +71,14 @@ class _ShardedLinear(torch.autograd.Function):
             def consume(w_s: torch.Tensor, s: int) -> None:
                 dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
 
-            ops.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.dgrad")
+            pipelined.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.dgrad")
         dy2 = dy.reshape(-1, dy.shape[-1])
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])
-            dw = ops.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].t() @ x2, 0,
+            dw = pipelined.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].t() @ x2, 0,
                                                  label="sharded_linear.wgrad", inplace=True)
         if ctx.has_bias and need_b:
-            db = ops.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0), 0,
+            db = pipelined.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0), 0,
                                                  label="sharded_linear.bgrad", inplace=True)
         if ctx.average:
             dw = dw / n if dw is not None else None
@@ -118,11 +119,10 @@ class ShardedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return nn.functional.linear(x, self.weight, self.bias)
-        be = ops._backend(self.backend, self.group, x.device)
-        row_bytes = self.weight.numel() * self.weight.element_size()
-        name, parts, chunks = ops._resolve(ops.Collective.ALL_GATHER, self.algorithm, self.world_size, row_bytes,
-                                           be, None)
-        call = ops.Call(be, name, parts, chunks, None, None)
+        # auto decides on the largest shard (tensor_split puts it first), the same on every rank
+        rows = -(-self.out_features // self.world_size)
+        call = resolve_call("all_gather", self.algorithm, group=self.group, backend=self.backend, device=x.device,
+                            slice_bytes=rows * self.in_features * self.weight.element_size())
         return _ShardedLinear.apply(call, self.reduce == "avg", x, self.weight, self.bias)
 
     @classmethod

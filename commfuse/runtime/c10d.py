@@ -1,20 +1,22 @@
 """The built-in torch.distributed (c10d) backend: gloo on CPU, and the generic
 accelerator path (CUDA + NCCL, NPU + HCCL, XPU ...) through the same code.
 
-A step's sends and receives are posted together with ``batch_isend_irecv``
-(the ring cannot deadlock: every send has its receive in the same step, see
-``commfuse.schedule``); completion is ``work.wait(timeout)``. On gloo that
-blocks the host until the bytes are there, and transfers progress in gloo's
-own threads while the host computes. On NCCL/HCCL c10d runs the transfers on
-its internal communication stream and ``wait`` makes the current (compute)
-stream wait for it, so the host never blocks and compute queued between post
-and wait overlaps on the device.
+On gloo a step's sends and receives are posted one by one on the process
+group (``ProcessGroup.send``/``recv``: the ring cannot deadlock, every send has
+its receive in the same step, see ``commfuse.schedule``), and completion is
+``work.wait(timeout)``, which blocks the host until the bytes are there while
+transfers progress in gloo's own threads. On a device (NCCL, HCCL, ...) the
+step's messages are coalesced with ``batch_isend_irecv`` (NCCL needs a
+step's sends and receives in one group), and when the backend declares
+``Capabilities.streams`` a wait is ``work.wait()`` with no timeout: it only
+makes the current (compute) stream wait for the communication stream, so the
+host never blocks. The timeout is then kept by the watchdog
+(``commfuse.runtime.watchdog``), which polls each step's works.
 
-Buffer lifetimes: a handle holds a reference to every tensor in flight (the
-sent payloads and the receive buffers) until its ``wait`` returns, so nothing
-in flight can be freed or recycled early; callers recycle buffers only after
-``wait``. On NCCL, c10d additionally stashes tensors of async work until it
-completes on the communication stream.
+Tags: ``begin_call(seq)`` sets the call number that every following message's
+tag carries (``channel + TAG_STRIDE * seq``), so on gloo, which matches
+messages by tag, a call can only pair with the same call on its peers. NCCL
+ignores tags; there the fingerprint check after a failed call does that work.
 
 UNVERIFIED here (no accelerator on the development machines): the accelerator
 path has not been run. It is this same code with device tensors; what it
@@ -26,34 +28,74 @@ NCCL/HCCL, ``batch_isend_irecv`` coalescing). The vendor distributions in
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from commfuse.errors import BackendUnavailableError
+from commfuse.runtime.executor import TAG_STRIDE, group_state
+from commfuse.runtime.watchdog import watchdog
 from commfuse.schedule import Collective, Transfer
 
+_DELTAS: dict[float, datetime.timedelta] = {}
+
+
+def _delta(timeout: float) -> datetime.timedelta:
+    found = _DELTAS.get(timeout)
+    if found is None:
+        if len(_DELTAS) > 64:
+            _DELTAS.clear()
+        found = _DELTAS[timeout] = datetime.timedelta(seconds=timeout)
+    return found
+
+
 class _Handle:
-    """Works of one step plus the tensors they touch, kept alive until waited."""
+    """Works of one step plus the tensors they touch, kept alive until waited; the host waits."""
 
     __slots__ = ("works", "outputs", "inflight")
 
-    def __init__(self, works, outputs: list[torch.Tensor], inflight: list[torch.Tensor]) -> None:
+    def __init__(self, works, outputs: list[torch.Tensor], inflight) -> None:
         self.works = works
         self.outputs = outputs
         self.inflight = inflight
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
-        delta = datetime.timedelta(seconds=timeout)
+        delta = _delta(timeout)
         for work in self.works:
             try:
-                work.wait(timeout=delta)
+                work.wait(delta)
             except RuntimeError as e:  # gloo reports a timeout as a RuntimeError
                 if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                     raise TimeoutError(str(e)) from e
                 raise
-        self.inflight = []
+        self.inflight = None
+        return self.outputs
+
+
+class _StreamHandle(_Handle):
+    """A step on a stream-ordered backend: ``wait`` orders the current stream after the works and hands
+    them to the watchdog, which enforces the timeout; the host does not block."""
+
+    __slots__ = ("backend", "what")
+
+    def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str) -> None:
+        super().__init__(works, outputs, inflight)
+        self.backend, self.what = backend, what
+
+    def wait(self, timeout: float) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        if self.works:
+            be, what = self.backend, self.what
+            watchdog().watch(
+                self.works, time.monotonic() + timeout,
+                lambda: f"rank {be.rank}: {what} did not complete within {timeout:g} s (a peer died, hung, or "
+                        "called another op)",
+                be._expired,
+            )
+        self.inflight = None
         return self.outputs
 
 
@@ -77,6 +119,42 @@ class C10dBackend:
             )
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._tag_base = 0
+        self._seq = None
+        self._posts = 0
+        # gloo (and any CPU group) posts message by message; devices coalesce a step (NCCL needs it)
+        self._coalesce = self.device.type != "cpu"
+        self._stream_ordered: bool | None = None  # from capabilities.streams, on the first post
+
+    def begin_call(self, seq: int | None) -> None:
+        """The executor's call number for the messages that follow (None: untagged, the fingerprint check)."""
+        self._seq = seq
+        self._tag_base = 0 if seq is None else TAG_STRIDE * seq
+        self._posts = 0
+
+    def _streams(self) -> bool:
+        ordered = self._stream_ordered
+        if ordered is None:
+            ordered = self._stream_ordered = (
+                bool(getattr(self.capabilities, "streams", False)) and self.device.type != "cpu"
+            )
+        return ordered
+
+    def _handle(self, works, outputs, inflight, what):
+        if self._streams():
+            return _StreamHandle(works, outputs, inflight, self, f"{what} (call #{self._seq}, post {self._posts})")
+        return _Handle(works, outputs, inflight)
+
+    def _expired(self, error: BaseException) -> None:
+        """The watchdog saw a step outlive its timeout: fail every later call on the group, abort it."""
+        group_state(self).error = error
+        abort = getattr(self.group, "abort", None)
+        if callable(abort):
+            abort()
+            return
+        fallback = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if fallback is not None:
+            fallback(self.group)
 
     def __repr__(self) -> str:
         return f"C10dBackend(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -84,11 +162,20 @@ class C10dBackend:
     def post(
         self, sends: Sequence[tuple[Transfer, torch.Tensor]], recvs: Sequence[tuple[Transfer, torch.Tensor]]
     ) -> _Handle:
-        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=t.peer, tag=t.channel) for t, x in sends]
-        ops += [dist.P2POp(dist.irecv, x, group=self.group, group_peer=t.peer, tag=t.channel) for t, x in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        base = self._tag_base
         buffers = [x for _, x in recvs]
-        return _Handle(works, buffers, [x for _, x in sends] + buffers)
+        self._posts += 1
+        if not self._coalesce:
+            pg = self.group
+            works = [pg.send([x], t.peer, t.channel + base) for t, x in sends]
+            works += [pg.recv([x], t.peer, t.channel + base) for t, x in recvs]
+            return _Handle(works, buffers, sends)
+        g = self.group
+        ops = [dist.P2POp(dist.isend, x, group=g, group_peer=t.peer, tag=t.channel + base) for t, x in sends]
+        ops += [dist.P2POp(dist.irecv, x, group=g, group_peer=t.peer, tag=t.channel + base) for t, x in recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        peers = sorted({t.peer for t, _ in sends} | {t.peer for t, _ in recvs})
+        return self._handle(works, buffers, (sends, buffers), f"transfers with rank {peers}")
 
     def collective(
         self, kind: Collective, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
@@ -100,7 +187,7 @@ class C10dBackend:
             work = dist.reduce_scatter(outputs[0], list(inputs), group=g, async_op=True)
         else:
             work = dist.all_to_all(list(outputs), list(inputs), group=g, async_op=True)
-        return _Handle([work], list(outputs), list(inputs) + list(outputs))
+        return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)

@@ -1,45 +1,90 @@
-"""The executor: walks one rank's schedule on a backend.
+"""The executor: walks one rank's compiled steps on a backend.
 
 Per step, in the order of the contract in ``commfuse.schedule._ir``: post the
 step's transfers and collectives, run the caller's compute on the slices the
 step names while they fly, wait (bounded by the timeout), hand what arrived
-to the program, add where the schedule says, and recycle buffers whose last
-use has passed. What the data *is* lives in a :class:`Program` (one per kind
-of op, see ``programs``); the executor only knows steps.
+to the program, add where the schedule says, and drop slices whose last use
+has passed. What the data *is* lives in a :class:`Program` (one per kind of
+op, see ``programs``); the executor only knows steps.
 
-Every step is annotated with ``torch.profiler.record_function`` so it shows up
-in the profiler people already use; ``COMMFUSE_TRACE=1`` also prints a
-per-rank step log to stderr. ``events`` (a list) collects the executor's own
-timeline for the benchmark's traces.
+Plan once, walk many times. A :class:`Compiled` is one rank's steps of one
+schedule with every slice numbered (a *slot*): built once per (schedule,
+rank), after which a step costs a few tuple reads, one ``post`` and one
+``wait`` per handle. Checks that need the host run once per call signature.
+
+Rules every call follows, whatever the backend (see ``docs/reliability.md``):
+
+* **One op per group at a time.** A second op on a group while one is in
+  flight (another thread, or a consumer calling an op) raises
+  :class:`~commfuse.errors.ConcurrentUseError` naming the group and the op in
+  flight, instead of mixing the two calls' messages.
+* **Calls are numbered.** Every call on a group takes the group's next
+  sequence number, on every rank, also a call that fails validation before it
+  communicates. Backends that match tags fold it into them
+  (``begin_call``), so a call can only ever pair with the same call on its
+  peers; the fingerprint carries it, so a rank that skipped or added a call is
+  named.
+* **Check once.** The fingerprint (collective, algorithm, shapes, dtypes,
+  sequence number) is all-gathered around the ring on the first call of each
+  signature, on the first call after any call on the group failed, and on
+  every call with ``COMMFUSE_CHECK=always``; ``COMMFUSE_CHECK=0`` turns it
+  off. Every rank sees every rank's fingerprint, so every rank names a
+  mismatch within one ring's latency.
+* **Drain before raising.** An exception in the caller's compute, or in a
+  later wait, first waits (bounded) for the transfers already posted, so a
+  failure that every rank shares leaves the group usable.
+
+Every step is annotated with ``torch.profiler.record_function`` while a
+profiler runs; ``COMMFUSE_TRACE=1`` prints a per-rank step log to stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
-import threading
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 import torch
 from torch.profiler import record_function
 
-from commfuse.errors import CommfuseTimeoutError, CommfuseValueError, CommunicationError, MismatchError
-from commfuse.schedule import Collective, Schedule, SliceId, Step, Transfer, build
+from commfuse.errors import (
+    CommfuseTimeoutError,
+    CommfuseValueError,
+    CommunicationError,
+    ConcurrentUseError,
+    MismatchError,
+)
+from commfuse.schedule import Algorithm, Collective, Schedule, SliceId, Step, Transfer, build
 
 #: Default bound on every wait, in seconds, when neither ``timeout=`` nor
 #: ``COMMFUSE_TIMEOUT_S`` says otherwise. A ring step that has not completed in
 #: five minutes is broken, not slow; NCCL's own watchdog default is ten.
 DEFAULT_TIMEOUT_S = 300.0
+#: Timeouts outside [MIN_TIMEOUT_S, MAX_TIMEOUT_S] are refused: transports
+#: count in milliseconds (a smaller value would mean "no bound" to some), and a
+#: wait of more than 11 days is no bound either. There is no unbounded wait.
+MIN_TIMEOUT_S = 0.001
+MAX_TIMEOUT_S = 1e6
 
-#: Channels (message tags) of the fingerprint exchange: never a data channel.
-FINGERPRINT_CHANNELS = (1_000, 1_001)
+#: Message tags: a data transfer's tag is ``channel + TAG_STRIDE * (sequence % SEQUENCE_WRAP)``; the
+#: fingerprint ring uses :data:`FINGERPRINT_CHANNEL` with no sequence, so ranks at different calls still meet.
+TAG_STRIDE = 2048
+SEQUENCE_WRAP = 1 << 19
+FINGERPRINT_CHANNEL = 1_000
+FINGERPRINT_LEN = 48
+_MAGIC = 0xC0F5
+
+_COLLECTIVES = list(Collective)
+_ALGORITHMS = list(Algorithm)
 
 
 def resolve_timeout(timeout: float | None) -> float:
-    """``timeout`` if given, else ``COMMFUSE_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`."""
+    """``timeout`` if given, else ``COMMFUSE_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`; checked."""
     source = "timeout"
     if timeout is None:
         env = os.environ.get("COMMFUSE_TIMEOUT_S")
@@ -52,14 +97,36 @@ def resolve_timeout(timeout: float | None) -> float:
             raise CommfuseValueError(f"COMMFUSE_TIMEOUT_S must be a number of seconds, got {env!r}") from None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise CommfuseValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
+    if not math.isfinite(timeout) or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:
+        raise CommfuseValueError(
+            f"{source}={timeout!r} is out of range: give seconds between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g}; "
+            "commfuse never waits without a bound"
+        )
     return float(timeout)
 
 
-def check_enabled(check: bool | None) -> bool:
-    """Whether ops exchange a fingerprint before their first transfer (``COMMFUSE_CHECK``, default on)."""
-    if check is not None:
-        return bool(check)
-    return os.environ.get("COMMFUSE_CHECK", "1").strip().lower() not in ("0", "false", "no", "off")
+#: ``check`` modes: no check; once per call signature (and after a failure); on every call.
+CHECK_MODES = ("off", "once", "always")
+
+
+def check_mode(check: bool | str | None) -> str:
+    """The fingerprint check mode: ``check`` if given (True = "once"), else ``COMMFUSE_CHECK``.
+
+    ``COMMFUSE_CHECK``: ``0``/``off``/``false``/``no`` turn it off, ``always``
+    checks every call, anything else (default) checks once per signature.
+    """
+    if check is None:
+        env = os.environ.get("COMMFUSE_CHECK", "1").strip().lower()
+        if env in ("0", "false", "no", "off"):
+            return "off"
+        return "always" if env == "always" else "once"
+    if check is True:
+        return "once"
+    if check is False:
+        return "off"
+    if check in CHECK_MODES:
+        return check
+    raise CommfuseValueError(f"check must be True, False, None or one of {CHECK_MODES}, got {check!r}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -67,73 +134,194 @@ def cached_schedule(collective: str, world_size: int, algorithm: str, parts: int
     return build(collective, world_size, algorithm=algorithm, parts=parts, chunks=chunks)
 
 
+# -- per-group state -------------------------------------------------------------------------------------------
+
+
+class GroupState:
+    """What every call on one process group shares: its sequence number, its one-op-at-a-time lock, and
+    whether the last call failed (the next one is checked)."""
+
+    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "__weakref__")
+
+    def __init__(self, name: str) -> None:
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.busy: tuple[str, int] | None = None
+        self.dirty = False
+        self.error: BaseException | None = None  # set by the watchdog: every later call raises it
+        self.name = name
+
+    def failed(self) -> None:
+        """A call on this group failed on this rank: the next call is checked."""
+        self.dirty = True
+
+
+_STATES: dict[object, GroupState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def _group_name(group) -> str:
+    name = getattr(group, "group_name", None)
+    if name:
+        return f"group {name!r}"
+    return f"group {type(group).__name__}@{id(group):#x}"
+
+
+def state_of_group(group) -> GroupState:
+    """The :class:`GroupState` of a process group (or of a backend object that has no group)."""
+    found = _STATES.get(group)
+    if found is None:
+        with _STATES_LOCK:
+            found = _STATES.get(group)
+            if found is None:
+                found = _STATES[group] = GroupState(_group_name(group))
+    return found
+
+
+def group_state(backend) -> GroupState:
+    """The :class:`GroupState` shared by every backend object over the same group (cached on the backend)."""
+    found = getattr(backend, "_commfuse_state", None)
+    if found is None:
+        group = getattr(backend, "group", None)
+        found = state_of_group(backend if group is None else group)
+        try:
+            backend._commfuse_state = found
+        except AttributeError:  # a backend that takes no attributes looks it up every call
+            pass
+    return found
+
+
+def forget_groups() -> None:
+    """Drop every group's state (``commfuse.backends.release`` calls it before groups are destroyed)."""
+    with _STATES_LOCK:
+        _STATES.clear()
+
+
+# -- compiled steps --------------------------------------------------------------------------------------------
+
+
+class CStep:
+    """One step with slices as slot numbers: ``sends``/``recvs`` are ``(Transfer, slot)`` pairs."""
+
+    __slots__ = ("index", "step", "sends", "recvs", "collectives", "compute", "accumulate", "release",
+                 "communicates", "p2p")
+
+    def __init__(self, step: Step, slot: dict[SliceId, int], release: tuple[int, ...]) -> None:
+        self.index = step.index
+        self.step = step
+        self.sends = tuple((t, slot[t.slice]) for t in step.sends)
+        self.recvs = tuple((t, slot[t.slice]) for t in step.recvs)
+        self.collectives = step.collectives
+        # sorted by (shard, piece): the order of their offsets along the dim, whatever the sizes
+        self.compute = tuple(sorted((slot[x] for x in step.compute)))
+        self.accumulate = tuple(slot[x] for x in step.accumulate)
+        self.release = release
+        self.communicates = step.communicates
+        self.p2p = bool(step.sends or step.recvs)
+
+
+class Compiled:
+    """One rank's steps of one schedule, with every slice it touches numbered.
+
+    Slots are numbered in (source, shard, piece) order, so sorting slot numbers
+    sorts slices by their position along the collective's dim.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        steps = schedule.steps(rank)
+        n = schedule.world_size
+        seen: set[SliceId] = set()
+        for step in steps:
+            seen.update(step.compute, step.accumulate, (t.slice for t in step.sends), (t.slice for t in step.recvs))
+        a2a = schedule.collective is Collective.ALL_TO_ALL
+        for step in steps:  # a whole collective touches this rank's slices of its chunk
+            for call in step.collectives:
+                for x in self._collective_slices(call.part, n, rank, schedule.halves, a2a):
+                    seen.add(x)
+        if a2a:
+            for d in range(n):
+                seen.update(schedule.slices(d, rank))
+                seen.update(schedule.slices(rank, d))
+        else:
+            seen.update(schedule.slices(rank))
+        order = sorted(seen, key=lambda x: (-1 if x.source is None else x.source, x.shard, schedule.piece(x)))
+        self.slices: tuple[SliceId, ...] = tuple(order)
+        self.slot: dict[SliceId, int] = {x: i for i, x in enumerate(order)}
+        last: dict[int, int] = {}
+        for step in steps:
+            for x in step.compute + step.accumulate:
+                last[self.slot[x]] = step.index
+            for t in step.sends:
+                last[self.slot[t.slice]] = step.index
+            for call in step.collectives:
+                for x in self._collective_slices(call.part, n, rank, schedule.halves, a2a):
+                    s = self.slot[x]
+                    last[s] = max(last.get(s, -1), step.index)
+        done: dict[int, list[int]] = {}
+        for s, i in last.items():
+            done.setdefault(i, []).append(s)
+        self.steps = tuple(CStep(step, self.slot, tuple(sorted(done.get(step.index, ())))) for step in steps)
+        self.communicates = any(st.communicates for st in self.steps)
+
+    @staticmethod
+    def _collective_slices(part: int, n: int, rank: int, halves: int, a2a: bool) -> list[SliceId]:
+        if a2a:
+            return [SliceId(d, part, 0, rank) for d in range(n)] + [SliceId(rank, part, 0, q) for q in range(n)]
+        return [SliceId(d, part, h) for d in range(n) for h in range(halves)]
+
+    def slots_of(self, shard: int, source: int | None = None) -> tuple[int, ...]:
+        """The slots of every slice of one shard, in layout order."""
+        return tuple(self.slot[x] for x in self.schedule.slices(shard, source))
+
+
 @functools.lru_cache(maxsize=1024)
-def _plan(schedule: Schedule, rank: int) -> tuple[tuple[Step, ...], dict[int, tuple[SliceId, ...]]]:
-    """One rank's steps, and per step the slices whose last use is in that step."""
-    steps = schedule.steps(rank)
-    last: dict[SliceId, int] = {}
-    n = schedule.world_size
-    for step in steps:
-        for x in step.compute + step.accumulate:
-            last[x] = step.index
-        for t in step.sends:
-            last[t.slice] = step.index
-        for call in step.collectives:  # a whole collective reads this rank's slices of its chunk
-            j = call.part
-            if schedule.collective is Collective.ALL_TO_ALL:
-                used = [SliceId(d, j, 0, rank) for d in range(n)] + [SliceId(rank, j, 0, q) for q in range(n)]
-            else:
-                used = [SliceId(d, j) for d in range(n)]
-            for x in used:
-                last[x] = max(last.get(x, -1), step.index)
-    done: dict[int, list[SliceId]] = {}
-    for x, i in last.items():
-        done.setdefault(i, []).append(x)
-    return steps, {i: tuple(xs) for i, xs in done.items()}
+def compiled(schedule: Schedule, rank: int) -> Compiled:
+    return Compiled(schedule, rank)
 
 
 class Program:
-    """What one op's data is; the executor asks it for tensors slice by slice.
+    """What one call's data is; the executor asks it for tensors slot by slot.
 
     Subclasses (``programs``) implement the methods for all-gather,
-    reduce-scatter and all-to-all.
+    reduce-scatter and all-to-all. Slots are :class:`Compiled` slot numbers.
     """
 
     collective: Collective
 
-    def payload(self, x: SliceId) -> torch.Tensor:  # what to send for x
+    def payload(self, s: int) -> torch.Tensor:  # what to send for slot s
         raise NotImplementedError
 
-    def buffer(self, x: SliceId) -> torch.Tensor:  # where x may be received
+    def buffer(self, s: int) -> torch.Tensor:  # where s may be received
         raise NotImplementedError
 
-    def land(self, x: SliceId, tensor: torch.Tensor) -> None:  # x arrived
+    def land(self, s: int, tensor: torch.Tensor) -> None:  # s arrived
         raise NotImplementedError
 
-    def compute(self, slices: tuple[SliceId, ...]) -> None:
+    def compute(self, slots: tuple[int, ...]) -> None:
         raise NotImplementedError
 
-    def add(self, x: SliceId) -> None:  # reduce-scatter: partial(x) += received(x)
+    def add(self, s: int) -> None:  # reduce-scatter: partial(s) += received(s)
         raise NotImplementedError
 
     def collective_io(self, call) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
         """Inputs and outputs of one whole collective, and a function taking what arrived."""
         raise NotImplementedError
 
-    def release(self, x: SliceId) -> None:  # x's last use has passed
+    def release(self, s: int) -> None:  # s's last use has passed
         pass
 
-    def skip(self, slices: tuple[SliceId, ...]) -> None:
+    def skip(self, slots: tuple[int, ...]) -> None:
         """Stand-in for ``compute`` in ``comm_only`` measurements: leave what sends need, compute nothing."""
-        self.compute(slices)
+        self.compute(slots)
 
-    def fingerprint(self) -> list[int]:
-        """Integers that every rank of one call must agree on (see ``fingerprint``)."""
+    def meta(self) -> list[int]:
+        """Integers (shapes, dims, dtypes) every rank of one call must agree on; see ``Plan.fingerprint``."""
         raise NotImplementedError
 
-    def describe_fingerprint(self, values: Sequence[int]) -> str:
-        raise NotImplementedError
 
+# -- measurement modes -----------------------------------------------------------------------------------------
 
 _MODES = ("compute_only", "comm_only")
 _mode = threading.local()
@@ -164,9 +352,10 @@ def measure(mode: str | None):
 def record_events():
     """Collect the per-step timeline of every ``execute`` in this thread into a list.
 
-    Each entry is the per-step dict of ``execute(events=...)`` plus ``label``
-    (the op) and ``algorithm``; times are ``time.perf_counter()`` seconds.
-    The benchmark builds its traces and Gantt charts from these.
+    Each entry is a per-step dict (``step``, ``post``, ``compute``, ``wait``
+    as (start, end) ``time.perf_counter()`` seconds, ``sends``/``recvs`` as
+    (peer, channel), ``collectives``) plus ``label`` (the op) and
+    ``algorithm``. The benchmark builds its traces and Gantt charts from these.
     """
     previous = getattr(_mode, "events", None)
     events: list[dict] = []
@@ -180,11 +369,21 @@ def record_events():
 class _Done:
     """A handle that is already complete: what ``compute_only`` posts return."""
 
+    __slots__ = ("outputs",)
+
     def __init__(self, outputs) -> None:
         self.outputs = list(outputs)
 
     def wait(self, timeout: float):
         return self.outputs
+
+
+def _done_post(sends, recvs):
+    return _Done(x for _, x in recvs)
+
+
+def _done_collective(kind, inputs, outputs):
+    return _Done(outputs)
 
 
 _NULL = contextlib.nullcontext()
@@ -199,85 +398,291 @@ def _trace_enabled() -> bool:
     return os.environ.get("COMMFUSE_TRACE", "").strip() not in ("", "0")
 
 
-def execute(
-    schedule: Schedule,
-    program: Program,
-    backend,
-    *,
-    timeout: float,
-    check: bool = True,
-    events: list | None = None,
-    label: str = "",
-) -> None:
-    """Run ``backend.rank``'s steps of ``schedule`` with ``program``'s data."""
-    rank = backend.rank
-    steps, releases = _plan(schedule, rank)
-    trace = _trace_enabled()
-    name = f"commfuse.{label or schedule.collective.value}.{schedule.algorithm.value}"
+# -- the plan of one call signature ----------------------------------------------------------------------------
+
+
+class Plan:
+    """What one call signature runs, decided on its first call and walked on every later one.
+
+    ``label`` names the op (it also picks how a fingerprint is read back, see
+    :func:`register_format`); ``overlap`` False runs the ``serial`` baseline
+    (each step waits, then computes). ``checked`` turns True once the
+    fingerprint of this signature has been agreed by every rank.
+    """
+
+    __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
+                 "name", "traced", "rank")
+
+    def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
+                 overlap: bool = True) -> None:
+        self.schedule = schedule
+        self.backend = backend
+        self.rank = backend.rank
+        self.compiled = compiled(schedule, self.rank)
+        self.state = group_state(backend)
+        self.label = label
+        self.timeout = timeout
+        self.check = check
+        self.overlap = overlap
+        self.checked = False
+        self.name = f"commfuse.{label}.{schedule.algorithm.value if overlap else 'serial'}"
+        # A traced backend (XLA) cannot compare values on the host without executing the graph mid-trace.
+        self.traced = getattr(getattr(backend, "capabilities", None), "execution", "eager") == "traced"
+
+    def fingerprint(self, program: Program, seq: int) -> list[int]:
+        s = self.schedule
+        return [_MAGIC, seq % SEQUENCE_WRAP, format_code(self.label), _COLLECTIVES.index(s.collective),
+                _ALGORITHMS.index(s.algorithm), int(self.overlap), s.parts, s.chunks, *program.meta()]
+
+
+#: How to read a fingerprint's op-specific integers back, per op label.
+_FORMATS: dict[int, tuple[str, object]] = {}
+
+
+def format_code(label: str) -> int:
+    """A stable small integer for an op label (the same on every rank running this version)."""
+    import zlib
+
+    return zlib.crc32(label.encode()) & 0xFFFFFF
+
+
+def register_format(label: str, describe) -> None:
+    """Say how ``describe(meta_values) -> str`` reads the fingerprint integers of op ``label``."""
+    _FORMATS[format_code(label)] = (label, describe)
+
+
+def describe_fingerprint(values: Sequence[int]) -> str:
+    """A fingerprint in words, decoded with the format of the op that made it."""
+    values = list(values)
+    if len(values) < 8 or values[0] != _MAGIC:
+        return f"an unrecognised fingerprint {values}"
+    seq, code, coll, alg, overlap, parts, chunks = values[1:8]
+    label, describe = _FORMATS.get(code, (f"op#{code}", None))
+    coll_t = _COLLECTIVES[coll].value if 0 <= coll < len(_COLLECTIVES) else f"collective#{coll}"
+    alg_t = _ALGORITHMS[alg].value if 0 <= alg < len(_ALGORITHMS) else f"algorithm#{alg}"
+    if not overlap:
+        alg_t = "serial"
+    text = f"call #{seq} {label} ({coll_t}, algorithm {alg_t}, parts={parts}, chunks={chunks})"
+    meta = values[8:]
+    if describe is not None:
+        try:
+            return text + ": " + describe(meta)
+        except Exception:  # noqa: BLE001 - a fingerprint that does not fit its format is shown raw
+            pass
+    return text + f": {meta}"
+
+
+def _fit(values: list[int]) -> list[int]:
+    if len(values) > FINGERPRINT_LEN:
+        values = values[: FINGERPRINT_LEN - 1] + [hash(tuple(values)) & 0x7FFFFFFFFFFF]
+    return values + [-1] * (FINGERPRINT_LEN - len(values))
+
+
+def _strip(values: list[int]) -> list[int]:
+    while values and values[-1] == -1:
+        values = values[:-1]
+    return values
+
+
+# -- running a plan --------------------------------------------------------------------------------------------
+
+
+def execute(plan: Plan, program: Program, *, events: list | None = None) -> None:
+    """Run one call of ``plan`` with ``program``'s data on ``plan.backend``."""
+    state = plan.state
+    if not state.lock.acquire(False):
+        busy = state.busy
+        who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
+        raise ConcurrentUseError(
+            f"rank {plan.rank}: {plan.label} cannot start on {state.name}: {who} is in flight on it. commfuse "
+            f"ops on one process group must not overlap: call them from one thread, or give each thread its "
+            f"own group (torch.distributed.new_group)"
+        )
+    try:
+        state.busy = (plan.label, threading.get_ident())
+        if state.error is not None:
+            raise state.error
+        seq = state.seq
+        state.seq = seq + 1
+        try:
+            _run(plan, program, seq, events)
+        except BaseException:
+            state.dirty = True
+            raise
+    finally:
+        state.busy = None
+        state.lock.release()
+
+
+def _run(plan: Plan, program: Program, seq: int, events: list | None) -> None:
+    backend = plan.backend
+    rank = plan.rank
+    timeout = plan.timeout
     mode = getattr(_mode, "value", None)
-    recorded = getattr(_mode, "events", None)
-    if events is None and recorded is not None:
-        events = recorded
-    tags = {"label": label or schedule.collective.value, "algorithm": schedule.algorithm.value}
-    # A traced backend (XLA) cannot compare values on the host without executing the graph mid-trace.
-    traced = getattr(getattr(backend, "capabilities", None), "execution", "eager") == "traced"
-    checked = not check or schedule.world_size == 1 or mode is not None or traced
-    post = backend.post if mode != "compute_only" else (lambda sends, recvs: _Done(x for _, x in recvs))
-    run_collective = backend.collective if mode != "compute_only" else (lambda kind, ins, outs: _Done(outs))
+    if events is None:
+        events = getattr(_mode, "events", None)
+    begin = getattr(backend, "begin_call", None)
+    need_check = (
+        plan.check != "off" and mode is None and not plan.traced and plan.schedule.world_size > 1
+        and plan.compiled.communicates
+        and (not plan.checked or plan.state.dirty or plan.check == "always")
+    )
+    if need_check:
+        if begin is not None:
+            begin(None)
+        _check_fingerprint(plan, program, seq)
+        plan.checked = True
+        plan.state.dirty = False
+    if begin is not None:
+        begin(seq % SEQUENCE_WRAP)
+    post = backend.post if mode != "compute_only" else _done_post
+    run_collective = backend.collective if mode != "compute_only" else _done_collective
     compute = program.compute if mode != "comm_only" else program.skip
-    clock = time.perf_counter
-    for step in steps:
-        if not checked and step.communicates:
-            _check_fingerprint(schedule, program, backend, timeout, step.index)
-            checked = True
-        with (record_function(f"{name}.step{step.index}") if profiling() else _NULL):
-            t0 = clock()
-            sends = [(t, program.payload(t.slice)) for t in step.sends]
-            recvs = [(t, program.buffer(t.slice)) for t in step.recvs]
-            pending = []
-            if sends or recvs:
-                pending.append((post(sends, recvs), None, None))
-            for call in step.collectives:
+    overlap = plan.overlap
+    prof = profiling()
+    trace = events is not None or _trace_enabled()
+    if prof or trace:
+        return _run_observed(plan, program, post, run_collective, compute, prof, events)
+    payload, buffer, land = program.payload, program.buffer, program.land
+    for st in plan.compiled.steps:
+        pending = None
+        if st.p2p:
+            recvs = [(t, buffer(s)) for t, s in st.recvs]
+            try:
+                handle = post([(t, payload(s)) for t, s in st.sends], recvs)
+            except Exception as e:
+                raise _posting_error(plan, st, None, e) from e
+            pending = [(handle, None, st.recvs)]
+        if st.collectives:
+            pending = pending or []
+            for call in st.collectives:
                 inputs, outputs, finish = program.collective_io(call)
-                pending.append((run_collective(call.collective, inputs, outputs), finish, call))
-            t1 = clock()
-            if step.compute:
-                if profiling():
-                    with record_function(f"{name}.step{step.index}.compute"):
-                        compute(step.compute)
-                else:
-                    compute(step.compute)
-            t2 = clock()
-            for handle, finish, call in pending:
                 try:
-                    got = handle.wait(timeout)
-                except TimeoutError as e:
-                    raise CommfuseTimeoutError(
-                        f"rank {rank} timed out after {timeout:g} s in step {step.index} of {schedule.describe()} "
-                        f"waiting for {_what(step, call)}: {e}"
-                    ) from e
+                    pending.append((run_collective(call.collective, inputs, outputs), finish, call))
                 except Exception as e:
-                    raise CommunicationError(
-                        f"rank {rank} failed in step {step.index} of {schedule.describe()} "
-                        f"while waiting for {_what(step, call)}: {type(e).__name__}: {e}"
-                    ) from e
-                if finish is None:
-                    for (t, _), tensor in zip(recvs, got):
-                        program.land(t.slice, tensor)
-                else:
-                    finish(got)
-            for x in step.accumulate:
-                program.add(x)
-            for x in releases.get(step.index, ()):
-                program.release(x)
+                    _drain(pending, timeout)
+                    raise _posting_error(plan, st, call, e) from e
+        if pending is None:
+            if st.compute:
+                compute(st.compute)
+        else:
+            if overlap and st.compute:
+                try:
+                    compute(st.compute)
+                except BaseException:
+                    _drain(pending, timeout)
+                    raise
+            _wait_all(plan, st, pending, land, timeout)
+            if not overlap and st.compute:
+                compute(st.compute)
+        for s in st.accumulate:
+            program.add(s)
+        for s in st.release:
+            program.release(s)
+
+
+def _wait_all(plan: Plan, st: CStep, pending, land, timeout: float) -> None:
+    for i, (handle, finish, what) in enumerate(pending):
+        try:
+            got = handle.wait(timeout)
+        except BaseException as e:
+            _drain(pending[i + 1:], timeout)
+            raise _waiting_error(plan, st, what if finish is not None else None, e) from e
+        if finish is None:
+            for (t, s), tensor in zip(what, got):
+                land(s, tensor)
+        else:
+            finish(got)
+
+
+def _drain(pending, timeout: float) -> None:
+    """Wait (bounded, errors ignored) for transfers already posted, so that the transport can reuse its
+    connections: gloo gives up on a pair whose posted transfer is never waited on."""
+    for handle, _, _ in pending or ():
+        try:
+            handle.wait(timeout)
+        except BaseException:  # noqa: BLE001 - the original error is what the caller sees
+            pass
+
+
+def _posting_error(plan: Plan, st: CStep, call, e: Exception) -> CommunicationError:
+    return CommunicationError(
+        f"rank {plan.rank} failed posting step {st.index} of {plan.label} ({plan.schedule.describe()}), "
+        f"{_what(st.step, call)}: {type(e).__name__}: {e}"
+    )
+
+
+def _waiting_error(plan: Plan, st: CStep, call, e: BaseException) -> BaseException:
+    if isinstance(e, TimeoutError):
+        return CommfuseTimeoutError(
+            f"rank {plan.rank} timed out after {plan.timeout:g} s in step {st.index} of {plan.label} "
+            f"({plan.schedule.describe()}) waiting for {_what(st.step, call)}: {e}"
+        )
+    if isinstance(e, CommunicationError):
+        return e
+    if not isinstance(e, Exception):
+        return e
+    return CommunicationError(
+        f"rank {plan.rank} failed in step {st.index} of {plan.label} ({plan.schedule.describe()}) while waiting "
+        f"for {_what(st.step, call)}: {type(e).__name__}: {e}"
+    )
+
+
+def _run_observed(plan: Plan, program: Program, post, run_collective, compute, prof: bool,
+                  events: list | None) -> None:
+    """:func:`_run`'s loop with profiler annotations, per-step timings and the trace log (slower)."""
+    name, rank, timeout, overlap = plan.name, plan.rank, plan.timeout, plan.overlap
+    tags = {"label": plan.label, "algorithm": plan.schedule.algorithm.value if overlap else "serial"}
+    trace = _trace_enabled()
+    clock = time.perf_counter
+    for st in plan.compiled.steps:
+        with (record_function(f"{name}.step{st.index}") if prof else _NULL):
+            t0 = clock()
+            pending = []
+            if st.p2p:
+                recvs = [(t, program.buffer(s)) for t, s in st.recvs]
+                try:
+                    pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
+                except Exception as e:
+                    raise _posting_error(plan, st, None, e) from e
+            for call in st.collectives:
+                inputs, outputs, finish = program.collective_io(call)
+                try:
+                    pending.append((run_collective(call.collective, inputs, outputs), finish, call))
+                except Exception as e:
+                    _drain(pending, timeout)
+                    raise _posting_error(plan, st, call, e) from e
+            t1 = clock()
+            if not overlap:
+                _wait_all(plan, st, pending, program.land, timeout)
+                pending = []
+            t2 = clock()
+            if st.compute:
+                try:
+                    with (record_function(f"{name}.step{st.index}.compute") if prof else _NULL):
+                        compute(st.compute)
+                except BaseException:
+                    _drain(pending, timeout)
+                    raise
             t3 = clock()
+            _wait_all(plan, st, pending, program.land, timeout)
+            for s in st.accumulate:
+                program.add(s)
+            for s in st.release:
+                program.release(s)
+            t4 = clock()
+        if not overlap:  # serial: the wait came first; report it as the wait
+            t1, t2, t3, t4 = t1, t1 + (t3 - t2), t3, t3 + (t2 - t1) + (t4 - t3)
+        else:
+            t2 = t1
         if events is not None:
+            step = st.step
             events.append(
                 {
-                    "step": step.index,
+                    "step": st.index,
                     "post": (t0, t1),
-                    "compute": (t1, t2),
-                    "wait": (t2, t3),
+                    "compute": (t2, t3),
+                    "wait": (t3, t4),
                     "sends": [(t.peer, t.channel) for t in step.sends],
                     "recvs": [(t.peer, t.channel) for t in step.recvs],
                     "collectives": [f"{c.collective.value}[{c.part}]" for c in step.collectives],
@@ -286,9 +691,8 @@ def execute(
             )
         if trace:
             print(
-                f"[commfuse rank {rank}] {name} step {step.index}: post {1e3 * (t1 - t0):.3f} ms, "
-                f"compute {1e3 * (t2 - t1):.3f} ms, wait+add {1e3 * (t3 - t2):.3f} ms "
-                f"({_what(step, None)})",
+                f"[commfuse rank {rank}] {name} step {st.index}: post {1e3 * (t1 - t0):.3f} ms, "
+                f"compute {1e3 * (t3 - t2):.3f} ms, wait+add {1e3 * (t4 - t3):.3f} ms ({_what(st.step, None)})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -307,55 +711,63 @@ def _what(step: Step, call) -> str:
     return "; ".join(parts) or "nothing"
 
 
-FINGERPRINT_LEN = 48
+# -- the fingerprint check ---------------------------------------------------------------------------------------
 
 
-def _check_fingerprint(schedule: Schedule, program: Program, backend, timeout: float, index: int) -> None:
-    """Exchange the op's fingerprint with both ring neighbours before the first transfer.
+def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
+    """All-gather every rank's fingerprint around the ring, then compare them all, on every rank.
 
-    A wrong-sized message must never reach a transport: gloo, for one, aborts
-    the receiving process when a message is larger than its buffer. Comparing
-    with both neighbours catches any disagreement (if every rank agrees with
-    its ring neighbours, all agree); the two ranks beside a disagreement raise
-    at once, naming both sides, and the others time out in their first step.
+    Messages are fixed-size (:data:`FINGERPRINT_LEN` int64) on their own tag, so
+    ranks that disagree still exchange them safely: a wrong-sized data message
+    must never reach a transport (gloo aborts the receiving process when a
+    message is larger than its buffer). Every rank ends with every rank's
+    fingerprint, so every rank names a mismatch, not only the two beside it.
+    A rank that is not in the op at all leaves its neighbours' ring stalled:
+    they time out naming the rank they waited for.
     """
-    values = program.fingerprint()
-    if len(values) > FINGERPRINT_LEN:
-        values = values[: FINGERPRINT_LEN - 1] + [hash(tuple(values)) & 0x7FFFFFFFFFFF]
-    mine = torch.full((FINGERPRINT_LEN,), -1, dtype=torch.int64, device=backend.device)
-    mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    ring = schedule.ring
-    nxt, prv = ring.next(backend.rank), ring.prev(backend.rank)
-    a, b = FINGERPRINT_CHANNELS
-    from_prev, from_next = backend.empty((FINGERPRINT_LEN,), torch.int64), backend.empty((FINGERPRINT_LEN,), torch.int64)
-    handle = backend.post(
-        [(Transfer(SliceId(backend.rank), nxt, 1, a), mine), (Transfer(SliceId(backend.rank), prv, ring.world_size - 1, b), mine)],
-        [(Transfer(SliceId(prv), prv, 1, a), from_prev), (Transfer(SliceId(nxt), nxt, ring.world_size - 1, b), from_next)],
+    backend = plan.backend
+    rank, ring, n, timeout = plan.rank, plan.schedule.ring, plan.schedule.world_size, plan.timeout
+    mine_values = _fit(plan.fingerprint(program, seq))
+    rows: list[torch.Tensor | None] = [None] * n
+    rows[rank] = torch.tensor(mine_values, dtype=torch.int64, device=backend.device)
+    nxt, prv = ring.next(rank), ring.prev(rank)
+    for k in range(n - 1):
+        send_row, recv_row = ring.prev(rank, k), ring.prev(rank, k + 1)  # what came k and k + 1 hops
+        buf = backend.empty((FINGERPRINT_LEN,), torch.int64)
+        try:
+            handle = backend.post([(Transfer(SliceId(send_row), nxt, 1, FINGERPRINT_CHANNEL), rows[send_row])],
+                                  [(Transfer(SliceId(recv_row), prv, 1, FINGERPRINT_CHANNEL), buf)])
+            (got,) = handle.wait(timeout)
+        except TimeoutError as e:
+            raise CommfuseTimeoutError(
+                f"rank {rank} timed out after {timeout:g} s in the call check of {plan.label} "
+                f"({plan.schedule.describe()}, call #{seq} on {plan.state.name}), waiting for rank {prv} to pass on "
+                f"rank {recv_row}'s fingerprint (hop {k + 1} of {n - 1}): a rank did not enter the same op"
+            ) from e
+        except Exception as e:
+            raise CommunicationError(
+                f"rank {rank} failed in the call check of {plan.label} ({plan.schedule.describe()}) exchanging "
+                f"fingerprints with ranks {prv} and {nxt}: {type(e).__name__}: {e}"
+            ) from e
+        rows[recv_row] = got
+    table = [row.tolist() for row in torch.stack(rows).cpu()]
+    if all(row == mine_values for row in table):
+        return
+    groups: dict[tuple, list[int]] = {}
+    for r, row in enumerate(table):
+        groups.setdefault(tuple(row), []).append(r)
+    mine_key = tuple(mine_values)
+    lines = []
+    for row, ranks in sorted(groups.items(), key=lambda item: item[1]):
+        who = "rank" if len(ranks) == 1 else "ranks"
+        tag = " (this rank)" if row == mine_key else ""
+        lines.append(f"  {who} {', '.join(map(str, ranks))}{tag}: {describe_fingerprint(_strip(list(row)))}")
+    seqs = {row[1] for row in table if len(row) > 1 and row[0] == _MAGIC}
+    hint = ""
+    if len(seqs) > 1:
+        hint = (" The ranks are at different calls on this group: one of them skipped or added a call (a call "
+                "that failed before communicating still counts as one on its rank).")
+    raise MismatchError(
+        f"rank {rank}: the ranks of {plan.state.name} called different ops (checked before the first transfer of "
+        f"{plan.label}, nothing was sent):\n" + "\n".join(lines) + hint
     )
-    try:
-        got_prev, got_next = handle.wait(timeout)
-    except TimeoutError as e:
-        raise CommfuseTimeoutError(
-            f"rank {backend.rank} timed out after {timeout:g} s exchanging the call fingerprint with ranks "
-            f"{prv} and {nxt} before step {index} of {schedule.describe()}: they did not enter the same op"
-        ) from e
-    except Exception as e:
-        raise CommunicationError(
-            f"rank {backend.rank} failed exchanging the call fingerprint with ranks {prv} and {nxt} before step "
-            f"{index} of {schedule.describe()}: {type(e).__name__}: {e}"
-        ) from e
-    own = mine.tolist()
-    for peer, got in ((prv, got_prev), (nxt, got_next)):
-        theirs = got.cpu().tolist()
-        if theirs != own:
-            raise MismatchError(
-                f"rank {backend.rank} and rank {peer} called different ops: rank {backend.rank} has "
-                f"{program.describe_fingerprint(_strip(own))}; rank {peer} has "
-                f"{program.describe_fingerprint(_strip(theirs))}"
-            )
-
-
-def _strip(values: list[int]) -> list[int]:
-    while values and values[-1] == -1:
-        values = values[:-1]
-    return values

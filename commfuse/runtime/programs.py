@@ -1,10 +1,16 @@
 """Programs: the data side of the executor, one class per collective.
 
+Each comes in two halves. A *layout* (``GatherLayout``, ``ScatterLayout``,
+``AllToAllLayout``) is what one call signature fixes: per slot of the
+:class:`~commfuse.runtime.executor.Compiled` steps, its shard, its offset and
+size along the dim, its shape. It is built once and kept in the plan. A
+*program* is one call's tensors, held in plain lists indexed by slot.
+
 A shard is cut into ``schedule.pieces`` slices along one dim with
-``torch.tensor_split`` sizes (``layout``); a slice's tensor is always
-contiguous, as transports want. Buffers that arrive are recycled through a
-small pool once their last use has passed, unless the program keeps them
-(``keep=True``: the caller's consumer may hold on to what it was given).
+``torch.tensor_split`` sizes; a slice's tensor is always contiguous, as
+transports want. Buffers that arrive are recycled through a small pool once
+their last use has passed, unless the program keeps them (``keep=True``: the
+caller's consumer may hold on to what it was given).
 """
 
 from __future__ import annotations
@@ -14,30 +20,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commfuse.errors import CommfuseValueError
-from commfuse.runtime.executor import Program
-from commfuse.schedule import Algorithm, Collective, Schedule, SliceId
+from commfuse.runtime.executor import Compiled, Program, register_format
+from commfuse.schedule import Collective, SliceId, offsets, split_sizes
+
+__all__ = [
+    "AllToAllLayout", "AllToAllProgram", "GatherLayout", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
+    "dtype_code", "dtype_name", "offsets", "split_sizes",
+]
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
-_COLLECTIVES = list(Collective)
-_MAGIC = 0xC0F5
-_ALGORITHMS = list(Algorithm)
-
-
-def split_sizes(length: int, n: int) -> list[int]:
-    """Sizes of ``torch.tensor_split(x, n)`` along a dim of ``length``."""
-    base, extra = divmod(length, n)
-    return [base + (1 if i < extra else 0) for i in range(n)]
-
-
-def offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -48,31 +42,8 @@ def dtype_name(code: int) -> str:
     return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"dtype#{code}"
 
 
-class Layout:
-    """Where every slice of every shard lies along one dim of the whole tensor.
-
-    ``shard_sizes[s]`` is the size of rank s's shard along the dim; every
-    shard is cut into ``schedule.pieces`` slices with ``tensor_split`` sizes.
-    """
-
-    def __init__(self, schedule: Schedule, shard_sizes: Sequence[int]) -> None:
-        self.schedule = schedule
-        self.shard_sizes = list(shard_sizes)
-        self.shard_offsets = offsets(self.shard_sizes)
-        self.piece_sizes = [split_sizes(n, schedule.pieces) for n in self.shard_sizes]
-        self.piece_offsets = [offsets(p) for p in self.piece_sizes]
-        self.total = sum(self.shard_sizes)
-
-    def size(self, shard: int, x: SliceId) -> int:
-        return self.piece_sizes[shard][self.schedule.piece(x)]
-
-    def local(self, shard: int, x: SliceId) -> int:
-        """Offset of x inside its shard."""
-        return self.piece_offsets[shard][self.schedule.piece(x)]
-
-    def start(self, shard: int, x: SliceId) -> int:
-        """Offset of x in the whole tensor."""
-        return self.shard_offsets[shard] + self.local(shard, x)
+def shape_text(code: int, shape: Sequence[int]) -> str:
+    return f"{dtype_name(code)}{list(shape)}"
 
 
 class _Pool:
@@ -81,10 +52,10 @@ class _Pool:
     One pool lives on each backend object, so a training loop that calls the
     same op every iteration reuses its receive buffers instead of allocating
     (a fresh buffer also costs gloo a new registration, ~50 us per message on
-    this machine). A buffer is back in the pool only after the wait that
-    filled it and the last compute that read it; on NCCL/HCCL a later receive
-    into it is ordered after that compute by c10d's stream synchronisation.
-    At most ``MAX_FREE`` buffers per shape are kept.
+    a CPU). A buffer is back in the pool only after the wait that filled it and
+    the last compute that read it; on NCCL/HCCL a later receive into it is
+    ordered after that compute by c10d's stream synchronisation. At most
+    ``MAX_FREE`` buffers per shape are kept.
     """
 
     MAX_FREE = 4
@@ -104,9 +75,10 @@ class _Pool:
                 pass
         return pool
 
-    def get(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        stack = self.free.get((tuple(shape), dtype))
-        return stack.pop() if stack else self.backend.empty(shape, dtype)
+    def get(self, key: tuple) -> torch.Tensor:
+        """A buffer for ``key`` = (shape tuple, dtype)."""
+        stack = self.free.get(key)
+        return stack.pop() if stack else self.backend.empty(key[0], key[1])
 
     def put(self, tensor: torch.Tensor) -> None:
         stack = self.free.setdefault((tuple(tensor.shape), tensor.dtype), [])
@@ -114,217 +86,321 @@ class _Pool:
             stack.append(tensor)
 
 
-def _shape_with(shape: Sequence[int], dim: int, size: int) -> list[int]:
+def _shape_with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
     out = list(shape)
     out[dim] = size
-    return out
+    return tuple(out)
+
+
+class _SlotLayout:
+    """Per slot: shard, piece, offset inside the shard, size, offset in the whole tensor along ``dim``."""
+
+    def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
+                 dtype: torch.dtype, *, by_source: bool = False) -> None:
+        schedule = compiled.schedule
+        self.compiled = compiled
+        self.dim = dim
+        self.dtype = dtype
+        self.rank = compiled.rank
+        self.n = schedule.world_size
+        pieces = schedule.pieces
+        self.shard_sizes = list(shard_sizes)
+        shard_offsets = offsets(self.shard_sizes)
+        n_slots = len(compiled.slices)
+        self.shard = [0] * n_slots
+        self.piece = [0] * n_slots
+        self.size = [0] * n_slots
+        self.local = [0] * n_slots
+        self.start = [0] * n_slots
+        self.key: list[tuple] = [()] * n_slots  # (shape, dtype): the pool's key and the buffer's shape
+        for s, x in enumerate(compiled.slices):
+            owner = x.source if by_source else x.shard
+            sizes = split_sizes(self.shard_sizes[owner], pieces)
+            p = schedule.piece(x)
+            self.shard[s], self.piece[s], self.size[s] = x.shard, p, sizes[p]
+            self.local[s] = offsets(sizes)[p]
+            self.start[s] = shard_offsets[owner] + self.local[s]
+            self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
+        self.total = sum(self.shard_sizes)
+
+
+class GatherLayout(_SlotLayout):
+    """All-gather of shards of ``shard_sizes`` along ``dim`` (rank r's shard has ``shape`` but for that dim)."""
+
+    def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
+                 dtype: torch.dtype) -> None:
+        super().__init__(compiled, shard_sizes, dim, shape, dtype)
+        own = compiled.slots_of(self.rank)
+        self.own = own
+        self.own_set = frozenset(own)
+        sizes = [self.size[s] for s in own]
+        self.cuts = offsets(sizes)[1:]  # where tensor_split cuts this rank's shard
 
 
 class _Base(Program):
-    def __init__(self, schedule: Schedule, backend, meta, describe: Callable[[list[int]], str]):
-        self.schedule = schedule
-        self.backend = backend
-        self.rank = backend.rank
-        self.n = schedule.world_size
-        self.pool = _Pool.of(backend)
-        self._meta = meta  # a list of ints, or a function returning one (known only after compute)
-        self._describe = describe
+    """What the programs share: their layout, buffer pool and fingerprint integers."""
 
-    def fingerprint(self) -> list[int]:
-        s = self.schedule
-        meta = self._meta() if callable(self._meta) else self._meta
-        return [_MAGIC, _COLLECTIVES.index(s.collective), _ALGORITHMS.index(s.algorithm), s.parts, s.chunks, *meta]
+    def meta(self):
+        return self._meta
 
-    def describe_fingerprint(self, values: Sequence[int]) -> str:
-        values = list(values)
-        if len(values) < 5 or values[0] != _MAGIC:
-            return f"an unrecognised fingerprint {values}"
-        coll = _COLLECTIVES[values[1]].value if 0 <= values[1] < len(_COLLECTIVES) else f"collective#{values[1]}"
-        alg = _ALGORITHMS[values[2]].value if 0 <= values[2] < len(_ALGORITHMS) else f"algorithm#{values[2]}"
-        text = f"{coll} with algorithm {alg} (parts={values[3]}, chunks={values[4]})"
-        return text + ", " + self._describe(values[5:])
+    def buffer(self, s):
+        return self.pool.get(self.layout.key[s])
 
 
 class _Consuming:
-    """The gather-like programs: slices sent from, and landed in, ``self.held``; ``consume(slices, tensors)``
+    """The gather-like programs: slices sent from, and landed in, ``self.held``; ``consume(slots, tensors)``
     computes on what is held.
 
     In ``comm_only`` measurements the compute is skipped; a consumer that has
-    a ``skip(slices, tensors)`` method is told instead, so it can leave
-    stand-ins for the results later code needs (``commfuse.ops``'s consumers
-    with ``stand_in``).
+    a ``skip(slots, tensors)`` method is told instead, so it can leave
+    stand-ins for the results later code needs.
     """
 
-    def payload(self, x):
-        return self.held[x]
+    def payload(self, s):
+        return self.held[s]
 
-    def land(self, x, tensor):
-        self.held[x] = tensor
+    def land(self, s, tensor):
+        self.held[s] = tensor
 
-    def compute(self, slices):
-        self.consume(slices, [self.held[x] for x in slices])
+    def compute(self, slots):
+        held = self.held
+        self.consume(slots, [held[s] for s in slots])
 
-    def skip(self, slices):
+    def skip(self, slots):
         told = getattr(self.consume, "skip", None)
         if told is not None:
-            told(slices, [self.held[x] for x in slices])
+            told(slots, [self.held[s] for s in slots])
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` with zeros appended along ``dim`` up to ``size`` (itself when it already has it)."""
+    if t.shape[dim] == size:
+        return t
+    out = t.new_zeros(_shape_with(t.shape, dim, size))
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
 
 
 class GatherProgram(_Consuming, _Base):
     """All-gather: rank r starts with its shard and consumes every rank's slices.
 
-    ``consume(slices, tensors)`` is called once per step with the step's slices
+    ``consume(slots, tensors)`` is called once per step with the step's slots
     (a ring step: one or two; a vanilla/sliced step: a chunk of every shard).
+    Whole collectives over shards of different sizes (``vanilla``/``sliced``
+    with uneven ``tensor_split`` shards) pad every shard to the largest and
+    narrow what arrives.
     """
 
     collective = Collective.ALL_GATHER
 
-    def __init__(self, schedule, backend, shard: torch.Tensor, dim: int, layout: Layout,
-                 consume: Callable, *, keep: bool, meta, describe) -> None:
-        super().__init__(schedule, backend, meta, describe)
-        self.dim, self.layout, self.consume, self.keep = dim, layout, consume, keep
-        self.shape, self.dtype = list(shard.shape), shard.dtype
-        pieces = torch.tensor_split(shard, offsets(layout.piece_sizes[self.rank])[1:], dim=dim)
-        self.held: dict[SliceId, torch.Tensor] = {
-            x: p.contiguous() for x, p in zip(schedule.slices(self.rank), pieces)
-        }
-
-    def _shape(self, x: SliceId) -> list[int]:
-        return _shape_with(self.shape, self.dim, self.layout.size(x.shard, x))
-
-    def buffer(self, x):
-        return self.pool.get(self._shape(x), self.dtype)
+    def __init__(self, layout: GatherLayout, pool: _Pool, shard: torch.Tensor, consume: Callable, *,
+                 keep: bool, meta: list[int]) -> None:
+        self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
+        held: list = [None] * len(layout.size)
+        own = layout.own
+        if len(own) == 1:
+            held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
+        else:
+            for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
+                held[s] = p.contiguous()
+        self.held = held
 
     def collective_io(self, call):
-        part = call.part
-        outputs = [self.buffer(SliceId(q, part)) for q in range(self.n)]
+        layout, part = self.layout, call.part
+        slot = layout.compiled.slot
+        slots = [slot[SliceId(q, part)] for q in range(layout.n)]
+        sizes = [layout.size[s] for s in slots]
+        biggest = max(sizes)
+        mine = slots[layout.rank]
+        outputs = [self.pool.get(_shape_key(layout.key[mine], layout.dim, biggest)) for _ in slots]
 
         def finish(got):
-            for q, tensor in enumerate(got):
-                if q != self.rank:
-                    self.held[SliceId(q, part)] = tensor
-                else:
+            for q, (s, tensor) in enumerate(zip(slots, got)):
+                if q == layout.rank:
                     self.pool.put(tensor)
+                else:
+                    self.held[s] = tensor if sizes[q] == biggest else tensor.narrow(layout.dim, 0, sizes[q])
 
-        return [self.held[SliceId(self.rank, part)]], outputs, finish
+        return [_pad(self.held[mine], layout.dim, biggest)], outputs, finish
 
-    def release(self, x):
-        if not self.keep and x.shard != self.rank:
-            self.pool.put(self.held.pop(x))
+    def release(self, s):
+        if not self.keep and s not in self.layout.own_set:
+            t = self.held[s]
+            self.held[s] = None
+            if t is not None and t.is_contiguous():
+                self.pool.put(t)
+
+
+def _shape_key(key: tuple, dim: int, size: int) -> tuple:
+    return (_shape_with(key[0], dim, size), key[1])
+
+
+class ScatterLayout(_SlotLayout):
+    """Reduce-scatter of partials of ``shape`` (the whole tensor's shape along ``dim`` is ``sum(shard_sizes)``)."""
+
+    def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
+                 dtype: torch.dtype) -> None:
+        super().__init__(compiled, shard_sizes, dim, shape, dtype)
+        self.own = compiled.slots_of(self.rank)
+        self.own_set = frozenset(self.own)
+        # per step's compute: the (start, size) of each slot, in slot order
+        self.spans = {st.compute: [(self.start[s], self.size[s]) for s in st.compute]
+                      for st in compiled.steps if st.compute}
 
 
 class ReduceScatterProgram(_Base):
     """Reduce-scatter: every rank produces a partial of every output slice; rank d keeps slice d summed.
 
-    ``produce(slices) -> list of tensors`` makes this rank's partials (fresh
-    tensors it may add into when ``inplace``). ``shape(x)`` gives the shape of
-    x's partial; it is asked only after the first ``produce`` call (every
-    reduce-scatter schedule computes before it first receives).
+    ``produce(slots) -> list of tensors`` makes this rank's partials for the
+    step's slots (fresh tensors it may add into when ``inplace``). With ``check_shapes`` every partial's shape is compared with
+    the layout's (producers written by users).
     """
 
     collective = Collective.REDUCE_SCATTER
 
-    def __init__(self, schedule, backend, produce: Callable, shape: Callable[[SliceId], Sequence[int]],
-                 dtype: Callable[[], torch.dtype], *, inplace: bool, meta, describe) -> None:
-        super().__init__(schedule, backend, meta, describe)
-        self.produce, self.shape, self.dtype, self.inplace = produce, shape, dtype, inplace
-        self.sums: dict[SliceId, torch.Tensor] = {}
-        self.inbox: dict[SliceId, torch.Tensor] = {}
+    def __init__(self, layout: ScatterLayout, pool: _Pool, produce: Callable, *, inplace: bool,
+                 meta: list[int], check_shapes: bool = False) -> None:
+        self.layout, self.pool, self.produce, self.inplace, self._meta = layout, pool, produce, inplace, meta
+        self.check_shapes = check_shapes
+        self.sums: list = [None] * len(layout.size)
+        self.inbox: list = [None] * len(layout.size)
 
-    def payload(self, x):
-        return self.sums[x]
+    def payload(self, s):
+        return self.sums[s]
 
-    def buffer(self, x):
-        return self.pool.get(self.shape(x), self.dtype())
+    def land(self, s, tensor):
+        self.inbox[s] = tensor
 
-    def land(self, x, tensor):
-        self.inbox[x] = tensor
-
-    def compute(self, slices):
-        for x, partial in zip(slices, self.produce(slices)):
-            expect = list(self.shape(x))
-            if list(partial.shape) != expect:
+    def compute(self, slots):
+        layout = self.layout
+        partials = self.produce(slots)
+        sums = self.sums
+        for s, partial in zip(slots, partials):
+            if self.check_shapes and tuple(partial.shape) != layout.key[s][0]:
                 raise CommfuseValueError(
-                    f"rank {self.rank}: the partial for output {x} has shape {list(partial.shape)}, "
-                    f"expected {expect}"
+                    f"rank {layout.rank}: the partial for output shard {layout.shard[s]} slice {layout.piece[s]} "
+                    f"has shape {list(partial.shape)}, expected {list(layout.key[s][0])}"
                 )
-            self.sums[x] = partial if partial.is_contiguous() else partial.contiguous()
+            sums[s] = partial if partial.is_contiguous() else partial.contiguous()
 
-    def skip(self, slices):
-        try:  # shapes known up front (matmul_reduce_scatter): send uninitialised partials
-            for x in slices:
-                self.sums[x] = torch.empty(tuple(self.shape(x)), dtype=self.dtype(), device=self.backend.device)
-        except (KeyError, IndexError):  # known only from a first partial (produce_reduce_scatter): compute it
-            self.compute(slices)
+    def skip(self, slots):  # comm_only: send uninitialised partials of the right shape
+        layout = self.layout
+        for s in slots:
+            shape, dtype = layout.key[s]
+            self.sums[s] = torch.empty(shape, dtype=dtype, device=self.pool.backend.device)
 
-    def add(self, x):
-        received = self.inbox.pop(x)
+    def add(self, s):
+        received = self.inbox[s]
+        self.inbox[s] = None
         if self.inplace:
-            self.sums[x].add_(received)
+            self.sums[s].add_(received)
         else:
-            self.sums[x] = self.sums[x] + received
-        self.pool.put(received)
+            self.sums[s] = self.sums[s] + received
+        if received.is_contiguous():
+            self.pool.put(received)
 
     def collective_io(self, call):
-        part = call.part
-        inputs = [self.sums[SliceId(d, part)] for d in range(self.n)]
-        out = self.buffer(SliceId(self.rank, part))
+        layout, part = self.layout, call.part
+        slot = layout.compiled.slot
+        slots = [slot[SliceId(d, part)] for d in range(layout.n)]
+        sizes = [layout.size[s] for s in slots]
+        biggest = max(sizes)
+        mine = slots[layout.rank]
+        inputs = [_pad(self.sums[s], layout.dim, biggest) for s in slots]
+        out = self.pool.get(_shape_key(layout.key[mine], layout.dim, biggest))
 
         def finish(got):
-            for d in range(self.n):
-                self.sums.pop(SliceId(d, part), None)
-            self.sums[SliceId(self.rank, part)] = got[0]
+            for s in slots:
+                self.sums[s] = None
+            t = got[0]
+            self.sums[mine] = t if sizes[layout.rank] == biggest else t.narrow(layout.dim, 0, sizes[layout.rank])
 
         return inputs, [out], finish
 
-    def release(self, x):
-        if x.shard != self.rank:
-            self.sums.pop(x, None)
+    def release(self, s):
+        if s not in self.layout.own_set:
+            self.sums[s] = None
 
     def result(self) -> list[torch.Tensor]:
-        return [self.sums[x] for x in self.schedule.slices(self.rank)]
+        return [self.sums[s] for s in self.layout.own]
+
+
+class AllToAllLayout(_SlotLayout):
+    """All-to-all of blocks of one ``shape`` per destination, cut along ``dim``."""
+
+    def __init__(self, compiled: Compiled, dim: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+        n = compiled.schedule.world_size
+        super().__init__(compiled, [shape[dim]] * n, dim, shape, dtype, by_source=True)
+        rank = compiled.rank
+        self.outgoing = [compiled.slots_of(d, rank) for d in range(n)]  # my block for d, slice by slice
+        self.cuts = offsets(split_sizes(shape[dim], compiled.schedule.pieces))[1:]
+        self.source = [x.source for x in compiled.slices]
 
 
 class AllToAllProgram(_Consuming, _Base):
-    """All-to-all: ``blocks[d]`` goes to rank d; rank r consumes every block destined for it.
-
-    ``recv_shape(source, x)`` gives the shape of the slice x of the block that
-    ``source`` sends here.
-    """
+    """All-to-all: ``blocks[d]`` goes to rank d; rank r consumes every block destined for it."""
 
     collective = Collective.ALL_TO_ALL
 
-    def __init__(self, schedule, backend, blocks: Sequence[torch.Tensor], dim: int,
-                 recv_shape: Callable[[int, SliceId], Sequence[int]], consume: Callable, *, keep: bool,
-                 meta, describe) -> None:
-        super().__init__(schedule, backend, meta, describe)
-        self.dim, self.consume, self.keep, self.recv_shape = dim, consume, keep, recv_shape
-        self.dtype = blocks[0].dtype
-        self.held: dict[SliceId, torch.Tensor] = {}
+    def __init__(self, layout: AllToAllLayout, pool: _Pool, blocks: Sequence[torch.Tensor], consume: Callable, *,
+                 keep: bool, meta: list[int]) -> None:
+        self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
+        held: list = [None] * len(layout.size)
         for d, block in enumerate(blocks):
-            sizes = split_sizes(block.shape[dim], schedule.pieces)
-            for x, p in zip(schedule.slices(d, self.rank), torch.tensor_split(block, offsets(sizes)[1:], dim=dim)):
-                self.held[x] = p.contiguous()
-
-    def buffer(self, x):
-        return self.pool.get(self.recv_shape(x.source, x), self.dtype)
+            slots = layout.outgoing[d]
+            if len(slots) == 1:
+                held[slots[0]] = block if block.is_contiguous() else block.contiguous()
+            else:
+                for s, p in zip(slots, torch.tensor_split(block, layout.cuts, dim=layout.dim)):
+                    held[s] = p.contiguous()
+        self.held = held
 
     def collective_io(self, call):
-        part = call.part
-        inputs = [self.held[SliceId(d, part, 0, self.rank)] for d in range(self.n)]
-        outputs = [self.buffer(SliceId(self.rank, part, 0, q)) for q in range(self.n)]
+        layout, part, rank = self.layout, call.part, self.layout.rank
+        slot = layout.compiled.slot
+        inputs = [self.held[slot[SliceId(d, part, 0, rank)]] for d in range(layout.n)]
+        incoming = [slot[SliceId(rank, part, 0, q)] for q in range(layout.n)]
+        outputs = [self.pool.get(layout.key[s]) for s in incoming]
 
         def finish(got):
-            for q, tensor in enumerate(got):
-                if q != self.rank:
-                    self.held[SliceId(self.rank, part, 0, q)] = tensor
+            for q, (s, tensor) in enumerate(zip(incoming, got)):
+                if q != rank:
+                    self.held[s] = tensor
                 else:
                     self.pool.put(tensor)
 
         return inputs, outputs, finish
 
-    def release(self, x):
-        if not self.keep and x.source != self.rank and x.shard == self.rank:
-            self.pool.put(self.held.pop(x))
-        elif x.source == self.rank and x.shard != self.rank:
-            self.held.pop(x, None)  # sent: our copy is no longer needed
+    def release(self, s):
+        layout = self.layout
+        mine = layout.shard[s] == layout.rank
+        if layout.source[s] == layout.rank:
+            if not mine:
+                self.held[s] = None  # sent: our copy is no longer needed
+        elif mine and not self.keep:
+            t = self.held[s]
+            self.held[s] = None
+            if t is not None:
+                self.pool.put(t)
+
+
+# -- how the fused ops' fingerprints read back (see executor.describe_fingerprint) --------------------------------
+
+
+def _describe_shards(what: str):
+    def describe(v):
+        return f"{what} {shape_text(v[0], v[3 : 3 + v[2]])} cut along dim {v[1]}"
+
+    return describe
+
+
+for _label, _what in (
+    ("all_gather_consume", "shards"), ("sharded_linear.forward", "weight shards"),
+    ("sharded_linear.bias", "bias shards"), ("sharded_linear.dgrad", "weight shards"),
+    ("produce_reduce_scatter", "partials"), ("produce_reduce_scatter.backward", "output gradient shards"),
+    ("sharded_linear.wgrad", "weight gradient partials"), ("sharded_linear.bgrad", "bias gradient partials"),
+    ("all_to_all_consume", "chunks"), ("ulysses.kv", "key/value chunks"), ("ulysses.q", "query chunks"),
+    ("ulysses.out", "output chunks"), ("ulysses.backward", "output gradient chunks"),
+    ("ulysses.dq", "query gradient chunks"), ("ulysses.dkv", "key/value gradient chunks"),
+):
+    register_format(_label, _describe_shards(_what))

@@ -9,11 +9,14 @@ from commfuse.schedule._builders import ALGORITHMS, build
 from commfuse.schedule._ir import Algorithm, Collective, CollectiveCall, Schedule, SliceId, Step, Transfer
 from commfuse.schedule._reference import all_gather_ref, all_to_all_ref, reduce_scatter_ref, run_schedule
 from commfuse.schedule._render import render
+from commfuse.schedule._spec import ALGORITHM_NAMES, AlgorithmSpec, offsets, parse_algorithm, split_sizes
 from commfuse.schedule._ring import Ring
 from commfuse.schedule._validate import validate
 
 __all__ = [
     "ALGORITHMS",
+    "ALGORITHM_NAMES",
+    "AlgorithmSpec",
     "Algorithm",
     "Collective",
     "CollectiveCall",
@@ -25,8 +28,11 @@ __all__ = [
     "all_gather_ref",
     "all_to_all_ref",
     "build",
+    "offsets",
+    "parse_algorithm",
     "reduce_scatter_ref",
     "render",
     "run_schedule",
+    "split_sizes",
     "validate",
 ]

@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from commfuse.errors import CommfuseValueError
-from commfuse.schedule import CollectiveCall, Schedule, SliceId, Step, Transfer, build
+from commfuse.schedule import CollectiveCall, Schedule, SliceId, Step, Transfer, build, split_sizes
+from commfuse.schedule import parse_algorithm as _parse_algorithm
 from commfuse.sim._engine import Phase
 from commfuse.sim._model import Kernel
 from commfuse.sim._profile import DTYPES
@@ -50,28 +51,17 @@ PASSES = ("forward", "backward", "both")
 ACTIVATION_FLOPS = 8.0
 
 
-def split_sizes(total: int, parts: int) -> list[int]:
-    """Sizes ``torch.tensor_split`` gives when cutting ``total`` into ``parts``."""
-    q, r = divmod(total, parts)
-    return [q + 1 if i < r else q for i in range(parts)]
-
-
 def parse_algorithm(text: str) -> tuple[str, int, int]:
-    """``"ring:2"`` -> ``("ring", parts=2, chunks=1)``; ``"sliced"`` -> ``("sliced", 1, 2)``; as the ops parse it."""
-    if not isinstance(text, str):
-        raise CommfuseValueError(f"algorithm must be a string such as 'ring' or 'sliced:4', got {text!r}")
-    name, _, count = text.partition(":")
-    names = ("ring", "bidirectional", "sliced", "vanilla")
-    if name not in names:
-        raise CommfuseValueError(f"unknown algorithm {text!r}; expected one of {', '.join(names)} (optionally ':N')")
-    k = 0
-    if count:
-        if not count.isdigit() or int(count) < 1 or name == "vanilla":
-            raise CommfuseValueError(f"bad algorithm {text!r}: only ring, bidirectional and sliced take ':N', N >= 1")
-        k = int(count)
-    if name == "sliced":
-        return name, 1, k or 2
-    return name, k or 1, 1
+    """``"ring:2"`` -> ``("ring", parts=2, chunks=1)``; ``"sliced"`` -> ``("sliced", 1, 2)``: the ops' grammar
+    (``commfuse.schedule.parse_algorithm``), less ``auto`` (the simulator is what ``auto`` asks) and
+    ``serial`` (it models each schedule with its overlap)."""
+    spec = _parse_algorithm(text)
+    if spec.name in ("auto", "serial"):
+        raise CommfuseValueError(
+            f"the simulator models the schedules themselves: give ring, bidirectional, sliced or vanilla "
+            f"(optionally ':N'), not {text!r}"
+        )
+    return spec.name, spec.parts, spec.chunks
 
 
 #: Above this world size the simulator skips ``build``'s symbolic validation: at 4096 ranks it is ~90% of the

@@ -1,5 +1,5 @@
 """Tier (a), no processes: what ``algorithm="auto"`` takes without a profile, per the backend's capabilities, and
-how long a choice is remembered."""
+how long a choice is remembered (once per call signature, until ``commfuse.backends.release``)."""
 
 from __future__ import annotations
 
@@ -39,22 +39,28 @@ def test_a_backend_threshold_replaces_the_default(monkeypatch):
         assert ops.choose_algorithm(collective, 3, 1, gloo)[0] == "ring"
 
 
-def test_auto_remembers_a_choice_for_its_recheck_time_then_looks_again(monkeypatch):
+class _Backend(types.SimpleNamespace):
+    __hash__ = object.__hash__  # backend objects are hashable (by identity), as call signatures need
+
+
+def test_auto_is_decided_once_per_call_signature_until_release(monkeypatch):
+    from commfuse import backends
+    from commfuse.runtime.calls import resolve_call
+
     monkeypatch.delenv("COMMFUSE_PROFILE", raising=False)
-    backend = types.SimpleNamespace(name="no-such-backend", device=torch.device("cpu"), capabilities=Capabilities())
-    now = [1000.0]
-    monkeypatch.setattr(ops.time, "monotonic", lambda: now[0])
-    ops._CHOSEN.clear()
-    args = (Collective.ALL_GATHER, 8, 64 << 20, backend, 1e12)
-    first = ops._auto(*args)
-    assert first[0] == "ring" and "model" not in first[1]  # no profile applies: the size rule
+    backends.release()
+    backend = _Backend(name="no-such-backend", device=torch.device("cpu"), capabilities=Capabilities(), rank=0,
+                       world_size=8)
+    report: dict = {}
+    first = resolve_call(Collective.ALL_GATHER, "auto", backend=backend, slice_bytes=64 << 20, flops=1e12,
+                         report=report)
+    assert first.spec.name == "ring" and "model" not in first.reason  # no profile applies: the size rule
+    assert report == {"algorithm": "ring", "reason": first.reason, "world_size": 8}
     monkeypatch.setenv("COMMFUSE_PROFILE", "h100-sxm")
-    now[0] += ops.AUTO_RECHECK_S / 2
-    assert ops._auto(*args) == first  # remembered
-    other = types.SimpleNamespace(**vars(backend))
-    assert "h100-sxm" in ops._auto(Collective.ALL_GATHER, 8, 64 << 20, other, 1e12)[1]  # another backend: chosen anew
-    now[0] += ops.AUTO_RECHECK_S
-    again = ops._auto(*args)
-    assert "model of profile 'h100-sxm'" in again[1]  # looked again and found the profile
-    ops.release_backends()
-    assert not ops._CHOSEN
+    assert resolve_call(Collective.ALL_GATHER, "auto", backend=backend, slice_bytes=64 << 20, flops=1e12) is first
+    other = resolve_call(Collective.ALL_GATHER, "auto", backend=backend, slice_bytes=32 << 20, flops=1e12)
+    assert "h100-sxm" in other.reason  # a new signature is decided anew
+    backends.release()
+    again = resolve_call(Collective.ALL_GATHER, "auto", backend=backend, slice_bytes=64 << 20, flops=1e12)
+    assert again is not first and "model of profile 'h100-sxm'" in again.reason
+    backends.release()

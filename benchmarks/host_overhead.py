@@ -1,0 +1,159 @@
+"""Host cost per call of commfuse's ops against the floor: a minimal hand-written Python ring.
+
+Tier: benchmark (prints figures, asserts nothing). torch's ``fake`` process
+group makes this one process rank 0 of N: every send, receive and collective
+completes at once without moving data, so what is timed is the Python and
+torch dispatch an op costs on the host, which on a GPU decides whether the
+host can keep the device busy (issue: "The op layer, rebuilt for
+accelerators"). Tensors are tiny so the matmuls cost next to nothing.
+
+Rows, per world size (median over rounds of the mean per call):
+- ``floor ring``: per step one ``batch_isend_irecv`` (send to r+1, receive
+  from r-1) and one matmul into the output's rows; no checks, no timeouts;
+- ``floor reduce-scatter``: per step one matmul, one add, one
+  ``batch_isend_irecv``;
+- ``torch collective``: ``all_gather_into_tensor`` (or
+  ``reduce_scatter_tensor``) then the matmul;
+- commfuse's ``ring``, ``vanilla`` and ``auto`` for ``all_gather_matmul``
+  and ``matmul_reduce_scatter``.
+
+Targets (issue 12): ring and reduce-scatter ring at most 1.3x the floor at
+n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
+``auto`` at most 5 us over the algorithm it picks.
+
+    python benchmarks/host_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _floor_ring(a, w, out, bufs, n):
+    m = a.shape[0]
+    cur = a
+    for k in range(n):
+        if k < n - 1:
+            nxt = bufs[k % 2]
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, cur, (0 + 1) % n),
+                                            dist.P2POp(dist.irecv, nxt, (0 - 1) % n)])
+        src = (0 - k) % n
+        torch.matmul(cur, w, out=out[src * m:(src + 1) * m])
+        if k < n - 1:
+            for work in works:
+                work.wait()
+            cur = nxt
+    return out
+
+
+def _floor_rs(x, w, bufs, n):
+    m = x.shape[0] // n
+    acc = None
+    for k in range(n):
+        dest = (0 - 1 - k) % n
+        part = torch.matmul(x[dest * m:(dest + 1) * m], w)
+        if acc is not None:
+            for work in works:
+                work.wait()
+            part.add_(bufs[(k - 1) % 2])
+        if k < n - 1:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, part, (0 + 1) % n),
+                                            dist.P2POp(dist.irecv, bufs[k % 2], (0 - 1) % n)])
+        acc = part
+    return acc
+
+
+def _per_call_us(fn, calls: int, rounds: int) -> float:
+    for _ in range(20):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
+    import commfuse as cf
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    try:
+        m, k, f = 4, 8, 8
+        a = torch.randn(m, k)
+        w = torch.randn(k, f)
+        out = torch.empty(n * m, f)
+        bufs = [torch.empty_like(a), torch.empty_like(a)]
+        x = torch.randn(n * m, k)
+        rs_bufs = [torch.empty(m, f), torch.empty(m, f)]
+        gathered = torch.empty(n * m, k)
+        rs_out = torch.empty(m, f)
+        rows: dict[str, float] = {}
+
+        def torch_ag():
+            dist.all_gather_into_tensor(gathered, a)
+            return torch.matmul(gathered, w)
+
+        def torch_rs():
+            dist.reduce_scatter_tensor(rs_out, torch.matmul(x, w))
+            return rs_out
+
+        rows["floor ring"] = _per_call_us(lambda: _floor_ring(a, w, out, bufs, n), calls, rounds)
+        rows["floor reduce-scatter"] = _per_call_us(lambda: _floor_rs(x, w, rs_bufs, n), calls, rounds)
+        rows["torch all_gather+mm"] = _per_call_us(torch_ag, calls, rounds)
+        rows["torch mm+reduce_scatter"] = _per_call_us(torch_rs, calls, rounds)
+        with torch.no_grad():
+            for alg in ("ring", "vanilla", "auto"):
+                rows[f"cf ag {alg}"] = _per_call_us(
+                    lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False), calls, rounds)
+                rows[f"cf rs {alg}"] = _per_call_us(
+                    lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False), calls, rounds)
+        report: dict = {}
+        cf.all_gather_matmul(a, w, algorithm="auto", check=False, report=report)
+        rows["auto ag picks"] = report["algorithm"]
+        report = {}
+        cf.matmul_reduce_scatter(x, w, algorithm="auto", check=False, report=report)
+        rows["auto rs picks"] = report["algorithm"]
+        return rows
+    finally:
+        from commfuse.backends import release
+
+        release()
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=200)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"host us per call, fake process group, rank 0 of N, median of {args.rounds} rounds x {args.calls} calls")
+    for n in args.world_sizes:
+        r = measure(n, args.calls, args.rounds)
+        print(f"\nworld size {n}")
+        for name, value in r.items():
+            print(f"  {name:26s} {value:9.1f}" if isinstance(value, float) else f"  {name:26s} {value:>9s}")
+        ring_ratio = r["cf ag ring"] / r["floor ring"]
+        rs_ratio = r["cf rs ring"] / r["floor reduce-scatter"]
+        ag_van = r["cf ag vanilla"] - r["torch all_gather+mm"]
+        rs_van = r["cf rs vanilla"] - r["torch mm+reduce_scatter"]
+        ag_auto = r["cf ag auto"] - r[f"cf ag {r['auto ag picks'].split(':')[0]}"]
+        rs_auto = r["cf rs auto"] - r[f"cf rs {r['auto rs picks'].split(':')[0]}"]
+        print(f"  ring / floor ring              {ring_ratio:5.2f}x  (target <= 1.3x) {'met' if ring_ratio <= 1.3 else 'MISSED'}")
+        print(f"  rs ring / floor reduce-scatter {rs_ratio:5.2f}x  (target <= 1.3x) {'met' if rs_ratio <= 1.3 else 'MISSED'}")
+        for what, extra, limit in (("ag vanilla over torch", ag_van, 20), ("rs vanilla over torch", rs_van, 20),
+                                   ("ag auto over its pick", ag_auto, 5), ("rs auto over its pick", rs_auto, 5)):
+            print(f"  {what:30s} {extra:+6.1f} us (target <= {limit} us) {'met' if extra <= limit else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

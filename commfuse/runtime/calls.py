@@ -1,0 +1,153 @@
+"""Resolving a call: which backend, which algorithm (``auto``'s policy), which timeout and check.
+
+:func:`resolve_call` is the one public way for ops and layers to turn what a
+user passed (``group``, ``backend``, ``algorithm``, ``timeout``, ``check``)
+into a :class:`Call`, the resolved options the pipelined primitives
+(``commfuse.runtime.pipelined``) run with. It is remembered per call
+signature, so a layer that resolves on every forward pays a dict look-up.
+
+``auto`` decides from sizes that every rank knows (the largest shard of a
+``tensor_split``, never this rank's own), so every rank takes the same
+algorithm.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from commfuse.errors import CommfuseValueError
+from commfuse.runtime.executor import check_mode, resolve_timeout
+from commfuse.schedule import AlgorithmSpec, Collective, parse_algorithm
+
+__all__ = ["MIN_SLICE_BYTES", "Call", "choose_algorithm", "forget_calls", "resolve_call"]
+
+#: Without a hardware profile, ``auto`` takes ``vanilla`` when one ring slice would carry fewer bytes than
+#: this: below it a hop costs about its fixed latency whatever its size, so N hops cost more than one
+#: collective and there is little compute to hide. A backend may declare its own
+#: (``Capabilities.auto_min_slice_bytes``).
+MIN_SLICE_BYTES = 64 * 1024
+
+
+class Call:
+    """The resolved options of one op call: backend, algorithm, timeout (s) and check mode."""
+
+    __slots__ = ("be", "spec", "timeout", "check", "reason", "__weakref__")
+
+    def __init__(self, be, spec: AlgorithmSpec, timeout: float, check: str, reason: str = "asked for") -> None:
+        self.be, self.spec, self.timeout, self.check, self.reason = be, spec, timeout, check, reason
+
+    @property
+    def world_size(self) -> int:
+        return self.be.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.be.rank
+
+    def __repr__(self) -> str:
+        return f"Call({self.be!r}, {self.spec.shown!r}, timeout={self.timeout:g}, check={self.check!r})"
+
+
+def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes: int, capabilities=None, *,
+                     flops: float | None = None, backend=None) -> tuple[str, str]:
+    """What ``algorithm="auto"`` takes, and why.
+
+    ``slice_bytes`` is what one ring hop would carry (the largest shard's, the
+    same on every rank); ``flops`` the computation on (all-gather) or for
+    (reduce-scatter) one shard, when the op knows it. When a hardware profile
+    applies to ``backend`` (``COMMFUSE_PROFILE``, one installed by ``commfuse
+    simulate calibrate --install``, or a shipped one whose device names match)
+    and ``flops`` is known, the simulator predicts vanilla, ring and
+    bidirectional and the fastest is taken (:func:`commfuse.sim.plan`,
+    docs/simulator.md). Otherwise world size 1, or slices under the backend's
+    ``capabilities.auto_min_slice_bytes`` (default :data:`MIN_SLICE_BYTES`),
+    take ``vanilla``; else ``ring``.
+    """
+    if world_size == 1:
+        return "vanilla", "world size 1: nothing to communicate"
+    if flops is not None:
+        from commfuse.sim import plan  # pure Python, imported on first use
+
+        planned = plan(collective, world_size, slice_bytes, flops, backend)
+        if planned is not None:
+            return planned
+    limit = getattr(capabilities, "auto_min_slice_bytes", None)
+    limit = MIN_SLICE_BYTES if limit is None else limit
+    if slice_bytes < limit:
+        return "vanilla", (
+            f"a ring hop would carry {slice_bytes} bytes, under {limit}: per-step latency would "
+            f"outweigh the overlap, so one collective is cheaper"
+        )
+    return "ring", f"a ring hop carries {slice_bytes} bytes: each of the {world_size - 1} hops hides behind one shard of compute"
+
+
+_CALLS: dict[tuple, Call] = {}
+_CALLS_LOCK = threading.Lock()
+
+
+def forget_calls() -> None:
+    """Forget every remembered call (``commfuse.backends.release`` calls it)."""
+    with _CALLS_LOCK:
+        _CALLS.clear()
+
+
+def resolve_call(collective: Collective | str, algorithm, *, group=None, backend=None, device=None,
+                 slice_bytes: int = 0, flops: float | None = None, timeout: float | None = None,
+                 check: bool | str | None = None, report: dict | None = None) -> Call | None:
+    """The :class:`Call` for these options, or None when there is nothing to communicate (world size 1).
+
+    ``slice_bytes`` and ``flops`` must be the same on every rank (see
+    :func:`choose_algorithm`). ``report``, a dict, receives the algorithm taken,
+    why, and the world size. Raises ``CommfuseValueError`` for a bad
+    ``algorithm``, ``timeout`` or ``check`` whatever the world size.
+    """
+    key = (collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check)
+    try:
+        found = _CALLS.get(key)
+    except TypeError:  # an unhashable argument: resolve without remembering (and let the checks name it)
+        found, key = None, None
+    if found is None:
+        found = _resolve(Collective(collective), algorithm, group, backend, device, slice_bytes, flops, timeout,
+                         check)
+        if key is not None:
+            with _CALLS_LOCK:
+                if len(_CALLS) > 4096:
+                    _CALLS.clear()
+                _CALLS[key] = found
+    if report is not None:
+        report.update(algorithm=found.spec.shown, reason=found.reason,
+                      world_size=1 if found.be is None else found.be.world_size)
+    return None if found.be is None else found
+
+
+def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check):
+    spec = parse_algorithm(algorithm, collective)
+    seconds = resolve_timeout(timeout)
+    mode = check_mode(check)
+    from commfuse import backends
+
+    be = backends.resolve(backend, group, device)
+    if be is None or be.world_size == 1:  # remembered as a Call without a backend: nothing to communicate
+        if spec.name == "auto":
+            return Call(None, parse_algorithm("vanilla"), seconds, mode, "world size 1: nothing to communicate")
+        return Call(None, spec, seconds, mode)
+    reason = "asked for"
+    if spec.name == "auto":
+        name, reason = choose_algorithm(collective, be.world_size, slice_bytes,
+                                        getattr(be, "capabilities", None), flops=flops, backend=be)
+        spec = parse_algorithm(name, collective)
+    _check_collective(be, collective, spec)
+    return Call(be, spec, seconds, mode, reason)
+
+
+def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
+    """``vanilla`` and ``sliced`` run whole collectives: the backend must declare it has them."""
+    if spec.name not in ("vanilla", "sliced"):
+        return
+    supported = getattr(getattr(be, "capabilities", None), "collectives", None)
+    if supported is not None and collective.value not in supported:
+        raise CommfuseValueError(
+            f"algorithm {spec.shown!r} runs whole {collective.value} collectives, which backend "
+            f"{getattr(be, 'name', be)!r} does not have (its capabilities list {', '.join(supported) or 'none'}); "
+            "use 'ring' or 'bidirectional'"
+        )

@@ -1,0 +1,364 @@
+"""The pipelined primitives: a collective's ring steps with the caller's compute on each arriving piece.
+
+These are the level of torch's ``_pipelined_all_gather_and_consume`` /
+``_pipelined_produce_and_all2all`` helpers (``torch.distributed._symmetric_memory``):
+the public ops (``commfuse.ops``), their backward passes
+(``commfuse.autograd``) and the layers (``commfuse.nn``) are all built from
+them, given a resolved :class:`~commfuse.runtime.calls.Call`.
+
+* :func:`gather_spans`: all-gather a shard and call ``consume(spans)`` once
+  per step, ``spans`` being ``(start, size, tensor)`` along the dim;
+* :func:`scatter_spans`: reduce-scatter partials made by ``produce(spans)``;
+* :func:`all_gather_consume_core`, :func:`produce_reduce_scatter_core`,
+  :func:`all_to_all_consume_core`: the consume/produce forms per shard.
+
+Plan once: the first call of a signature (call, op label, shapes, dtype,
+dim, sizes) builds the executor's :class:`~commfuse.runtime.executor.Plan`
+and the program's layout; later calls find both in one dict look-up.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.runtime.calls import Call
+from commfuse.runtime.executor import Plan, cached_schedule, execute, register_format
+from commfuse.runtime.programs import (
+    AllToAllLayout,
+    AllToAllProgram,
+    GatherLayout,
+    GatherProgram,
+    ReduceScatterProgram,
+    ScatterLayout,
+    _Pool,
+    dtype_code,
+    shape_text,
+)
+from commfuse.schedule import Collective, split_sizes
+
+__all__ = [
+    "StandIn", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive", "forget_plans",
+    "gather_spans", "join", "matmul_rows", "produce_reduce_scatter_core", "rows_of", "scatter_spans", "write_rows",
+]
+
+_PLANS: dict[tuple, tuple] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def forget_plans() -> None:
+    """Drop every plan (``commfuse.backends.release`` calls it)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
+def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
+    found = _PLANS.get(key)
+    if found is None:
+        found = make()
+        with _PLANS_LOCK:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = found
+    return found
+
+
+def _new_plan(call: Call, collective: Collective, label: str) -> Plan:
+    spec = call.spec
+    schedule = cached_schedule(collective.value, call.be.world_size, spec.schedule_algorithm, spec.parts,
+                               spec.chunks)
+    return Plan(schedule, call.be, label=label, timeout=call.timeout, check=call.check, overlap=spec.overlap)
+
+
+# -- span helpers (shared by the ops, their backward passes and the layers) ------------------------------------
+
+
+def join(spans, dim: int, pick=lambda span: span[2]) -> torch.Tensor:
+    """The spans' tensors concatenated along ``dim`` (no copy for one span)."""
+    return pick(spans[0]) if len(spans) == 1 else torch.cat([pick(span) for span in spans], dim=dim)
+
+
+def consecutive(spans) -> bool:
+    return all(spans[i][0] + spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+
+
+def rows_of(t: torch.Tensor, spans, dim: int) -> torch.Tensor:
+    """The rows of ``t`` along ``dim`` that ``spans`` cover, in span order."""
+    if len(spans) == 1 or consecutive(spans):
+        return t.narrow(dim, spans[0][0], sum(span[1] for span in spans))
+    return torch.cat([t.narrow(dim, span[0], span[1]) for span in spans], dim=dim)
+
+
+def write_rows(out: torch.Tensor, spans, dim: int, value: torch.Tensor) -> None:
+    """Write ``value`` (the spans' rows, concatenated along ``dim``) into ``out``."""
+    if len(spans) == 1 or consecutive(spans):
+        out.narrow(dim, spans[0][0], value.shape[dim]).copy_(value)
+        return
+    for (start, size, *_), part in zip(spans, torch.split(value, [span[1] for span in spans], dim=dim)):
+        out.narrow(dim, start, size).copy_(part)
+
+
+def matmul_rows(out: torch.Tensor, spans, dim: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out[rows of spans] = a @ b``, straight into ``out`` when the rows are one contiguous block."""
+    if len(spans) == 1 or consecutive(spans):
+        region = out.narrow(dim, spans[0][0], a.shape[dim])
+        if region.is_contiguous():
+            torch.matmul(a, b, out=region)
+            return
+    write_rows(out, spans, dim, torch.matmul(a, b))
+
+
+# -- gather / scatter by spans ---------------------------------------------------------------------------------
+
+
+def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
+    def make():
+        plan = _new_plan(call, Collective.ALL_GATHER, label)
+        layout = GatherLayout(plan.compiled, sizes, dim, shape, dtype)
+        layout.meta = meta() if callable(meta) else list(meta)
+        return plan, layout, _Pool.of(call.be)
+
+    return _plan_for(("gather", call, label, shape, dtype, dim, sizes), make)
+
+
+def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
+                 consume: Callable[[list[tuple[int, int, torch.Tensor]]], None], *, label: str, meta,
+                 keep: bool = False) -> None:
+    """All-gather ``shard`` along ``dim`` and call ``consume(spans)`` once per step.
+
+    ``spans`` lists ``(start, size, tensor)`` of the slices the step computes
+    on, sorted by ``start`` (their offset along ``dim`` of the gathered
+    tensor). Ranks' shards have ``sizes`` along ``dim``. ``consume`` must not
+    keep the tensors unless ``keep``. ``meta`` (a list of ints, or a function
+    making one on the first call) goes into the fingerprint; ``label`` names
+    the op and how its fingerprint reads back (``register_format``).
+    """
+    plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, tuple(sizes), label, meta)
+    start, size = layout.start, layout.size
+
+    def on_step(slots, tensors):
+        if len(slots) == 1:
+            s = slots[0]
+            consume([(start[s], size[s], tensors[0])])
+        else:
+            consume([(start[s], size[s], t) for s, t in zip(slots, tensors)])
+
+    execute(plan, GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta))
+
+
+def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole: bool = True) -> tuple:
+    """``shape`` is the whole tensor's (split over the ranks along ``dim``), or with ``whole=False`` one
+    rank's shard (every shard alike)."""
+    def make():
+        plan = _new_plan(call, Collective.REDUCE_SCATTER, label)
+        n = call.be.world_size
+        sizes = split_sizes(shape[dim], n) if whole else [shape[dim]] * n
+        layout = ScatterLayout(plan.compiled, sizes, dim, shape, dtype)
+        layout.meta = meta() if callable(meta) else list(meta)
+        return plan, layout, _Pool.of(call.be)
+
+    return _plan_for(("scatter", call, label, tuple(shape), dim, dtype, whole), make)
+
+
+def scatter_spans(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype,
+                  produce: Callable[[list[tuple[int, int]]], list[torch.Tensor]], *, label: str, meta,
+                  inplace: bool = True, check_shapes: bool = False) -> torch.Tensor:
+    """Reduce-scatter partials of a tensor of ``out_shape`` along ``dim``; return this rank's summed shard.
+
+    ``produce(spans)`` gets the ``(start, size)`` ranges along ``dim`` that a
+    step computes and returns this rank's partial for each (fresh tensors when
+    ``inplace``, which lets the running sums be added into them).
+    """
+    plan, layout, pool = _scatter_plan(call, out_shape, dim, dtype, label, meta)
+    spans = layout.spans
+    program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
+                                   meta=layout.meta, check_shapes=check_shapes)
+    execute(plan, program)
+    pieces = program.result()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+# -- consume / produce forms -----------------------------------------------------------------------------------
+
+
+class StandIn:
+    """A consumer with a stand-in for ``measure("comm_only")`` runs, which remove the compute.
+
+    ``consumer(tensor, source)`` runs normally; in a ``comm_only`` run
+    ``stand_in(tensor, source)`` runs in its place and should be (nearly) free
+    while returning what later code needs: a tensor of the result's shape,
+    say, so that a layer built of several ops still runs end to end with its
+    compute removed. A consumer without one gives None there.
+    """
+
+    __slots__ = ("consumer", "stand_in")
+
+    def __init__(self, consumer: Callable[[torch.Tensor, int], Any],
+                 stand_in: Callable[[torch.Tensor, int], Any]) -> None:
+        self.consumer, self.stand_in = consumer, stand_in
+
+    def __call__(self, tensor: torch.Tensor, source: int) -> Any:
+        return self.consumer(tensor, source)
+
+
+def _identity(tensor: torch.Tensor, source: int) -> torch.Tensor:
+    return tensor
+
+
+#: The consumer that only collects what arrives: results are the shards
+#: themselves, in ``comm_only`` runs too (collecting is not compute).
+collect = StandIn(_identity, _identity)
+
+
+class _Assembler:
+    """Calls ``consumer(shard, source)`` once per shard, once all of its slices are there."""
+
+    def __init__(self, layout, consumer: Callable, n: int, owners: Sequence[int], pieces: int) -> None:
+        self.layout, self.consumer, self.owners, self.pieces = layout, consumer, owners, pieces
+        self.pending: dict[int, dict[int, torch.Tensor]] = {}
+        self.results: list[Any] = [None] * n
+
+    def __call__(self, slots, tensors) -> None:
+        self._feed(slots, tensors, self.consumer)
+
+    def skip(self, slots, tensors) -> None:
+        """The ``comm_only`` stand-in for ``__call__``: the consumer's stand-in, if it has one, else nothing."""
+        stand_in = getattr(self.consumer, "stand_in", None)
+        if stand_in is not None:
+            self._feed(slots, tensors, stand_in)
+
+    def _feed(self, slots, tensors, consumer: Callable) -> None:
+        owners = self.owners
+        if self.pieces == 1:
+            for s, t in zip(slots, tensors):
+                self.results[owners[s]] = consumer(t, owners[s])
+            return
+        piece = self.layout.piece
+        for s, t in zip(slots, tensors):
+            source = owners[s]
+            got = self.pending.setdefault(source, {})
+            got[piece[s]] = t
+            if len(got) == self.pieces:
+                whole = torch.cat([got[i] for i in range(self.pieces)], dim=self.layout.dim)
+                del self.pending[source]
+                self.results[source] = consumer(whole, source)
+
+
+def _shards_meta(t: torch.Tensor, dim: int):
+    return lambda: [dtype_code(t.dtype), dim, t.ndim, *t.shape]
+
+
+def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable, dim: int, *, keep: bool = True,
+                            label: str = "all_gather_consume") -> list[Any]:
+    """``commfuse.all_gather_consume`` on a resolved ``call``; ``keep=False`` lets buffers be reused (the
+    consumer then must not keep what it is given)."""
+    n = call.be.world_size
+    plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, (shard.shape[dim],) * n, label,
+                                      _shards_meta(shard, dim))
+    pieces = plan.schedule.pieces
+    assembler = _Assembler(layout, consumer, n, layout.shard, pieces)
+    # with several slices per shard the assembler holds early slices until the last one arrives
+    execute(plan, GatherProgram(layout, pool, shard, assembler, keep=keep or pieces > 1, meta=layout.meta))
+    return assembler.results
+
+
+def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int,
+                                early: dict[int, torch.Tensor] | None = None,
+                                label: str = "produce_reduce_scatter", inplace: bool = False) -> torch.Tensor:
+    """``commfuse.produce_reduce_scatter`` on a resolved ``call``; ``early`` holds partials already produced.
+
+    The layout comes from the first partial, which is produced before the
+    ring starts (the partial for the previous rank, the ring's first). Every
+    later partial must have its shape and dtype. ``inplace`` lets the running
+    sums be added into the partials, for producers that return fresh tensors
+    nobody else holds (saves one buffer).
+    """
+    rank, n = call.be.rank, call.be.world_size
+    early = dict(early or {})
+    if not early:
+        src = (rank - 1) % n
+        early[src] = _partial(producer, src, rank)
+    first = next(iter(early.values()))
+    if first.ndim == 0:
+        raise CommfuseValueError(f"rank {rank}: producer returned a 0-d tensor; partials need a dim")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -first.ndim <= dim < first.ndim:
+        raise CommfuseValueError(f"dim={dim!r} is out of range for partials of shape {list(first.shape)}")
+    d = dim % first.ndim
+    shape, dtype = tuple(first.shape), first.dtype
+    plan, layout, pool = _scatter_plan(call, shape, d, dtype, label,
+                                       lambda: [dtype_code(dtype), d, len(shape), *shape], whole=False)
+    pieces = plan.schedule.pieces
+    cache: dict[int, list[torch.Tensor]] = {}
+
+    def get(dest: int) -> list[torch.Tensor]:
+        got = cache.get(dest)
+        if got is None:
+            t = early.pop(dest) if dest in early else _partial(producer, dest, rank)
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CommfuseValueError(
+                    f"rank {rank}: producer({dest}) returned {t.dtype}{list(t.shape)} but an earlier call returned "
+                    f"{dtype}{list(shape)}; every partial must have the same shape and dtype"
+                )
+            got = cache[dest] = [t] if pieces == 1 else list(torch.tensor_split(t, pieces, dim=d))
+        return got
+
+    owner, piece = layout.shard, layout.piece
+    program = ReduceScatterProgram(layout, pool, lambda slots: [get(owner[s])[piece[s]] for s in slots],
+                                   inplace=inplace, meta=layout.meta)
+    execute(plan, program)
+    out = program.result()
+    return out[0] if len(out) == 1 else torch.cat(out, dim=d)
+
+
+def _partial(producer: Callable, dest: int, rank: int) -> torch.Tensor:
+    t = producer(dest)
+    if not isinstance(t, torch.Tensor):
+        raise CommfuseTypeError(f"rank {rank}: producer({dest}) must return a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
+                            label: str = "all_to_all_consume") -> list[Any]:
+    """``commfuse.all_to_all_consume`` on a resolved ``call``."""
+    n = call.be.world_size
+    first = chunks[0]
+
+    def make():
+        plan = _new_plan(call, Collective.ALL_TO_ALL, label)
+        layout = AllToAllLayout(plan.compiled, dim, first.shape, first.dtype)
+        layout.meta = [dtype_code(first.dtype), dim, first.ndim, *first.shape]
+        return plan, layout, _Pool.of(call.be)
+
+    plan, layout, pool = _plan_for(("a2a", call, label, first.shape, first.dtype, dim), make)
+    assembler = _Assembler(layout, consumer, n, layout.source, plan.schedule.pieces)
+    execute(plan, AllToAllProgram(layout, pool, chunks, assembler, keep=True, meta=layout.meta))
+    return assembler.results
+
+
+# -- how the internal ops' fingerprints read back ---------------------------------------------------------------
+
+
+def _describe_gather_matmul(v):
+    ndim = v[2]
+    shape, rest = v[3 : 3 + ndim], v[3 + ndim :]
+    ws = [rest[1 + 2 * i : 3 + 2 * i] for i in range(rest[0])] if rest else []
+    return f"a gathered along dim {v[1]} to {shape_text(v[0], shape)} times weights {ws}"
+
+
+def _describe_matmul_scatter(v):
+    ndim = v[2]
+    return f"a {shape_text(v[0], v[3 : 3 + ndim])} times b {v[3 + ndim :]} scattered along dim {v[1]}"
+
+
+def _describe_dgrad(v):
+    return f"dgrad of {shape_text(v[0], v[2:])} along dim {v[1]}"
+
+
+for _label in ("all_gather_matmul", "all_gather_matmul.wgrad", "matmul_reduce_scatter.dgrad"):
+    register_format(_label, _describe_gather_matmul)
+register_format("matmul_reduce_scatter", _describe_matmul_scatter)
+register_format("all_gather_matmul.dgrad", _describe_dgrad)

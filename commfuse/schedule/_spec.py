@@ -1,0 +1,111 @@
+"""The algorithm grammar and the shard layout: said once, here, for ops, bench, sim and lowerings.
+
+``algorithm`` is written ``name[:N]``:
+
+=================  ===========================================================
+``auto``           the ops choose (``commfuse.runtime.calls``)
+``ring[:m]``       CommFuse: N - 1 point-to-point hops, each paired with one
+                   shard's compute; ``m`` slices per shard (the paper's m)
+``bidirectional``  the ring with half of every slice going each way round
+``serial[:m]``     the ring's hops and compute, with no overlap: each step
+                   waits for its transfers before it computes (a baseline
+                   that isolates the collective from the overlap)
+``sliced[:c]``     data slicing: ``c`` whole collectives (default 2)
+``vanilla``        one whole collective, then all the compute
+=================  ===========================================================
+
+Shards follow ``torch.tensor_split``: a dim of ``length`` over ``n`` ranks
+gives the first ``length % n`` ranks one more row (:func:`split_sizes`).
+Pure Python; imports no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.schedule._ir import Algorithm, Collective
+
+#: Every name the grammar knows, in the order the docs list them.
+ALGORITHM_NAMES = ("auto", "ring", "bidirectional", "serial", "sliced", "vanilla")
+#: Names whose ``:N`` is the number of slices per shard (the rest: ``sliced``'s chunks; none for others).
+_PARTED = ("ring", "bidirectional", "serial")
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One parsed ``algorithm`` string."""
+
+    name: str  #: one of :data:`ALGORITHM_NAMES`
+    parts: int = 1  #: slices per shard (ring, bidirectional, serial)
+    chunks: int = 1  #: whole collectives (sliced)
+
+    @property
+    def schedule_algorithm(self) -> str:
+        """The schedule this runs: ``serial`` walks the ring's schedule."""
+        return "ring" if self.name == "serial" else self.name
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a step's compute runs while its transfers fly (all but ``serial``)."""
+        return self.name != "serial"
+
+    @property
+    def shown(self) -> str:
+        """As a user writes it: ``ring``, ``ring:2``, ``sliced`` (2 chunks), ``sliced:4``."""
+        if self.name == "sliced":
+            return self.name if self.chunks == 2 else f"{self.name}:{self.chunks}"
+        return self.name if self.parts == 1 else f"{self.name}:{self.parts}"
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(text: str, collective: Collective | None) -> AlgorithmSpec:
+    name, _, count = text.partition(":")
+    if name not in ALGORITHM_NAMES:
+        raise CommfuseValueError(
+            f"unknown algorithm {text!r}; expected one of {', '.join(ALGORITHM_NAMES)} (optionally ':N')"
+        )
+    if collective is Collective.ALL_TO_ALL and name == "bidirectional":
+        raise CommfuseValueError("algorithm 'bidirectional' is not defined for all_to_all; it has ring, serial, "
+                                 "sliced, vanilla")
+    k = 0
+    if count:
+        if not count.isdigit() or int(count) < 1 or name in ("auto", "vanilla"):
+            raise CommfuseValueError(
+                f"bad algorithm {text!r}: only {', '.join(_PARTED)} and sliced take ':N' with N >= 1"
+            )
+        k = int(count)
+    if name == "sliced":
+        return AlgorithmSpec(name, 1, k or 2)
+    return AlgorithmSpec(name, k or 1, 1)
+
+
+def parse_algorithm(algorithm: str | Algorithm, collective: Collective | str | None = None) -> AlgorithmSpec:
+    """``"ring:2"`` -> ``AlgorithmSpec("ring", parts=2)``; ``"sliced"`` -> ``("sliced", chunks=2)``.
+
+    ``collective`` (when given) refuses what it does not define, such as a
+    bidirectional all-to-all. Raises ``CommfuseValueError`` naming the text.
+    """
+    text = algorithm.value if isinstance(algorithm, Algorithm) else algorithm
+    if not isinstance(text, str):
+        raise CommfuseTypeError(f"algorithm must be a string such as 'ring' or 'sliced:4', got {algorithm!r}")
+    if isinstance(collective, str):
+        collective = Collective(collective)
+    return _parse(text, collective)
+
+
+def split_sizes(length: int, n: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(x, n)`` along a dim of ``length``."""
+    base, extra = divmod(length, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of ``sizes`` starts when they are laid end to end."""
+    out, total = [], 0
+    for s in sizes:
+        out.append(total)
+        total += s
+    return out
