@@ -68,16 +68,26 @@ def _floor_rs(x, w, bufs, n):
     return acc
 
 
-def _per_call_us(fn, calls: int, rounds: int) -> float:
-    for _ in range(20):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def _per_call_us(candidates: dict, calls: int, rounds: int) -> dict[str, float]:
+    """Median over rounds of the mean us per call of each candidate; every round times every candidate,
+    in an order shuffled per round, so that load from elsewhere falls on all of them alike."""
+    import random
+
+    for fn in candidates.values():
+        for _ in range(20):
             fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    order = list(candidates)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn = candidates[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
@@ -95,7 +105,7 @@ def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
         rs_bufs = [torch.empty(m, f), torch.empty(m, f)]
         gathered = torch.empty(n * m, k)
         rs_out = torch.empty(m, f)
-        rows: dict[str, float] = {}
+        candidates = {}
 
         def torch_ag():
             dist.all_gather_into_tensor(gathered, a)
@@ -105,16 +115,15 @@ def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
             dist.reduce_scatter_tensor(rs_out, torch.matmul(x, w))
             return rs_out
 
-        rows["floor ring"] = _per_call_us(lambda: _floor_ring(a, w, out, bufs, n), calls, rounds)
-        rows["floor reduce-scatter"] = _per_call_us(lambda: _floor_rs(x, w, rs_bufs, n), calls, rounds)
-        rows["torch all_gather+mm"] = _per_call_us(torch_ag, calls, rounds)
-        rows["torch mm+reduce_scatter"] = _per_call_us(torch_rs, calls, rounds)
+        candidates["floor ring"] = lambda: _floor_ring(a, w, out, bufs, n)
+        candidates["floor reduce-scatter"] = lambda: _floor_rs(x, w, rs_bufs, n)
+        candidates["torch all_gather+mm"] = torch_ag
+        candidates["torch mm+reduce_scatter"] = torch_rs
+        for alg in ("ring", "vanilla", "auto"):
+            candidates[f"cf ag {alg}"] = lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False)
+            candidates[f"cf rs {alg}"] = lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False)
         with torch.no_grad():
-            for alg in ("ring", "vanilla", "auto"):
-                rows[f"cf ag {alg}"] = _per_call_us(
-                    lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False), calls, rounds)
-                rows[f"cf rs {alg}"] = _per_call_us(
-                    lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False), calls, rounds)
+            rows: dict = _per_call_us(candidates, calls, rounds)
         report: dict = {}
         cf.all_gather_matmul(a, w, algorithm="auto", check=False, report=report)
         rows["auto ag picks"] = report["algorithm"]

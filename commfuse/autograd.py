@@ -71,9 +71,14 @@ def all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
                 out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
     elif gathered is None and len(bs) == 1:
         b0, out0 = bs[0], outs[0]
+        direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in out0
 
         def consume(spans):
-            matmul_rows(out0, spans, gd, join(spans, gd), b0)
+            if len(spans) == 1:
+                torch.matmul(spans[0][2], b0, out=out0.narrow(gd, spans[0][0], spans[0][1])) if direct else \
+                    matmul_rows(out0, spans, gd, spans[0][2], b0)
+            else:
+                matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
     else:
         def consume(spans):
             piece = join(spans, gd)

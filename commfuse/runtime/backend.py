@@ -67,3 +67,9 @@ class Backend(Protocol):
 
     def empty(self, shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
         """A receive buffer on the backend's device."""
+
+
+# Optional: ``collective_into(kind, input, output) -> Handle`` runs one whole all-gather or reduce-scatter
+# over single tensors laid out rank by rank along dim 0 of the bigger one (torch's
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). Programs use it for ``vanilla`` over even shards,
+# where it saves the per-rank buffer lists and a concatenation; backends without it get ``collective``.

@@ -189,5 +189,22 @@ class C10dBackend:
             work = dist.all_to_all(list(outputs), list(inputs), group=g, async_op=True)
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
 
+    def collective_into(self, kind: Collective, input: torch.Tensor, output: torch.Tensor) -> _Handle:
+        """One whole all-gather or reduce-scatter over single tensors, rank by rank along dim 0 of the bigger
+        one (torch's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, sum); ``wait`` returns
+        ``[output]``."""
+        g = self.group
+        if not self._coalesce:
+            if kind is Collective.ALL_GATHER:
+                work = g._allgather_base(output, input)
+            else:
+                work = g._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
+            return _Handle([work], [output], (input, output))
+        if kind is Collective.ALL_GATHER:
+            work = dist.all_gather_into_tensor(output, input, group=g, async_op=True)
+        else:
+            work = dist.reduce_scatter_tensor(output, input, group=g, async_op=True)
+        return self._handle([work], [output], (input, output), f"the whole {kind.value}")
+
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)

@@ -325,6 +325,9 @@ class Program:
 
 _MODES = ("compute_only", "comm_only")
 _mode = threading.local()
+#: How many ``measure``/``record_events`` scopes are open in any thread: while none is, a call reads no
+#: thread-local state at all.
+_observers = [0]
 
 
 @contextlib.contextmanager
@@ -342,9 +345,11 @@ def measure(mode: str | None):
         raise CommfuseValueError(f"measure mode must be one of {_MODES} or None, got {mode!r}")
     previous = getattr(_mode, "value", None)
     _mode.value = mode
+    _observers[0] += 1
     try:
         yield
     finally:
+        _observers[0] -= 1
         _mode.value = previous
 
 
@@ -360,9 +365,11 @@ def record_events():
     previous = getattr(_mode, "events", None)
     events: list[dict] = []
     _mode.events = events
+    _observers[0] += 1
     try:
         yield events
     finally:
+        _observers[0] -= 1
         _mode.events = previous
 
 
@@ -386,12 +393,11 @@ def _done_collective(kind, inputs, outputs):
     return _Done(outputs)
 
 
+def _done_into(kind, input, output):
+    return _Done([output])
+
+
 _NULL = contextlib.nullcontext()
-
-
-def profiling() -> bool:
-    """Whether a torch profiler is recording: step annotations cost nothing when none is."""
-    return torch.autograd.profiler._is_profiler_enabled
 
 
 def _trace_enabled() -> bool:
@@ -411,7 +417,7 @@ class Plan:
     """
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
-                 "name", "traced", "rank")
+                 "name", "traced", "rank", "checks", "begin", "trace", "steps")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -428,6 +434,12 @@ class Plan:
         self.name = f"commfuse.{label}.{schedule.algorithm.value if overlap else 'serial'}"
         # A traced backend (XLA) cannot compare values on the host without executing the graph mid-trace.
         self.traced = getattr(getattr(backend, "capabilities", None), "execution", "eager") == "traced"
+        #: whether this plan's calls are ever checked (then: the first, after a failure, or always)
+        self.checks = (check != "off" and not self.traced and schedule.world_size > 1
+                       and self.compiled.communicates)
+        self.begin = getattr(backend, "begin_call", None)
+        self.trace = _trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
+        self.steps = self.compiled.steps
 
     def fingerprint(self, program: Program, seq: int) -> list[int]:
         s = self.schedule
@@ -505,7 +517,24 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
         seq = state.seq
         state.seq = seq + 1
         try:
-            _run(plan, program, seq, events)
+            mode = None
+            if _observers[0]:
+                mode = getattr(_mode, "value", None)
+                if events is None:
+                    events = getattr(_mode, "events", None)
+            begin = plan.begin
+            if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
+                if begin is not None:
+                    begin(None)
+                _check_fingerprint(plan, program, seq)
+                plan.checked = True
+                state.dirty = False
+            if begin is not None:
+                begin(seq % SEQUENCE_WRAP)
+            if mode is None and events is None and not plan.trace and not _profiler_on():
+                _run(plan, program)
+            else:
+                _run_observed(plan, program, mode, events)
         except BaseException:
             state.dirty = True
             raise
@@ -514,58 +543,49 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
         state.lock.release()
 
 
-def _run(plan: Plan, program: Program, seq: int, events: list | None) -> None:
-    backend = plan.backend
-    rank = plan.rank
-    timeout = plan.timeout
-    mode = getattr(_mode, "value", None)
-    if events is None:
-        events = getattr(_mode, "events", None)
-    begin = getattr(backend, "begin_call", None)
-    need_check = (
-        plan.check != "off" and mode is None and not plan.traced and plan.schedule.world_size > 1
-        and plan.compiled.communicates
-        and (not plan.checked or plan.state.dirty or plan.check == "always")
-    )
-    if need_check:
-        if begin is not None:
-            begin(None)
-        _check_fingerprint(plan, program, seq)
-        plan.checked = True
-        plan.state.dirty = False
-    if begin is not None:
-        begin(seq % SEQUENCE_WRAP)
-    post = backend.post if mode != "compute_only" else _done_post
-    run_collective = backend.collective if mode != "compute_only" else _done_collective
-    compute = program.compute if mode != "comm_only" else program.skip
-    overlap = plan.overlap
-    prof = profiling()
-    trace = events is not None or _trace_enabled()
-    if prof or trace:
-        return _run_observed(plan, program, post, run_collective, compute, prof, events)
-    payload, buffer, land = program.payload, program.buffer, program.land
-    for st in plan.compiled.steps:
-        pending = None
+def _profiler_on() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+def _run(plan: Plan, program: Program) -> None:
+    """The steps, with nothing observed: the lean loop every plain call takes."""
+    backend, timeout, overlap = plan.backend, plan.timeout, plan.overlap
+    post = backend.post
+    payload, buffer, land, compute = program.payload, program.buffer, program.land, program.compute
+    for st in plan.steps:
         if st.p2p:
             recvs = [(t, buffer(s)) for t, s in st.recvs]
             try:
                 handle = post([(t, payload(s)) for t, s in st.sends], recvs)
             except Exception as e:
                 raise _posting_error(plan, st, None, e) from e
-            pending = [(handle, None, st.recvs)]
-        if st.collectives:
-            pending = pending or []
-            for call in st.collectives:
-                inputs, outputs, finish = program.collective_io(call)
+            if st.collectives:
+                pending = [(handle, None, st.recvs)]
+                _post_collectives(plan, st, program, backend.collective, pending)
+            elif overlap:
+                if st.compute:
+                    try:
+                        compute(st.compute)
+                    except BaseException:
+                        _drain(((handle, None, None),), timeout)
+                        raise
                 try:
-                    pending.append((run_collective(call.collective, inputs, outputs), finish, call))
-                except Exception as e:
-                    _drain(pending, timeout)
-                    raise _posting_error(plan, st, call, e) from e
-        if pending is None:
+                    got = handle.wait(timeout)
+                except BaseException as e:
+                    raise _waiting_error(plan, st, None, e) from e
+                for (t, s), tensor in zip(st.recvs, got):
+                    land(s, tensor)
+                pending = None
+            else:
+                pending = [(handle, None, st.recvs)]
+        elif st.collectives:
+            pending = []
+            _post_collectives(plan, st, program, backend.collective, pending)
+        else:
+            pending = None
             if st.compute:
                 compute(st.compute)
-        else:
+        if pending is not None:
             if overlap and st.compute:
                 try:
                     compute(st.compute)
@@ -579,6 +599,23 @@ def _run(plan: Plan, program: Program, seq: int, events: list | None) -> None:
             program.add(s)
         for s in st.release:
             program.release(s)
+
+
+def _post_collectives(plan: Plan, st: CStep, program: Program, run_collective, pending: list,
+                      run_into=None) -> None:
+    """Post the step's whole collectives; a program that gives single tensors (not lists) runs them with
+    the backend's ``collective_into``."""
+    for call in st.collectives:
+        inputs, outputs, finish = program.collective_io(call)
+        try:
+            if isinstance(outputs, torch.Tensor):
+                into = run_into or plan.backend.collective_into
+                pending.append((into(call.collective, inputs, outputs), finish, call))
+            else:
+                pending.append((run_collective(call.collective, inputs, outputs), finish, call))
+        except Exception as e:
+            _drain(pending, plan.timeout)
+            raise _posting_error(plan, st, call, e) from e
 
 
 def _wait_all(plan: Plan, st: CStep, pending, land, timeout: float) -> None:
@@ -628,12 +665,16 @@ def _waiting_error(plan: Plan, st: CStep, call, e: BaseException) -> BaseExcepti
     )
 
 
-def _run_observed(plan: Plan, program: Program, post, run_collective, compute, prof: bool,
-                  events: list | None) -> None:
-    """:func:`_run`'s loop with profiler annotations, per-step timings and the trace log (slower)."""
+def _run_observed(plan: Plan, program: Program, mode: str | None, events: list | None) -> None:
+    """:func:`_run`'s loop with measurement modes, profiler annotations, per-step timings and the trace log."""
+    backend = plan.backend
+    post = backend.post if mode != "compute_only" else _done_post
+    run_collective = backend.collective if mode != "compute_only" else _done_collective
+    compute = program.compute if mode != "comm_only" else program.skip
+    prof = _profiler_on()
     name, rank, timeout, overlap = plan.name, plan.rank, plan.timeout, plan.overlap
     tags = {"label": plan.label, "algorithm": plan.schedule.algorithm.value if overlap else "serial"}
-    trace = _trace_enabled()
+    trace = plan.trace
     clock = time.perf_counter
     for st in plan.compiled.steps:
         with (record_function(f"{name}.step{st.index}") if prof else _NULL):
@@ -645,13 +686,9 @@ def _run_observed(plan: Plan, program: Program, post, run_collective, compute, p
                     pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
                 except Exception as e:
                     raise _posting_error(plan, st, None, e) from e
-            for call in st.collectives:
-                inputs, outputs, finish = program.collective_io(call)
-                try:
-                    pending.append((run_collective(call.collective, inputs, outputs), finish, call))
-                except Exception as e:
-                    _drain(pending, timeout)
-                    raise _posting_error(plan, st, call, e) from e
+            if st.collectives:
+                _post_collectives(plan, st, program, run_collective, pending,
+                                  _done_into if mode == "compute_only" else None)
             t1 = clock()
             if not overlap:
                 _wait_all(plan, st, pending, program.land, timeout)

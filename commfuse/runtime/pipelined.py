@@ -102,11 +102,12 @@ def write_rows(out: torch.Tensor, spans, dim: int, value: torch.Tensor) -> None:
         out.narrow(dim, start, size).copy_(part)
 
 
-def matmul_rows(out: torch.Tensor, spans, dim: int, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out[rows of spans] = a @ b``, straight into ``out`` when the rows are one contiguous block."""
+def matmul_rows(out: torch.Tensor, spans, dim: int, a: torch.Tensor, b: torch.Tensor, direct: bool = False) -> None:
+    """``out[rows of spans] = a @ b``, straight into ``out`` when the rows are one contiguous block
+    (``direct``: the caller knows every block of rows along ``dim`` of ``out`` is contiguous)."""
     if len(spans) == 1 or consecutive(spans):
         region = out.narrow(dim, spans[0][0], a.shape[dim])
-        if region.is_contiguous():
+        if direct or region.is_contiguous():
             torch.matmul(a, b, out=region)
             return
     write_rows(out, spans, dim, torch.matmul(a, b))
@@ -141,13 +142,21 @@ def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int]
     start, size = layout.start, layout.size
 
     def on_step(slots, tensors):
-        if len(slots) == 1:
+        if tensors is None:  # every shard, gathered rank by rank into one tensor (n, *shard)
+            whole = program.whole  # (n * rows, ...): the gathered tensor itself when gathering dim 0
+            if dim == 0:
+                consume([(0, layout.total, whole)])
+            else:
+                per_rank = whole.view(layout.stacked)
+                consume([(start[s], size[s], per_rank[q]) for q, s in enumerate(slots)])
+        elif len(slots) == 1:
             s = slots[0]
             consume([(start[s], size[s], tensors[0])])
         else:
             consume([(start[s], size[s], t) for s, t in zip(slots, tensors)])
 
-    execute(plan, GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta))
+    program = GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta, whole_ok=True)
+    execute(plan, program)
 
 
 def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole: bool = True) -> tuple:

@@ -80,8 +80,13 @@ class _Pool:
         stack = self.free.get(key)
         return stack.pop() if stack else self.backend.empty(key[0], key[1])
 
-    def put(self, tensor: torch.Tensor) -> None:
-        stack = self.free.setdefault((tuple(tensor.shape), tensor.dtype), [])
+    def put(self, tensor: torch.Tensor, key: tuple | None = None) -> None:
+        """Give ``tensor`` back; ``key`` is its (shape tuple, dtype) when the caller knows it."""
+        if key is None:
+            key = (tuple(tensor.shape), tensor.dtype)
+        stack = self.free.get(key)
+        if stack is None:
+            stack = self.free[key] = []
         if len(stack) < self.MAX_FREE:
             stack.append(tensor)
 
@@ -122,6 +127,20 @@ class _SlotLayout:
             self.start[s] = shard_offsets[owner] + self.local[s]
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
+        # One whole collective over equal shards (vanilla) can run into/from one tensor, rank by rank along
+        # dim 0 (``collective_into``), when the backend has it: no per-rank buffer lists, no concatenation.
+        self.into = schedule.algorithm.value == "vanilla" and len(set(self.shard_sizes)) == 1 and not by_source
+        shard_shape = _shape_with(shape, dim, self.shard_sizes[0])
+        # the whole of a collective_into: every rank's shard stacked along dim 0, as torch's *_into_tensor want
+        self.whole_key = ((self.n * shard_shape[0], *shard_shape[1:]), dtype) if shard_shape else ((), dtype)
+        self.stacked = (self.n, *shard_shape)
+        # the slots of every rank's shard in chunk ``part`` (whole collectives), by part
+        slot = compiled.slot
+        if by_source:
+            self.part_slots = {}
+        else:
+            self.part_slots = {part: [slot[SliceId(q, part)] for q in range(self.n)]
+                               for part in range(schedule.splits) if SliceId(0, part) in slot}
 
 
 class GatherLayout(_SlotLayout):
@@ -194,8 +213,9 @@ class GatherProgram(_Consuming, _Base):
     collective = Collective.ALL_GATHER
 
     def __init__(self, layout: GatherLayout, pool: _Pool, shard: torch.Tensor, consume: Callable, *,
-                 keep: bool, meta: list[int]) -> None:
+                 keep: bool, meta: list[int], whole_ok: bool = False) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
+        self.whole_ok = whole_ok  # consume(slots, None) means "every shard, in self.whole"
         held: list = [None] * len(layout.size)
         own = layout.own
         if len(own) == 1:
@@ -204,11 +224,32 @@ class GatherProgram(_Consuming, _Base):
             for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
                 held[s] = p.contiguous()
         self.held = held
+        self.narrowed = False  # a whole collective over uneven shards left views in ``held``
+        self.whole = None  # the gathered tensor, (n, *shard) rank by rank, after a collective_into
+        self.into = layout.into and hasattr(pool.backend, "collective_into")
+
+    def compute(self, slots):
+        if self.whole_ok and self.whole is not None and len(slots) == self.layout.n:
+            self.consume(slots, None)  # every shard at once, from self.whole (see gather_spans)
+            return
+        held = self.held
+        self.consume(slots, [held[s] for s in slots])
 
     def collective_io(self, call):
         layout, part = self.layout, call.part
-        slot = layout.compiled.slot
-        slots = [slot[SliceId(q, part)] for q in range(layout.n)]
+        if self.into:
+            whole = self.pool.get(layout.whole_key)
+            mine = self.held[layout.own[0]]
+
+            def finish_into(got):
+                self.whole = got[0]
+                self.narrowed = True  # held now has views of the whole: it goes back to the pool as one
+                per_rank = got[0].view(layout.stacked)
+                for q, s in enumerate(layout.part_slots[part]):
+                    self.held[s] = per_rank[q]
+
+            return mine, whole, finish_into
+        slots = layout.part_slots[part]
         sizes = [layout.size[s] for s in slots]
         biggest = max(sizes)
         mine = slots[layout.rank]
@@ -218,8 +259,11 @@ class GatherProgram(_Consuming, _Base):
             for q, (s, tensor) in enumerate(zip(slots, got)):
                 if q == layout.rank:
                     self.pool.put(tensor)
+                elif sizes[q] == biggest:
+                    self.held[s] = tensor
                 else:
-                    self.held[s] = tensor if sizes[q] == biggest else tensor.narrow(layout.dim, 0, sizes[q])
+                    self.held[s] = tensor.narrow(layout.dim, 0, sizes[q])
+                    self.narrowed = True
 
         return [_pad(self.held[mine], layout.dim, biggest)], outputs, finish
 
@@ -227,8 +271,12 @@ class GatherProgram(_Consuming, _Base):
         if not self.keep and s not in self.layout.own_set:
             t = self.held[s]
             self.held[s] = None
-            if t is not None and t.is_contiguous():
-                self.pool.put(t)
+            if self.whole is not None:
+                whole, self.whole = self.whole, None
+                if not self.keep:
+                    self.pool.put(whole, self.layout.whole_key)
+            elif t is not None and not self.narrowed:
+                self.pool.put(t, self.layout.key[s])
 
 
 def _shape_key(key: tuple, dim: int, size: int) -> tuple:
@@ -296,13 +344,22 @@ class ReduceScatterProgram(_Base):
             self.sums[s].add_(received)
         else:
             self.sums[s] = self.sums[s] + received
-        if received.is_contiguous():
-            self.pool.put(received)
+        self.pool.put(received, self.layout.key[s])
 
     def collective_io(self, call):
         layout, part = self.layout, call.part
-        slot = layout.compiled.slot
-        slots = [slot[SliceId(d, part)] for d in range(layout.n)]
+        slots = layout.part_slots[part]
+        if layout.into and hasattr(self.pool.backend, "collective_into"):
+            mine = slots[layout.rank]
+            stacked = _stacked([self.sums[s] for s in slots]).view(layout.whole_key[0])
+            out = self.pool.get(layout.key[mine])
+
+            def finish_into(got):
+                for s in slots:
+                    self.sums[s] = None
+                self.sums[mine] = got[0]
+
+            return stacked, out, finish_into
         sizes = [layout.size[s] for s in slots]
         biggest = max(sizes)
         mine = slots[layout.rank]
@@ -325,6 +382,20 @@ class ReduceScatterProgram(_Base):
         return [self.sums[s] for s in self.layout.own]
 
 
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(parts)``, without the copy when they already lie end to end in one contiguous tensor
+    (the partials of a vanilla matmul + reduce-scatter are views of one product)."""
+    base = parts[0]._base
+    if base is not None and base.is_contiguous() and all(p._base is base and p.is_contiguous() for p in parts):
+        step = parts[0].numel()
+        start = parts[0].data_ptr()
+        size = parts[0].element_size()
+        if base.data_ptr() == start and base.numel() == step * len(parts) and all(
+                p.data_ptr() == start + i * step * size for i, p in enumerate(parts)):
+            return base.view(len(parts), *parts[0].shape)
+    return torch.stack(parts)
+
+
 class AllToAllLayout(_SlotLayout):
     """All-to-all of blocks of one ``shape`` per destination, cut along ``dim``."""
 
@@ -335,6 +406,11 @@ class AllToAllLayout(_SlotLayout):
         self.outgoing = [compiled.slots_of(d, rank) for d in range(n)]  # my block for d, slice by slice
         self.cuts = offsets(split_sizes(shape[dim], compiled.schedule.pieces))[1:]
         self.source = [x.source for x in compiled.slices]
+        slot = compiled.slot
+        # whole collectives, by part: (my block for every d, every q's block for me)
+        self.part_slots = {part: ([slot[SliceId(d, part, 0, rank)] for d in range(n)],
+                                  [slot[SliceId(rank, part, 0, q)] for q in range(n)])
+                           for part in range(compiled.schedule.splits) if SliceId(0, part, 0, rank) in slot}
 
 
 class AllToAllProgram(_Consuming, _Base):
@@ -357,9 +433,8 @@ class AllToAllProgram(_Consuming, _Base):
 
     def collective_io(self, call):
         layout, part, rank = self.layout, call.part, self.layout.rank
-        slot = layout.compiled.slot
-        inputs = [self.held[slot[SliceId(d, part, 0, rank)]] for d in range(layout.n)]
-        incoming = [slot[SliceId(rank, part, 0, q)] for q in range(layout.n)]
+        outgoing, incoming = layout.part_slots[part]
+        inputs = [self.held[s] for s in outgoing]
         outputs = [self.pool.get(layout.key[s]) for s in incoming]
 
         def finish(got):
