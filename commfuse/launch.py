@@ -4,9 +4,13 @@ The parent process owns the rendezvous ``TCPStore`` on a port the kernel
 picks (port 0), so concurrent launches never race for a port; the children
 join it as clients. Every child sets ``torch.set_num_threads(threads)``,
 initialises the process group, runs ``fn(rank, world_size, *args)`` and sends
-back its result or its traceback. The parent waits at most ``timeout``
-seconds, then kills every child that is still running and says which ranks
-did not finish: a launch never hangs and never leaves processes behind.
+back its result or its traceback *before* tearing the group down. The teardown
+gets :data:`TEARDOWN_S` seconds; past that, or if a step of it failed, the rank
+exits at once with ``os._exit``: a gloo thread stuck in a collective that a
+peer abandoned keeps ``destroy_process_group`` (and a group left alive keeps
+the interpreter's exit) waiting until the group's own timeout. The parent
+waits at most ``timeout`` seconds, then kills every child that is still
+running and says which ranks did not finish: a launch never hangs and never leaves processes behind.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import datetime
 import multiprocessing as mp
 import os
 import queue as queue_module
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -31,8 +37,63 @@ class LaunchError(CommfuseError, RuntimeError):
         self.failures = failures
 
 
+#: Seconds a rank gives its teardown (``destroy_process_group`` and friends) after it has reported. A gloo
+#: worker thread stuck in a collective that a peer abandoned keeps destroy waiting until the group's own
+#: timeout; past this bound the rank exits without it (its result is already with the parent).
+TEARDOWN_S = 5.0
+
+
+def _report(results, rank: int, ok: bool, value: Any) -> None:
+    """Put ``(rank, ok, value)`` on the queue and wait until it is written to the pipe."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(value)  # the queue pickles in its feeder thread, which would drop it silently
+    except Exception as e:  # noqa: BLE001 - reported instead of the value
+        ok, value = False, f"the result of rank {rank} cannot be sent back ({type(e).__name__}: {e})"
+    results.put((rank, ok, value))
+    results.close()
+    results.join_thread()  # flushed now: nothing later (a hung teardown, os._exit) can lose it
+
+
+def _teardown() -> bool:
+    """Release the backends and destroy the process group within :data:`TEARDOWN_S`; whether all of it worked.
+
+    Each step is tried even when an earlier one failed. When one failed or
+    destroy is still waiting, the group may still be alive, and its destructor
+    would block the interpreter's exit the same way: the caller exits hard.
+    """
+    clean = []
+
+    def work() -> None:
+        import gc
+
+        import torch.distributed as dist
+
+        ok = True
+        try:
+            from commfuse.ops import release_backends
+
+            release_backends()  # a backend kept past destroy can abort the process at exit
+        except Exception:  # noqa: BLE001
+            ok = False
+        gc.collect()
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a failed rank may leave the group unusable
+            ok = False
+        clean.append(ok)
+
+    thread = threading.Thread(target=work, name="commfuse-launch-teardown", daemon=True)
+    thread.start()
+    thread.join(TEARDOWN_S)
+    return clean == [True]
+
+
 def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> None:
     os.environ.update(env)
+    initialised = False
     try:
         import torch
         import torch.distributed as dist
@@ -42,22 +103,21 @@ def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> 
                               timeout=datetime.timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            try:
-                import gc
-
-                from commfuse.ops import release_backends
-
-                release_backends()  # a backend kept past destroy can abort the process at exit
-                gc.collect()
-                dist.destroy_process_group()
-            except Exception:  # a failed rank may leave the group unusable
-                pass
-        results.put((rank, True, value))
+        initialised = True
+        ok, value = True, fn(rank, world_size, *args)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        ok, value = False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    # Report first: tearing down can block on a collective a peer abandoned (gloo waits for its worker threads).
+    _report(results, rank, ok, value)
+    if initialised and not _teardown():
+        # destroy is stuck in (or failed beside) a collective a peer abandoned; the parent already has this
+        # rank's result, and a peer waiting on this process's sockets is released only by its exit
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(0)
 
 
 def launch(
