@@ -264,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
                 "--link-rate shapes this machine's loopback for the ranks the benchmark launches itself; under "
                 "torchrun the ranks use the real network: drop --link-rate"
             )
+        # inside() checks the namespaces themselves (this process's against its parent's), so copied or stale
+        # variables never make a run shape a loopback it did not create: such a run re-executes like any other
         if netns.inside() != config.link_rate:
             return netns.reexec(to_argv(args), config.link_rate)
         shown = netns.shape_loopback(config.link_rate)
