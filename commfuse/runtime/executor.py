@@ -20,10 +20,11 @@ Rules every call follows, whatever the backend (see ``docs/reliability.md``):
   flight, instead of mixing the two calls' messages.
 * **Calls are numbered.** Every call on a group takes the group's next
   sequence number, on every rank, also a call that fails validation before it
-  communicates. Backends that match tags fold it into them
-  (``begin_call``), so a call can only ever pair with the same call on its
-  peers; the fingerprint carries it, so a rank that skipped or added a call is
-  named.
+  communicates. Backends that match tags (gloo) fold it, with a digest of the
+  call's signature, into them (``begin_call``), so a message can only pair
+  with the same call of the same signature on its peer; the fingerprint
+  carries the number, so a rank that skipped or added a call is named. NCCL
+  does not match tags: there the check after a failed call does this work.
 * **Check once.** The fingerprint (collective, algorithm, shapes, dtypes,
   sequence number) is all-gathered around the ring on the first call of each
   signature, on the first call after any call on the group failed, and on
@@ -417,7 +418,7 @@ class Plan:
     """
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
-                 "name", "traced", "rank", "checks", "begin", "trace", "steps")
+                 "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -440,6 +441,18 @@ class Plan:
         self.begin = getattr(backend, "begin_call", None)
         self.trace = _trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
         self.steps = self.compiled.steps
+        self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag
+
+    def tag_number(self, program: Program, seq: int) -> int:
+        """What this call's tags carry: the call number, offset by a digest of the signature, so that a
+        message can only pair with the same call of the same signature on its peer."""
+        digest = self.digest
+        if digest is None:
+            import zlib
+
+            values = self.fingerprint(program, 0)
+            digest = self.digest = zlib.crc32(repr(values[2:]).encode())
+        return (seq + digest) % SEQUENCE_WRAP
 
     def fingerprint(self, program: Program, seq: int) -> list[int]:
         s = self.schedule
@@ -530,7 +543,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
                 plan.checked = True
                 state.dirty = False
             if begin is not None:
-                begin(seq % SEQUENCE_WRAP)
+                begin(plan.tag_number(program, seq))
             if mode is None and events is None and not plan.trace and not _profiler_on():
                 _run(plan, program)
             else:
@@ -651,9 +664,13 @@ def _posting_error(plan: Plan, st: CStep, call, e: Exception) -> CommunicationEr
 
 def _waiting_error(plan: Plan, st: CStep, call, e: BaseException) -> BaseException:
     if isinstance(e, TimeoutError):
+        hint = ""
+        if plan.check != "always":
+            hint = (" (if the ranks may have called different ops or shapes, COMMFUSE_CHECK=always compares "
+                    "them on every call and names the difference)")
         return CommfuseTimeoutError(
             f"rank {plan.rank} timed out after {plan.timeout:g} s in step {st.index} of {plan.label} "
-            f"({plan.schedule.describe()}) waiting for {_what(st.step, call)}: {e}"
+            f"({plan.schedule.describe()}) waiting for {_what(st.step, call)}{hint}: {e}"
         )
     if isinstance(e, CommunicationError):
         return e
@@ -779,7 +796,9 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
             raise CommfuseTimeoutError(
                 f"rank {rank} timed out after {timeout:g} s in the call check of {plan.label} "
                 f"({plan.schedule.describe()}, call #{seq} on {plan.state.name}), waiting for rank {prv} to pass on "
-                f"rank {recv_row}'s fingerprint (hop {k + 1} of {n - 1}): a rank did not enter the same op"
+                f"rank {recv_row}'s fingerprint (hop {k + 1} of {n - 1}): a rank did not enter the same op (ranks "
+                "that had checked their call's signature before do not check it again: COMMFUSE_CHECK=always "
+                "makes every call compare)"
             ) from e
         except Exception as e:
             raise CommunicationError(
