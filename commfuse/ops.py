@@ -254,9 +254,11 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
         slice_bytes *= 1 if i == gd else d
     flops = 2.0 * slice_bytes / a.element_size() * sum(bi.shape[1] for bi in bs)
     said: dict = {}
+    native, algorithm = _native(be, "all_gather_matmul", algorithm, said, a_shard=a, bs=bs, gather_dim=gd,
+                                return_gathered=return_gathered, gathered_size=gathered_size, group=group)
     call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=be if be is not None else backend,
                         device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
-                        report=said)
+                        report=None if native else said)
     keep = keep_gathered or return_gathered
 
     if call is None:
@@ -268,6 +270,10 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
     else:
         def run(a, b):
             bs = [b] if single else list(b)
+            got = None if native is None else native(a, bs)  # None: gradients wanted, the ring runs
+            if got is not None:
+                results = got[1][0] if single else list(got[1])
+                return (got[0], results) if return_gathered else results
             if torch.is_grad_enabled() and (a.requires_grad or any(bi.requires_grad for bi in bs)):
                 if contraction:
                     raise CommfuseValueError(
@@ -283,6 +289,52 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
 
     run.report = said
     return run
+
+
+def _native(be, op: str, algorithm, said: dict, **signature):
+    """The backend's own fused kernel for this call signature, if it declares ``op`` and the call qualifies
+    (``algorithm`` "native" or "auto"); else None. Returns (runner or None, the algorithm the ring takes:
+    ``auto``'s own choice when the kernel is taken, since a call that wants gradients still runs the ring).
+
+    "native" that does not qualify raises, naming why; autograd never takes the kernel (it has none).
+    """
+    spec = parse_algorithm(algorithm)
+    if spec.name not in ("native", "auto"):
+        return None, algorithm
+    fallback = "auto"
+    caps = getattr(be, "capabilities", None)
+    declared = be is not None and op in getattr(caps, "native_fused_ops", ()) and hasattr(be, "native_op")
+    if be is None or be.world_size == 1 or not declared:
+        if spec.name == "native":
+            what = "no backend (a single process)" if be is None else (
+                f"backend {getattr(be, 'name', be)!r} declares no native {op}")
+            raise CommfuseValueError(f"algorithm 'native' for {op}: {what}; use ring, bidirectional or auto")
+        return None, algorithm
+    runner, reason = be.native_op(op, **signature)
+    if runner is None:
+        if spec.name == "native":
+            raise CommfuseValueError(f"algorithm 'native' for {op}: the call does not qualify: {reason}")
+        return None, algorithm
+    said.update(algorithm="native", reason=reason, world_size=be.world_size)
+
+    def run(*tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _flat_tensors(tensors)):
+            if spec.name == "native":
+                raise CommfuseValueError(
+                    f"algorithm 'native' for {op}: the backend's fused kernel has no backward; run it under "
+                    "torch.no_grad() or take 'auto' (which runs the ring when gradients are wanted)")
+            return None
+        return runner(*tensors)
+
+    return run, fallback
+
+
+def _flat_tensors(items):
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        else:
+            yield from item
 
 
 # -- matmul_reduce_scatter ---------------------------------------------------
@@ -356,10 +408,12 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
     for i, d in enumerate(out_shape):
         per_rank *= sizes[0] if i == sd else d
     said: dict = {}
+    native, algorithm = _native(be, "matmul_reduce_scatter", algorithm, said, a=a, b=b, scatter_dim=sd,
+                                reduce_op=reduce_op, group=group)
     call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group,
                         backend=be if be is not None else backend, device=a.device,
                         slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
-                        timeout=timeout, check=check, report=said)
+                        timeout=timeout, check=check, report=None if native else said)
     avg = reduce_op == "avg"
     last = sd == len(out_shape) - 1
 
@@ -368,6 +422,9 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
             return torch.matmul(a, b)
     else:
         def run(a, b):
+            got = None if native is None else native(a, b)  # None: gradients wanted, the ring runs
+            if got is not None:
+                return got
             if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
                 if last:
                     raise CommfuseValueError(

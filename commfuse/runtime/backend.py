@@ -73,3 +73,10 @@ class Backend(Protocol):
 # over single tensors laid out rank by rank along dim 0 of the bigger one (torch's
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). Programs use it for ``vanilla`` over even shards,
 # where it saves the per-rank buffer lists and a concatenation; backends without it get ``collective``.
+#
+# Optional: ``native_op(op, **signature) -> (runner or None, reason)`` offers the backend's own fused kernel
+# for a whole op named in ``capabilities.native_fused_ops`` ("all_gather_matmul", "matmul_reduce_scatter").
+# The ops ask once per call signature, when ``algorithm`` is "native" or "auto"; ``signature`` holds example
+# tensors and the op's options (see ``commfuse.ops``); ``runner(*tensors)`` must return what the op returns
+# without it (all_gather_matmul: ``(gathered or None, [a @ b for b in bs])``; matmul_reduce_scatter: the
+# reduced shard). ``reason`` says why the call does or does not qualify; it reaches ``report``.

@@ -122,6 +122,11 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
 
 def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check):
     spec = parse_algorithm(algorithm, collective)
+    if spec.name == "native":
+        raise CommfuseValueError(
+            "algorithm 'native' (a backend's own fused kernel) exists for all_gather_matmul and "
+            "matmul_reduce_scatter only; give ring, bidirectional, serial, sliced, vanilla or auto"
+        )
     seconds = resolve_timeout(timeout)
     mode = check_mode(check)
     from commfuse import backends

@@ -12,6 +12,10 @@
                    that isolates the collective from the overlap)
 ``sliced[:c]``     data slicing: ``c`` whole collectives (default 2)
 ``vanilla``        one whole collective, then all the compute
+``native``         the backend's own fused kernel for the whole op (torch
+                   symmetric memory on CUDA, MC2 on Ascend), where the
+                   backend declares one and the call qualifies; the fused
+                   matmul ops only
 =================  ===========================================================
 
 Shards follow ``torch.tensor_split``: a dim of ``length`` over ``n`` ranks
@@ -29,7 +33,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.schedule._ir import Algorithm, Collective
 
 #: Every name the grammar knows, in the order the docs list them.
-ALGORITHM_NAMES = ("auto", "ring", "bidirectional", "serial", "sliced", "vanilla")
+ALGORITHM_NAMES = ("auto", "ring", "bidirectional", "serial", "sliced", "vanilla", "native")
 #: Names whose ``:N`` is the number of slices per shard (the rest: ``sliced``'s chunks; none for others).
 _PARTED = ("ring", "bidirectional", "serial")
 
@@ -72,7 +76,7 @@ def _parse(text: str, collective: Collective | None) -> AlgorithmSpec:
                                  "sliced, vanilla")
     k = 0
     if count:
-        if not count.isdigit() or int(count) < 1 or name in ("auto", "vanilla"):
+        if not count.isdigit() or int(count) < 1 or name in ("auto", "vanilla", "native"):
             raise CommfuseValueError(
                 f"bad algorithm {text!r}: only {', '.join(_PARTED)} and sliced take ':N' with N >= 1"
             )
