@@ -23,8 +23,12 @@ from commfuse.runtime.pipelined import (
     gather_spans,
     join,
     matmul_rows,
+    prepare_gather,
+    prepare_scatter,
     produce_reduce_scatter_core,
     rows_of,
+    run_gather,
+    run_scatter,
     scatter_spans,
     write_rows,
 )
@@ -32,8 +36,8 @@ from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
 __all__ = [
-    "all_gather_matmul_fn", "all_gather_matmul_forward", "matmul_reduce_scatter_fn", "matmul_reduce_scatter_forward",
-    "produce_reduce_scatter_fn",
+    "all_gather_matmul_fn", "all_gather_matmul_forward", "all_gather_matmul_planned", "matmul_reduce_scatter_fn",
+    "matmul_reduce_scatter_forward", "matmul_reduce_scatter_planned", "produce_reduce_scatter_fn",
 ]
 
 
@@ -49,69 +53,96 @@ def _ag_meta(a: torch.Tensor, bs, gd: int, total: int):
 
 def all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
     """The forward of :func:`commfuse.all_gather_matmul` on ``call``'s backend; returns (gathered or None, outputs)."""
+    return all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)(a, bs)
+
+
+def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
+    """:func:`all_gather_matmul_forward` planned for the signature of ``a`` and ``bs``: what does not change
+    from call to call (output shapes, the ring's plan and layout) is decided here, once; the function
+    returned runs one call ``(a, bs) -> (gathered or None, outputs)``."""
     total = sum(sizes)
     contraction = gd == a.ndim - 1
     lead = list(a.shape[:-1])
     if not contraction:
         lead[gd] = total
     make = torch.zeros if contraction else torch.empty
-    outs = [make(lead + [bi.shape[1]], dtype=a.dtype, device=a.device) for bi in bs]
-    gathered = None
-    if return_gathered:
-        full_a = list(a.shape)
-        full_a[gd] = total
-        gathered = torch.empty(full_a, dtype=a.dtype, device=a.device)
+    out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
+    full_a = list(a.shape)
+    full_a[gd] = total
+    dtype, device = a.dtype, a.device
+    direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in the outputs
+    prepared = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul", _ag_meta(a, bs, gd, total))
 
-    if contraction:
-        def consume(spans):
-            piece = join(spans, gd)
-            if gathered is not None:
-                write_rows(gathered, spans, gd, piece)
-            for bi, out in zip(bs, outs):
-                out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
-    elif gathered is None and len(bs) == 1:
-        b0, out0 = bs[0], outs[0]
-        direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in out0
+    def forward(a, bs):
+        outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
+        gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
+        if contraction:
+            def consume(spans):
+                piece = join(spans, gd)
+                if gathered is not None:
+                    write_rows(gathered, spans, gd, piece)
+                for bi, out in zip(bs, outs):
+                    out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
+        elif gathered is None and len(bs) == 1:
+            b0, out0 = bs[0], outs[0]
 
-        def consume(spans):
-            if len(spans) == 1:
-                torch.matmul(spans[0][2], b0, out=out0.narrow(gd, spans[0][0], spans[0][1])) if direct else \
-                    matmul_rows(out0, spans, gd, spans[0][2], b0)
-            else:
-                matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
-    else:
-        def consume(spans):
-            piece = join(spans, gd)
-            if gathered is not None:
-                write_rows(gathered, spans, gd, piece)
-            for bi, out in zip(bs, outs):
-                matmul_rows(out, spans, gd, piece, bi)
+            def consume(spans):
+                if len(spans) == 1 and direct:
+                    start, size, t = spans[0]
+                    if size == total:  # every row at once (vanilla)
+                        torch.matmul(t, b0, out=out0)
+                    elif gd == 0:
+                        torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
+                    else:
+                        torch.matmul(t, b0, out=out0.narrow(gd, start, size))
+                else:
+                    matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
+        else:
+            def consume(spans):
+                piece = join(spans, gd)
+                if gathered is not None:
+                    write_rows(gathered, spans, gd, piece)
+                for bi, out in zip(bs, outs):
+                    matmul_rows(out, spans, gd, piece, bi, direct)
 
-    gather_spans(call, a, gd, sizes, consume, label="all_gather_matmul", meta=_ag_meta(a, bs, gd, total))
-    return gathered, outs
+        run_gather(prepared, a, consume)
+        return gathered, outs
+
+    return forward
 
 
 def matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int) -> torch.Tensor:
     """The forward of :func:`commfuse.matmul_reduce_scatter` (a sum) on ``call``'s backend."""
+    return matmul_reduce_scatter_planned(call, a, b, sd)(a, b)
+
+
+def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int):
+    """:func:`matmul_reduce_scatter_forward` planned once for the signature of ``a`` and ``b``; the function
+    returned runs one call ``(a, b) -> this rank's summed shard``."""
     out_shape = [*a.shape[:-1], b.shape[1]]
     last = sd == len(out_shape) - 1
-
-    if last:
-        def produce(spans):
-            y = torch.matmul(a, rows_of(b, spans, 1))
-            return [y] if len(spans) == 1 else list(torch.split(y, [size for _, size in spans], dim=sd))
-    else:
-        def produce(spans):
-            if len(spans) == 1:
-                start, size = spans[0]
-                return [torch.matmul(a.narrow(sd, start, size), b)]
-            y = torch.matmul(rows_of(a, spans, sd), b)
-            return list(torch.split(y, [size for _, size in spans], dim=sd))
 
     def meta():
         return [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
 
-    return scatter_spans(call, out_shape, sd, a.dtype, produce, label="matmul_reduce_scatter", meta=meta)
+    prepared = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", meta)
+
+    def forward(a, b):
+        if last:
+            def produce(spans):
+                y = torch.matmul(a, rows_of(b, spans, 1))
+                return [y] if len(spans) == 1 else list(torch.split(y, [size for _, size in spans], dim=sd))
+        else:
+            def produce(spans):
+                if len(spans) == 1:
+                    start, size = spans[0]
+                    return [torch.matmul(a.narrow(sd, start, size), b)]
+                y = torch.matmul(rows_of(a, spans, sd), b)
+                return list(torch.split(y, [size for _, size in spans], dim=sd))
+
+        return run_scatter(prepared, produce)
+
+    return forward
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

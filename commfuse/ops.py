@@ -34,9 +34,9 @@ import torch
 from commfuse import backends
 from commfuse.autograd import (
     all_gather_matmul_fn,
-    all_gather_matmul_forward,
+    all_gather_matmul_planned,
     matmul_reduce_scatter_fn,
-    matmul_reduce_scatter_forward,
+    matmul_reduce_scatter_planned,
     produce_reduce_scatter_fn,
 )
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError
@@ -260,6 +260,7 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
                         device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
                         report=None if native else said)
     keep = keep_gathered or return_gathered
+    forward = None if call is None else all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)
 
     if call is None:
         def run(a, b):
@@ -283,7 +284,7 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
                 gathered, outs = all_gather_matmul_fn(call, a, bs, gd, sizes, keep)
                 gathered = gathered if return_gathered else None
             else:
-                gathered, outs = all_gather_matmul_forward(call, a, bs, gd, sizes, return_gathered)
+                gathered, outs = forward(a, bs)
             results = outs[0] if single else list(outs)
             return (gathered, results) if return_gathered else results
 
@@ -416,6 +417,7 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
                         timeout=timeout, check=check, report=None if native else said)
     avg = reduce_op == "avg"
     last = sd == len(out_shape) - 1
+    forward = None if call is None else matmul_reduce_scatter_planned(call, a, b, sd)
 
     if call is None:
         def run(a, b):
@@ -432,7 +434,7 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
                         "scatter another dim or run it under torch.no_grad()"
                     )
                 return matmul_reduce_scatter_fn(call, a, b, sd, reduce_op)
-            out = matmul_reduce_scatter_forward(call, a, b, sd)
+            out = forward(a, b)
             return out.div_(n) if avg else out
 
     run.report = said

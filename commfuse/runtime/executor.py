@@ -543,7 +543,8 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
                 plan.checked = True
                 state.dirty = False
             if begin is not None:
-                begin(plan.tag_number(program, seq))
+                digest = plan.digest
+                begin((seq + digest) % SEQUENCE_WRAP if digest is not None else plan.tag_number(program, seq))
             if mode is None and events is None and not plan.trace and not _profiler_on():
                 _run(plan, program)
             else:

@@ -43,7 +43,8 @@ from commfuse.schedule import Collective, split_sizes
 
 __all__ = [
     "StandIn", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive", "forget_plans",
-    "gather_spans", "join", "matmul_rows", "produce_reduce_scatter_core", "rows_of", "scatter_spans", "write_rows",
+    "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core", "rows_of",
+    "run_gather", "run_scatter", "scatter_spans", "write_rows",
 ]
 
 _PLANS: dict[tuple, tuple] = {}
@@ -126,19 +127,15 @@ def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, m
     return _plan_for(("gather", call, label, shape, dtype, dim, sizes), make)
 
 
-def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
-                 consume: Callable[[list[tuple[int, int, torch.Tensor]]], None], *, label: str, meta,
-                 keep: bool = False) -> None:
-    """All-gather ``shard`` along ``dim`` and call ``consume(spans)`` once per step.
+def prepare_gather(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
+    """The plan of a :func:`gather_spans` signature, for callers that keep it (see :func:`run_gather`)."""
+    plan, layout, pool = _gather_plan(call, shape, dtype, dim, sizes, label, meta)
+    return plan, layout, pool, dim
 
-    ``spans`` lists ``(start, size, tensor)`` of the slices the step computes
-    on, sorted by ``start`` (their offset along ``dim`` of the gathered
-    tensor). Ranks' shards have ``sizes`` along ``dim``. ``consume`` must not
-    keep the tensors unless ``keep``. ``meta`` (a list of ints, or a function
-    making one on the first call) goes into the fingerprint; ``label`` names
-    the op and how its fingerprint reads back (``register_format``).
-    """
-    plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, tuple(sizes), label, meta)
+
+def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False) -> None:
+    """:func:`gather_spans` on a plan from :func:`prepare_gather` (no look-up)."""
+    plan, layout, pool, dim = prepared
     start, size = layout.start, layout.size
 
     def on_step(slots, tensors):
@@ -157,6 +154,21 @@ def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int]
 
     program = GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta, whole_ok=True)
     execute(plan, program)
+
+
+def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
+                 consume: Callable[[list[tuple[int, int, torch.Tensor]]], None], *, label: str, meta,
+                 keep: bool = False) -> None:
+    """All-gather ``shard`` along ``dim`` and call ``consume(spans)`` once per step.
+
+    ``spans`` lists ``(start, size, tensor)`` of the slices the step computes
+    on, sorted by ``start`` (their offset along ``dim`` of the gathered
+    tensor). Ranks' shards have ``sizes`` along ``dim``. ``consume`` must not
+    keep the tensors unless ``keep``. ``meta`` (a list of ints, or a function
+    making one on the first call) goes into the fingerprint; ``label`` names
+    the op and how its fingerprint reads back (``register_format``).
+    """
+    run_gather(prepare_gather(call, shard.shape, shard.dtype, dim, tuple(sizes), label, meta), shard, consume, keep)
 
 
 def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole: bool = True) -> tuple:
@@ -182,7 +194,18 @@ def scatter_spans(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.d
     step computes and returns this rank's partial for each (fresh tensors when
     ``inplace``, which lets the running sums be added into them).
     """
-    plan, layout, pool = _scatter_plan(call, out_shape, dim, dtype, label, meta)
+    return run_scatter(prepare_scatter(call, out_shape, dim, dtype, label, meta), produce, inplace, check_shapes)
+
+
+def prepare_scatter(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype, label: str, meta) -> tuple:
+    """The plan of a :func:`scatter_spans` signature, for callers that keep it (see :func:`run_scatter`)."""
+    plan, layout, pool = _scatter_plan(call, tuple(out_shape), dim, dtype, label, meta)
+    return plan, layout, pool, dim
+
+
+def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bool = False) -> torch.Tensor:
+    """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up)."""
+    plan, layout, pool, dim = prepared
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
                                    meta=layout.meta, check_shapes=check_shapes)

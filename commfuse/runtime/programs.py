@@ -63,6 +63,7 @@ class _Pool:
     def __init__(self, backend) -> None:
         self.backend = backend
         self.free: dict[tuple, list[torch.Tensor]] = {}
+        self.into = hasattr(backend, "collective_into")  # the backend runs whole collectives into one tensor
 
     @classmethod
     def of(cls, backend) -> "_Pool":
@@ -226,7 +227,7 @@ class GatherProgram(_Consuming, _Base):
         self.held = held
         self.narrowed = False  # a whole collective over uneven shards left views in ``held``
         self.whole = None  # the gathered tensor, (n, *shard) rank by rank, after a collective_into
-        self.into = layout.into and hasattr(pool.backend, "collective_into")
+        self.into = layout.into and pool.into
 
     def compute(self, slots):
         if self.whole_ok and self.whole is not None and len(slots) == self.layout.n:
@@ -243,10 +244,11 @@ class GatherProgram(_Consuming, _Base):
 
             def finish_into(got):
                 self.whole = got[0]
-                self.narrowed = True  # held now has views of the whole: it goes back to the pool as one
-                per_rank = got[0].view(layout.stacked)
-                for q, s in enumerate(layout.part_slots[part]):
-                    self.held[s] = per_rank[q]
+                self.narrowed = True  # held has views of the whole (if any): it goes back to the pool as one
+                if not self.whole_ok:  # a consumer of per-rank tensors: views of the whole, rank by rank
+                    per_rank = got[0].view(layout.stacked)
+                    for q, s in enumerate(layout.part_slots[part]):
+                        self.held[s] = per_rank[q]
 
             return mine, whole, finish_into
         slots = layout.part_slots[part]
@@ -349,7 +351,7 @@ class ReduceScatterProgram(_Base):
     def collective_io(self, call):
         layout, part = self.layout, call.part
         slots = layout.part_slots[part]
-        if layout.into and hasattr(self.pool.backend, "collective_into"):
+        if layout.into and self.pool.into:
             mine = slots[layout.rank]
             stacked = _stacked([self.sums[s] for s in slots]).view(layout.whole_key[0])
             out = self.pool.get(layout.key[mine])
