@@ -112,9 +112,9 @@ def _failed(group, backend) -> None:
             state = state_of_group(group if group is not None else dist.group.WORLD)
     except Exception:  # noqa: BLE001 - the caller's own error is what matters
         return
-    with state.lock:
-        state.seq += 1
-        state.dirty = True
+    # no lock: the op may have failed inside another op's consumer on this group, on this thread
+    state.seq += 1
+    state.dirty = True
 
 
 class _Signatures:
