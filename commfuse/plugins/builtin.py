@@ -7,7 +7,9 @@
   priority is low, so a vendor plugin for the same device type wins.
 
 Both are the c10d backend under two names; the checks and factories import
-torch only when called.
+torch only when called. What reads each capability field is documented on
+:class:`~commfuse.plugins.types.Capabilities`; neither declares native fused
+kernels (the c10d backend has no ``native_op``).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ def commfuse_backends() -> Iterator[BackendSpec]:
         name="gloo",
         device_types=("cpu",),
         capabilities=Capabilities(
+            # TCP connections carry both directions at once.
             bidirectional_links=True,
             execution="eager",
+            # The host waits: Work.wait(timeout) on gloo blocks until the bytes are there.
             streams=False,
             # gloo's isend/irecv progress in background threads while the host computes.
             overlap=True,
@@ -99,9 +103,10 @@ def commfuse_backends() -> Iterator[BackendSpec]:
         name="accelerator",
         device_types=(ACCELERATOR,),
         capabilities=Capabilities(
+            # NVLink, HCCS, PCIe and InfiniBand links carry both directions at once.
             bidirectional_links=True,
             execution="eager",
-            # batch_isend_irecv is stream-ordered on NCCL/HCCL: transfers overlap without host waits.
+            # batch_isend_irecv is stream-ordered on NCCL/HCCL: C10dBackend's waits do not block the host.
             streams=True,
             overlap=True,
         ),

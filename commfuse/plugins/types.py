@@ -23,6 +23,8 @@ from commfuse.schedule import Collective
 EXECUTIONS = ("eager", "traced")
 #: The whole collectives a backend may support natively.
 COLLECTIVES = tuple(c.value for c in Collective)
+#: The ops that ask a backend for its own fused kernel (``native_op``), when declared in ``native_fused_ops``.
+NATIVE_FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 #: The device type that stands for whatever non-CPU device ``torch.accelerator`` reports.
 ACCELERATOR = "accelerator"
 
@@ -65,27 +67,47 @@ def _identifiers(owner: str, field: str, items: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do; the executor and the conformance suite read these, never the vendor name.
+    """What a backend can do; commfuse reads these, never the vendor name.
 
-    The defaults describe the most modest backend: host-driven, one stream,
-    one link direction at a time, no native fused kernels, no claim of overlap.
+    A declared capability is a promise: each field's comment names what in
+    commfuse reads it and what it does with it. The defaults describe the most
+    modest backend: host-driven, one stream, one link direction at a time, no
+    native fused kernels, no claim of overlap.
     """
 
-    #: Both directions of a link are usable at once (the bidirectional ring pays off).
+    #: Both directions of a link are usable at once (the bidirectional ring would pay off).
+    #: Read by: nothing that acts on it yet. ``algorithm="bidirectional"`` runs whether or not it is set,
+    #: ``auto`` without a hardware profile never picks bidirectional, and with a profile the profile's link
+    #: model (``duplex``), not this field, decides. Declare it truthfully: auto's policy is where it is meant
+    #: to act.
     bidirectional_links: bool = False
-    #: Fused collective+GEMM kernels the backend has, e.g. ("all_gather_matmul", "matmul_reduce_scatter").
+    #: Fused collective+GEMM kernels the backend has, among :data:`NATIVE_FUSED_OPS`.
+    #: Read by: ``commfuse.ops`` (``_native``): for an op listed here, when ``algorithm`` is "native" or
+    #: "auto", the backend's ``native_op(op, **signature)`` is asked once per call signature
+    #: (``commfuse.runtime.backend``); without ``native_op`` the entry is ignored and "native" raises.
     native_fused_ops: tuple[str, ...] = ()
     #: "eager" (the executor walks the steps) or "traced" (the schedule is lowered into a graph).
+    #: Read by: the executor (``Plan``): a traced backend's calls skip the fingerprint check, which would
+    #: have to compare values on the host in the middle of a trace.
     execution: str = "eager"
     #: Communication runs on its own stream, ordered against compute by the backend.
+    #: Read by: ``commfuse.runtime.c10d.C10dBackend`` (and its subclasses): on a non-CPU device a wait is then
+    #: stream-ordered (``work.wait()`` without a timeout: the host does not block) and the watchdog keeps
+    #: the timeout; otherwise the host blocks in ``work.wait(timeout)``.
     streams: bool = False
-    #: Whole collectives the backend supports natively (used by the "vanilla" and "sliced" baselines).
+    #: Whole collectives the backend supports natively.
+    #: Read by: ``commfuse.runtime.calls`` (``_check_collective``): ``vanilla`` and ``sliced`` raise, naming
+    #: the algorithms that work, for a collective missing here.
     collectives: tuple[str, ...] = COLLECTIVES
-    #: Transfers make progress while the host computes; the conformance suite gates its overlap threshold on it.
+    #: Transfers make progress while the host computes (or the device overlaps them with compute).
+    #: Read by: nothing that acts on it yet. The conformance suite's overlap tier gates on its own
+    #: ``commfuse.testing.Capabilities.overlap_threshold``, not on this; ``auto`` runs the ring even where
+    #: this is False. Declare it truthfully: auto's policy (and the overlap tier) are where it is meant to act.
     overlap: bool = False
     #: Without a hardware profile, ``algorithm="auto"`` takes ``vanilla`` when one ring hop would carry fewer
     #: bytes than this: below it the backend's whole collective costs less than N - 1 hops. None: the ops'
     #: default, ``commfuse.ops.MIN_SLICE_BYTES``; 0: the ring at every size.
+    #: Read by: ``commfuse.runtime.calls.choose_algorithm`` (auto's policy).
     auto_min_slice_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -98,6 +120,12 @@ class Capabilities:
                 raise PluginError(f"Capabilities.auto_min_slice_bytes must be an int >= 0 or None, got {limit!r}")
         fused = _str_tuple("Capabilities", "native_fused_ops", self.native_fused_ops)
         _identifiers("Capabilities", "native_fused_ops", fused)
+        for op in fused:
+            if op not in NATIVE_FUSED_OPS:
+                raise PluginError(
+                    f"Capabilities.native_fused_ops entries must be among {NATIVE_FUSED_OPS} (the ops that ask a "
+                    f"backend's native_op), got {op!r} in {fused!r}"
+                )
         object.__setattr__(self, "native_fused_ops", fused)
         _check_type("Capabilities", "execution", self.execution, str, "a string")
         if self.execution not in EXECUTIONS:

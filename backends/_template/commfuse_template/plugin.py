@@ -13,12 +13,27 @@ from commfuse.plugins import Availability, BackendSpec, Capabilities, hookimpl
 #: Rename to your device's name (a lowercase identifier); also in tests/conftest.py.
 NAME = "template"
 
+# Each field is a promise that something in commfuse acts on (commfuse/plugins/types.py names the reader).
 CAPABILITIES = Capabilities(
-    bidirectional_links=True,  # both directions of a link usable at once
-    native_fused_ops=(),  # e.g. ("all_gather_matmul",) once you lower ops to fused kernels
-    execution="eager",  # "traced" if post() builds a graph instead of moving data (see backends/xla)
-    streams=False,  # True if transfers run on their own device stream
-    overlap=True,  # gloo progresses transfers in its own threads while the host computes
+    # Both directions of a link usable at once. Nothing acts on it yet (auto's policy is meant to); say the truth.
+    bidirectional_links=True,
+    # Ops whose whole call your backend runs as one fused kernel, among ("all_gather_matmul",
+    # "matmul_reduce_scatter"). commfuse.ops then asks your backend's native_op(op, **signature) once per call
+    # signature for algorithm "native" or "auto" (see commfuse/runtime/backend.py, and backends/cuda's
+    # CudaBackend.native_op for an example). Leave it empty without native_op.
+    native_fused_ops=(),
+    # "traced" if post() builds a graph instead of moving data (see backends/xla): the executor then skips its
+    # host-side fingerprint check.
+    execution="eager",
+    # True if waits are stream-ordered on your device (C10dBackend then waits without blocking the host and
+    # hands the timeout to its watchdog). gloo on CPU blocks the host: False.
+    streams=False,
+    # Whole collectives you have, for the vanilla and sliced algorithms (default: all three); a missing one
+    # makes those algorithms raise for that collective.
+    # collectives=("all_gather", "reduce_scatter", "all_to_all"),
+    # Transfers progress while the host computes (gloo's do, in its own threads). Nothing acts on it yet (auto's
+    # policy and the overlap tier are meant to); say the truth.
+    overlap=True,
     # auto without a profile: vanilla for ring hops under this many bytes (None: 64 KiB). Compare ring and
     # vanilla with `commfuse bench --preset tiny` on your hardware before lowering it.
     auto_min_slice_bytes=None,

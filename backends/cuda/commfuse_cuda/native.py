@@ -1,5 +1,13 @@
 """Optional native lowering of whole fused ops to torch's symmetric-memory kernels.
 
+The ops reach it through the plugin contract: ``commfuse.all_gather_matmul``
+and ``matmul_reduce_scatter`` with ``algorithm="native"`` or ``"auto"`` ask
+:meth:`CudaBackend.native_op <commfuse_cuda.backend.CudaBackend.native_op>`
+once per call signature, which judges the call with the verdicts below and
+returns a runner built on :func:`call_fused_all_gather_matmul` /
+:func:`call_fused_matmul_reduce_scatter`. The ``try_*`` functions below are the
+same decision for callers outside the ops (decided on every call).
+
 torch ships ``torch.ops.symm_mem.fused_all_gather_matmul`` and
 ``fused_matmul_reduce_scatter``: micro-pipelined all-gather + GEMM and GEMM +
 reduce-scatter over symmetric memory (NVLink peers). Where they exist and a
@@ -148,7 +156,10 @@ class Environment:
 
 def environment_verdict(env: Environment, op: str) -> Verdict:
     if not env.enabled:
-        return _no(f"native kernels are off (pass enable=True or set {ENV}=1 when all ranks share an NVLink domain)")
+        return _no(
+            f"native kernels are off (opt in with {ENV}=1, CudaBackend(enable_native=True) or enable=True when all "
+            "ranks share an NVLink domain)"
+        )
     if env.device_type != "cuda":
         return _no(f"tensors are on {env.device_type!r}, and torch's symmetric-memory kernels run on CUDA devices")
     if not env.op_registered:
@@ -190,6 +201,11 @@ def _world_size(group) -> int:
 
 
 def _group_name(group) -> str:
+    """The c10d name the symm_mem ops take: of ``group`` (None: the default group), or ``group`` itself when it
+    is already a name (what :meth:`CudaBackend.native_op <commfuse_cuda.backend.CudaBackend.native_op>` resolves
+    once per call signature, so its runners skip this look-up)."""
+    if isinstance(group, str):
+        return group
     import torch.distributed as dist
 
     return (group if group is not None else dist.group.WORLD).group_name
@@ -203,7 +219,8 @@ def _tell(report: dict | None, verdict: Verdict) -> None:
 def call_fused_all_gather_matmul(op: Callable, a_shard, bs, gather_dim: int, group, return_gathered: bool):
     """Run ``op`` (the schema of ``symm_mem.fused_all_gather_matmul``) and shape its result like commfuse's op.
 
-    Returns ``(gathered or None, [a @ b for b in bs])``.
+    ``group``: a process group, None (the default group) or its c10d name. Returns
+    ``(gathered or None, [a @ b for b in bs])``.
     """
     gd = gather_dim % a_shard.ndim
     gathered, outs = op(a_shard, list(bs), gd, _group_name(group), return_A=return_gathered)

@@ -12,14 +12,18 @@ from dataclasses import dataclass
 
 from commfuse.plugins import Availability, BackendSpec, Capabilities, hookimpl
 
+# What reads each field: commfuse/plugins/types.py.
 CAPABILITIES = Capabilities(
-    # NVLink and PCIe carry both directions at once.
+    # NVLink and PCIe carry both directions at once (nothing in commfuse acts on it yet).
     bidirectional_links=True,
-    # Through commfuse_cuda.native, where torch has them and the shapes qualify (opt-in).
+    # CudaBackend.native_op: torch's symmetric-memory kernels where torch has them, the call qualifies and the
+    # user opted in (commfuse_cuda.native); commfuse.ops asks once per call signature for "native" and "auto".
     native_fused_ops=("all_gather_matmul", "matmul_reduce_scatter"),
     execution="eager",
-    # NCCL runs on its own streams, ordered against compute with events.
+    # NCCL runs on its own streams: waits are stream-ordered (the compute stream waits; the host does not) and
+    # C10dBackend hands the timeout to its watchdog.
     streams=True,
+    # Transfers progress on the device while the compute stream runs the GEMMs.
     overlap=True,
 )
 

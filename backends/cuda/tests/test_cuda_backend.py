@@ -57,3 +57,25 @@ def test_native_mapping_equals_commfuse_with_torchs_reference_op(n):
             "reason": "tensors are on 'cpu', and torch's symmetric-memory kernels run on CUDA devices",
         }
         assert all(res.values()), f"rank {rank}: {res}"
+
+
+def test_native_through_the_ops_on_gloo():
+    """algorithm="native"/"auto" reach CudaBackend.native_op through commfuse's ops; the runner maps to the
+    symm_mem op schema (torch's reference implementation of it standing in for the GPU kernel)."""
+    for rank, res in enumerate(launch(_cuda_ranks.native_through_the_ops, 2, timeout=300)):
+        assert res.pop("off") == (
+            "CommfuseValueError: algorithm 'native' for all_gather_matmul: the call does not qualify: native kernels "
+            "are off (opt in with COMMFUSE_CUDA_NATIVE=1, CudaBackend(enable_native=True) or enable=True when all "
+            "ranks share an NVLink domain)"), rank
+        assert res.pop("cpu") == (
+            "CommfuseValueError: algorithm 'native' for matmul_reduce_scatter: the call does not qualify: tensors "
+            "are on 'cpu', and torch's symmetric-memory kernels run on CUDA devices"), rank
+        assert res.pop("ag-reason") == ("all-gather along dim 0 of 2 equal shards into 2 GEMM(s); "
+                                        "torch.ops.symm_mem.fused_all_gather_matmul on an NCCL group")
+        assert "dtype torch.float64" in res.pop("float64")
+        assert f"uneven shards: the gathered size 7 along dim 0 is not 2 x {4 - rank}" in res.pop("uneven")
+        assert "dim 0 has size 5, which world size 2 does not divide" in res.pop("indivisible")
+        assert "fused kernel has no backward; run it under torch.no_grad()" in res.pop("grad-native")
+        assert "native kernels are off" in res.pop("env-off")
+        assert res.pop("env-on") == "native"
+        assert all(res.values()), f"rank {rank}: {res}"

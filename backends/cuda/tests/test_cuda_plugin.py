@@ -57,3 +57,31 @@ def test_conformance_capabilities_file_loads():
 
     caps = Capabilities.load("commfuse_cuda.conformance:Capabilities")
     assert (caps.device, caps.dist_backend) == ("cuda", "nccl")
+
+
+def test_every_declared_native_op_is_answered_by_native_op():
+    """native_fused_ops is a promise: commfuse.ops asks native_op about each entry, and gets a real answer (here,
+    on a CPU device, the reason it does not qualify), never "no kernel"."""
+    import pytest
+
+    from commfuse.errors import PluginError
+    from commfuse.plugins import Capabilities
+    from commfuse.plugins.types import NATIVE_FUSED_OPS
+    from commfuse_cuda.backend import CudaBackend
+    from commfuse_cuda.plugin import CAPABILITIES
+
+    assert set(CAPABILITIES.native_fused_ops) <= set(NATIVE_FUSED_OPS)
+    be = CudaBackend.__new__(CudaBackend)  # no process group: the environment half says why not
+    be.world_size, be.group, be.device, be.enable_native = 2, None, torch.device("cpu"), True
+    a, b = torch.zeros(4, 8), torch.zeros(8, 4)
+    signatures = {
+        "all_gather_matmul": dict(a_shard=a, bs=[b], gather_dim=0, return_gathered=False, gathered_size=None,
+                                  group=None),
+        "matmul_reduce_scatter": dict(a=a, b=b, scatter_dim=0, reduce_op="sum", group=None),
+    }
+    for op in CAPABILITIES.native_fused_ops:
+        runner, reason = be.native_op(op, **signatures[op])
+        assert runner is None and reason.startswith("tensors are on 'cpu'"), (op, reason)
+    assert be.native_op("all_to_all_consume") == (None, "commfuse-cuda has no native kernel for 'all_to_all_consume'")
+    with pytest.raises(PluginError, match="native_fused_ops entries must be among .* got 'attention'"):
+        Capabilities(native_fused_ops=("all_gather_matmul", "attention"))

@@ -20,7 +20,10 @@ constraints (torch_npu API reference for both ops, CANN 8.0.RC2 and later):
 
 :func:`mc2_verdict` checks a :class:`Mc2Request` against all of them (pure
 Python, tested at every boundary); :class:`DomainTracker` enforces the last
-one across calls. :func:`try_npu_all_gather_matmul` and
+one across calls. :func:`signature_verdict` judges one call signature of the
+commfuse ops, for :meth:`NpuBackend.native_op
+<commfuse_npu.backend.NpuBackend.native_op>` (the route ``algorithm="native"``
+and ``"auto"`` take). :func:`try_npu_all_gather_matmul` and
 :func:`try_npu_matmul_reduce_scatter` run the kernels where the request and
 the environment qualify and return ``None`` otherwise, so the caller runs the
 ring. UNVERIFIED here: the kernels need Ascend hardware.
@@ -90,6 +93,9 @@ def mc2_verdict(r: Mc2Request) -> Verdict:
         return _no(f"{kernel} is used for forward passes without autograd; an input requires grad")
     if len(r.x1_shape) != 2 or len(r.x2_shape) != 2:
         return _no(f"{kernel} takes 2-D x1 (m, k) and x2 (k, n); got x1 {list(r.x1_shape)} and x2 {list(r.x2_shape)}")
+    if r.dim not in (0, -2):  # before the shapes: a call gathering the contraction dim has x2 rows != k
+        what = "gather" if r.op == "all_gather_matmul" else "scatter"
+        return _no(f"{kernel} {what}s along the rows (dim 0); asked for dim {r.dim}")
     (m, k), (k2, _) = r.x1_shape, r.x2_shape
     if k != k2:
         return _no(f"x1 has k = {k} but x2 has {k2} rows")
@@ -106,9 +112,6 @@ def mc2_verdict(r: Mc2Request) -> Verdict:
         return _no(f"{kernel} does not support a bias")
     if not r.x1_contiguous:
         return _no(f"{kernel} does not take a transposed (non-contiguous) x1")
-    if r.dim not in (0, -2):
-        what = "gather" if r.op == "all_gather_matmul" else "scatter"
-        return _no(f"{kernel} {what}s along the rows (dim 0); asked for dim {r.dim}")
     if r.op == "all_gather_matmul":
         if not r.gathered_evenly:
             return _no(f"{kernel} gathers equal shards; the ranks' row counts differ")
@@ -173,12 +176,57 @@ def request_for(op: str, x1, x2, *, world_size: int, family: str | None, dim: in
     )
 
 
-def _environment(x1, group) -> tuple[Verdict, str | None, str, int]:
-    """(verdict, product family, hcom name, world size) of the device and group; imports torch_npu lazily."""
+def signature_verdict(op: str, signature: dict, *, world_size: int, family: str | None) -> Verdict:
+    """Whether one call signature of a commfuse op (the keywords ``commfuse.ops`` gives a backend's
+    ``native_op``) maps onto its MC2 kernel; pure, so tested anywhere.
+
+    all_gather_matmul: ``a_shard``, ``bs`` (one weight: MC2 computes one GEMM per gather), ``gather_dim``,
+    ``gathered_size`` (None or every rank's rows); matmul_reduce_scatter: ``a``, ``b``, ``scatter_dim``,
+    ``reduce_op``. Not judged here: autograd (``commfuse.ops`` decides per call; the kernels have no
+    backward) and x1's layout (the runner passes ``x1.contiguous()``, since strides are not part of a
+    signature).
+    """
+    import dataclasses
+
+    import torch
+
+    if op == "all_gather_matmul":
+        x1, bs, dim = signature["a_shard"], list(signature["bs"]), signature["gather_dim"]
+        if len(bs) != 1:
+            return _no(f"npu_all_gather_base_mm computes one GEMM per gather; the call has {len(bs)} weights")
+        x2 = bs[0]
+        gathered_size = signature.get("gathered_size")
+        even = gathered_size is None or gathered_size == x1.shape[dim] * world_size
+        with torch.no_grad():
+            request = request_for(op, x1, x2, world_size=world_size, family=family, dim=dim, gathered_evenly=even)
+    elif op == "matmul_reduce_scatter":
+        x1, x2 = signature["a"], signature["b"]
+        with torch.no_grad():
+            request = request_for(op, x1, x2, world_size=world_size, family=family, dim=signature["scatter_dim"],
+                                  reduce_op=signature["reduce_op"])
+    else:
+        return _no(f"MC2 has no kernel for {op!r}; it has {OPS}")
+    return mc2_verdict(dataclasses.replace(request, x1_contiguous=True))
+
+
+def x2_layout(x2):
+    """``x2`` as MC2 takes it: contiguous or a transposed view of a contiguous tensor as it is, anything else
+    copied (strides are not part of a call signature, so the runner checks this per call; it costs a stride
+    look-up)."""
+    if x2.is_contiguous():
+        return x2
+    k, _ = x2.shape
+    s0, s1 = x2.stride()
+    return x2 if (s0 == 1 and s1 == k) else x2.contiguous()
+
+
+def environment(device, group) -> tuple[Verdict, str | None, str, int]:
+    """(verdict, product family, hcom name, world size) of ``device`` and ``group`` (None: the default group);
+    imports torch_npu only for an NPU device."""
     import torch.distributed as dist
 
-    if x1.device.type != "npu":
-        return _no(f"tensors are on {x1.device.type!r}; MC2 kernels run on Ascend NPUs"), None, "", 1
+    if device.type != "npu":
+        return _no(f"tensors are on {device.type!r}; MC2 kernels run on Ascend NPUs"), None, "", 1
     import torch
     import torch_npu
 
@@ -187,11 +235,15 @@ def _environment(x1, group) -> tuple[Verdict, str | None, str, int]:
     group = group if group is not None else dist.group.WORLD
     if str(dist.get_backend(group)) != "hccl":
         return _no(f"the process group uses {dist.get_backend(group)!r}; MC2 needs HCCL"), None, "", 1
-    family = product_family(torch.npu.get_device_name(x1.device))
+    family = product_family(torch.npu.get_device_name(device))
     rank = dist.get_rank(group)
     hcom = group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
     del torch_npu
     return Verdict(True, "npu device, HCCL group"), family, hcom, dist.get_world_size(group)
+
+
+def _environment(x1, group) -> tuple[Verdict, str | None, str, int]:
+    return environment(x1.device, group)
 
 
 def _tell(report, verdict: Verdict) -> None:

@@ -27,14 +27,17 @@ from dataclasses import dataclass
 
 from commfuse.plugins import Availability, BackendSpec, Capabilities, hookimpl
 
+# What reads each field: commfuse/plugins/types.py.
 CAPABILITIES = Capabilities(
-    # HCCS links carry both directions at once.
+    # HCCS links carry both directions at once (nothing in commfuse acts on it yet).
     bidirectional_links=True,
-    # Through commfuse_npu.mc2, exactly where their constraints hold.
+    # NpuBackend.native_op: the MC2 kernels, exactly where their documented constraints hold (commfuse_npu.mc2);
+    # commfuse.ops asks once per call signature for "native" and "auto".
     native_fused_ops=("all_gather_matmul", "matmul_reduce_scatter"),
     execution="eager",
-    # HCCL runs on its own stream; c10d orders it against compute.
+    # HCCL runs on its own stream: waits are stream-ordered and C10dBackend hands the timeout to its watchdog.
     streams=True,
+    # Transfers progress on the device while the compute stream runs the GEMMs.
     overlap=True,
 )
 

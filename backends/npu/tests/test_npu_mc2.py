@@ -15,8 +15,10 @@ from commfuse_npu.mc2 import (
     mc2_verdict,
     product_family,
     request_for,
+    signature_verdict,
     try_npu_all_gather_matmul,
     try_npu_matmul_reduce_scatter,
+    x2_layout,
 )
 
 AG = Mc2Request("all_gather_matmul", (128, 512), (512, 64), "bfloat16", "bfloat16", 8, "A2")
@@ -130,3 +132,50 @@ def test_cpu_tensors_decline_with_the_reason():
     assert try_npu_all_gather_matmul(x1, x2, report=report) is None
     assert report == {"native": False, "reason": "tensors are on 'cpu'; MC2 kernels run on Ascend NPUs"}
     assert try_npu_matmul_reduce_scatter(x1, x2, report=report) is None and report["native"] is False
+
+
+def h(*shape, grad=False):
+    return torch.zeros(shape, dtype=torch.float16, requires_grad=grad)
+
+
+def ag_sig(a, bs, gather_dim=0, gathered_size=None):
+    return dict(a_shard=a, bs=bs, gather_dim=gather_dim, return_gathered=False, gathered_size=gathered_size,
+                group=None)
+
+
+def rs_sig(a, b, scatter_dim=0, reduce_op="sum"):
+    return dict(a=a, b=b, scatter_dim=scatter_dim, reduce_op=reduce_op, group=None)
+
+
+@pytest.mark.parametrize(
+    "op, sig, ok, reason",
+    [
+        ("all_gather_matmul", ag_sig(h(8, 256), [h(256, 64)]), True, "npu_all_gather_base_mm: 4 x (8, 256)"),
+        ("all_gather_matmul", ag_sig(h(8, 256), [h(256, 64)], gathered_size=32), True, "gathered"),
+        ("all_gather_matmul", ag_sig(h(8, 256), [h(256, 64)], gathered_size=31), False, "equal shards"),
+        ("all_gather_matmul", ag_sig(h(8, 256), [h(256, 64), h(256, 8)]), False, "the call has 2 weights"),
+        ("all_gather_matmul", ag_sig(h(8, 256), [h(1024, 64)], gather_dim=1), False, "asked for dim 1"),
+        ("all_gather_matmul", ag_sig(h(2, 8, 256), [h(256, 64)], gather_dim=1), False, "2-D x1"),
+        ("all_gather_matmul", ag_sig(h(8, 256, grad=True), [h(256, 64)]), True, "gathered"),  # autograd: per call
+        ("all_gather_matmul", ag_sig(h(8, 255), [h(255, 64)]), False, "k = 255 is outside"),
+        ("all_gather_matmul", ag_sig(h(256, 8).t(), [h(256, 64)]), True, "gathered"),  # layout: the runner's
+        ("matmul_reduce_scatter", rs_sig(h(8, 256), h(256, 64)), True, "summed and scattered over 4"),
+        ("matmul_reduce_scatter", rs_sig(h(6, 256), h(256, 64)), False, "m = 6 is not divisible"),
+        ("matmul_reduce_scatter", rs_sig(h(8, 256), h(256, 64), reduce_op="avg"), False, "supports only 'sum'"),
+        ("matmul_reduce_scatter", rs_sig(h(8, 256), h(256, 64), scatter_dim=1), False, "scatters along the rows"),
+        ("all_to_all_consume", {}, False, "no kernel for 'all_to_all_consume'"),
+    ],
+)
+def test_signature_verdicts(op, sig, ok, reason):
+    got = signature_verdict(op, sig, world_size=4, family="A2")
+    assert bool(got) is ok and reason in got.reason, got
+
+
+def test_x2_layout_keeps_what_mc2_takes_and_copies_the_rest():
+    w = torch.zeros(256, 64)
+    assert x2_layout(w) is w
+    t = torch.zeros(64, 256).t()  # a transposed view: MC2 takes it as it is
+    assert x2_layout(t) is t
+    sliced = torch.zeros(256, 128)[:, :64]  # neither: copied
+    got = x2_layout(sliced)
+    assert got is not sliced and got.is_contiguous() and torch.equal(got, sliced)

@@ -81,3 +81,26 @@ def test_conformance_capabilities_file_loads():
 
     caps = Capabilities.load("commfuse_npu.conformance:Capabilities")
     assert (caps.device, caps.dist_backend) == ("npu", "hccl")
+
+
+def test_every_declared_native_op_is_answered_by_native_op():
+    """native_fused_ops is a promise: commfuse.ops asks native_op about each entry and gets a real answer (here,
+    on a CPU device, the reason MC2 does not apply), and torch_npu stays unimported."""
+    from commfuse.plugins.types import NATIVE_FUSED_OPS
+    from commfuse_npu.backend import NpuBackend
+    from commfuse_npu.plugin import CAPABILITIES
+
+    assert set(CAPABILITIES.native_fused_ops) <= set(NATIVE_FUSED_OPS)
+    be = NpuBackend.__new__(NpuBackend)  # no process group: the environment says why not
+    be.world_size, be.group, be.device = 2, None, torch.device("cpu")
+    a, b = torch.zeros(4, 256, dtype=torch.float16), torch.zeros(256, 8, dtype=torch.float16)
+    signatures = {
+        "all_gather_matmul": dict(a_shard=a, bs=[b], gather_dim=0, return_gathered=False, gathered_size=None,
+                                  group=None),
+        "matmul_reduce_scatter": dict(a=a, b=b, scatter_dim=0, reduce_op="sum", group=None),
+    }
+    for op in CAPABILITIES.native_fused_ops:
+        assert be.native_op(op, **signatures[op]) == (None, "tensors are on 'cpu'; MC2 kernels run on Ascend NPUs")
+    assert be.native_op("all_to_all_consume")[0] is None
+    if importlib.util.find_spec("torch_npu") is None:
+        assert "torch_npu" not in sys.modules
