@@ -59,12 +59,21 @@ def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes:
     simulate calibrate --install``, or a shipped one whose device names match)
     and ``flops`` is known, the simulator predicts vanilla, ring and
     bidirectional and the fastest is taken (:func:`commfuse.sim.plan`,
-    docs/simulator.md). Otherwise world size 1, or slices under the backend's
+    docs/simulator.md; ``bidirectional`` only where the backend declares
+    ``bidirectional_links``). Otherwise world size 1, an eager backend that
+    declares no ``overlap`` (its transfers do not progress while the host
+    computes, so hops cannot hide), or slices under the backend's
     ``capabilities.auto_min_slice_bytes`` (default :data:`MIN_SLICE_BYTES`),
     take ``vanilla``; else ``ring``.
     """
     if world_size == 1:
         return "vanilla", "world size 1: nothing to communicate"
+    if (capabilities is not None and not getattr(capabilities, "overlap", True)
+            and getattr(capabilities, "execution", "eager") == "eager"):
+        return "vanilla", (
+            "the backend declares no overlap (its transfers do not progress while the host computes): "
+            f"{world_size - 1} hops would add up behind the compute instead of hiding, so one collective is cheaper"
+        )
     if flops is not None:
         from commfuse.sim import plan  # pure Python, imported on first use
 

@@ -67,9 +67,11 @@ def op_times(collective: str | Collective, world_size: int, *, slice_bytes: floa
 
 @functools.lru_cache(maxsize=4096)
 def _choose(collective: Collective, world_size: int, slice_bytes: float, flops: float, profile: Profile,
-            compute_bytes: float | None) -> tuple[str, str]:
+            compute_bytes: float | None, bidirectional: bool = True) -> tuple[str, str]:
     times = op_times(collective, world_size, slice_bytes=slice_bytes, flops=flops, profile=profile,
                      compute_bytes=compute_bytes)
+    if not bidirectional:  # the backend cannot use both directions of a link at once
+        times.pop("bidirectional", None)
     best = min(times, key=lambda a: (times[a], a != "ring"))
     shown = ", ".join(f"{a} {1e3 * t:.3f} ms" for a, t in times.items())
     why = {
@@ -81,14 +83,17 @@ def _choose(collective: Collective, world_size: int, slice_bytes: float, flops: 
 
 
 def choose(collective: str | Collective, world_size: int, *, slice_bytes: float, flops: float,
-           profile: "Profile | str", compute_bytes: float | None = None) -> tuple[str, str]:
+           profile: "Profile | str", compute_bytes: float | None = None, bidirectional: bool = True
+           ) -> tuple[str, str]:
     """The algorithm the model predicts fastest for one op call, and why.
 
     ``slice_bytes``: what one ring hop carries (one rank's shard); ``flops``:
     the computation on (all-gather, all-to-all) or for (reduce-scatter) one
     shard; ``compute_bytes``: the memory that computation touches (default
     twice the shard). Candidates: ``vanilla``, ``ring`` and, except for
-    all-to-all, ``bidirectional``. World size 1 is ``vanilla``.
+    all-to-all and where ``bidirectional`` is False (a backend without
+    ``Capabilities.bidirectional_links``), ``bidirectional``. World size 1 is
+    ``vanilla``.
     """
     c = _collective(collective)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -99,7 +104,7 @@ def choose(collective: str | Collective, world_size: int, *, slice_bytes: float,
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise CommfuseValueError(f"{name} must be a number >= 0, got {value!r}")
     return _choose(c, world_size, float(slice_bytes), float(flops), load_profile(profile),
-                   None if compute_bytes is None else float(compute_bytes))
+                   None if compute_bytes is None else float(compute_bytes), bidirectional)
 
 
 # -- which profile applies ----------------------------------------------------
@@ -179,7 +184,9 @@ def plan(collective: str | Collective, world_size: int, slice_bytes: float, flop
     profile = profile_for(backend)
     if profile is None:
         return None
-    return choose(collective, world_size, slice_bytes=slice_bytes, flops=flops, profile=profile)
+    links = getattr(getattr(backend, "capabilities", None), "bidirectional_links", True)
+    return choose(collective, world_size, slice_bytes=slice_bytes, flops=flops, profile=profile,
+                  bidirectional=bool(links))
 
 
 # -- explain ----------------------------------------------------------------
