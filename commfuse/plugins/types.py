@@ -76,10 +76,9 @@ class Capabilities:
     """
 
     #: Both directions of a link are usable at once (the bidirectional ring would pay off).
-    #: Read by: nothing that acts on it yet. ``algorithm="bidirectional"`` runs whether or not it is set,
-    #: ``auto`` without a hardware profile never picks bidirectional, and with a profile the profile's link
-    #: model (``duplex``), not this field, decides. Declare it truthfully: auto's policy is where it is meant
-    #: to act.
+    #: Read by: auto's policy with a hardware profile (``commfuse.sim.plan``): bidirectional is a candidate
+    #: only for backends that declare this. ``algorithm="bidirectional"`` asked for explicitly runs anyway;
+    #: auto without a profile picks ring or vanilla only.
     bidirectional_links: bool = False
     #: Fused collective+GEMM kernels the backend has, among :data:`NATIVE_FUSED_OPS`.
     #: Read by: ``commfuse.ops`` (``_native``): for an op listed here, when ``algorithm`` is "native" or
@@ -100,9 +99,9 @@ class Capabilities:
     #: the algorithms that work, for a collective missing here.
     collectives: tuple[str, ...] = COLLECTIVES
     #: Transfers make progress while the host computes (or the device overlaps them with compute).
-    #: Read by: nothing that acts on it yet. The conformance suite's overlap tier gates on its own
-    #: ``commfuse.testing.Capabilities.overlap_threshold``, not on this; ``auto`` runs the ring even where
-    #: this is False. Declare it truthfully: auto's policy (and the overlap tier) are where it is meant to act.
+    #: Read by: auto's policy (``commfuse.runtime.calls.choose_algorithm``): an eager backend that does not
+    #: declare it gets ``vanilla`` from ``auto``, since its hops would add up behind the compute instead of
+    #: hiding. (A traced backend's overlap is its compiler's, so ``execution="traced"`` is not affected.)
     overlap: bool = False
     #: Without a hardware profile, ``algorithm="auto"`` takes ``vanilla`` when one ring hop would carry fewer
     #: bytes than this: below it the backend's whole collective costs less than N - 1 hops. None: the ops'
