@@ -184,6 +184,10 @@ def group_state(backend) -> GroupState:
     found = getattr(backend, "_commfuse_state", None)
     if found is None:
         group = getattr(backend, "group", None)
+        try:
+            hash(group)
+        except TypeError:  # not a process group object (the XLA backend's replica-id lists): per backend
+            group = None
         found = state_of_group(backend if group is None else group)
         try:
             backend._commfuse_state = found
