@@ -18,8 +18,10 @@ moment (a fluid model: rates are recomputed whenever a message starts or
 stops moving). A whole collective starts when every rank has posted it and
 takes its ring cost (``_model.collective_time``). With ``check`` on, the
 ranks first exchange the call fingerprint with both ring neighbours before
-an op's first communicating step, as the executor does by default (the
-benchmark times its runs without it).
+an op's first communicating step, a stand-in for the executor's check (which
+it runs on the first call of each call signature only, as a ring all-gather
+of fingerprints; a steady training loop pays none, so the default is off,
+and the benchmark times its runs without it).
 
 Two ways to run, with the same results where both apply:
 
@@ -50,7 +52,7 @@ from commfuse.sim._profile import Profile
 #: Bytes of the fingerprint each rank sends to each ring neighbour before an op's first transfer
 #: (48 int64 values, ``commfuse.runtime.executor.FINGERPRINT_LEN``).
 FINGERPRINT_BYTES = 48 * 8
-#: Channels of the fingerprint messages (``executor.FINGERPRINT_CHANNELS``): never a data channel.
+#: Channels of the modelled fingerprint messages (the executor's ``FINGERPRINT_CHANNEL``): never a data channel.
 _FP_CHANNELS = (1_000, 1_001)
 
 #: ``overlap``: normal; ``compute_only``: transfers and collectives complete at once (and no

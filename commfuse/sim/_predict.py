@@ -112,8 +112,9 @@ def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring
             symmetric: bool | None = None, check: bool = False) -> Prediction:
     """Predict ``workload`` under ``algorithm`` (``"ring"``, ``"ring:2"``, ``"bidirectional"``, ``"sliced:4"``, ``"vanilla"``).
 
-    ``check``: include the ops' fingerprint exchange (the executor's default;
-    ``commfuse bench`` times without it unless ``--fingerprint``). ``record``:
+    ``check``: include a fingerprint exchange before every op (the executor
+    checks on the first call of each signature only; ``commfuse bench`` times
+    without it unless ``--fingerprint``). ``record``:
     keep the timeline for traces and plots.
     """
     profile = load_profile(profile)
