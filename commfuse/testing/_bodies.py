@@ -289,6 +289,27 @@ def determinism(rank: int, n: int, ref: str, caps: dict) -> dict:
     return results
 
 
+def hidden_figures(total: float, compute: float, comm: float) -> dict:
+    """The overlap tier's figures from three median times in seconds: the whole op, its compute alone
+    (``measure("compute_only")``) and its communication alone (``measure("comm_only")``).
+
+    ``hidden_fraction`` judges the time hidden, ``compute + comm - total``,
+    against the most that could be hidden, ``min(compute, comm)``: perfect
+    overlap scores 1 whichever side dominates (on a slow link communication
+    dwarfs compute, and only the compute's worth of it can ever hide), running
+    the two back to back scores 0. Clamped to [0, 1]; 1 when either side
+    takes no time (nothing to hide). ``hidden_fraction_of_comm`` is the older
+    figure, the time hidden as a fraction of comm-only, kept for reference:
+    it cannot exceed compute/comm, so it says little on a slow link.
+    """
+    saved = compute + comm - total
+    hideable = min(compute, comm)
+    fraction = max(0.0, min(1.0, saved / hideable)) if hideable > 0 else 1.0
+    of_comm = max(0.0, min(1.0, saved / comm)) if comm > 0 else 1.0
+    return {"total_ms": 1e3 * total, "compute_only_ms": 1e3 * compute, "comm_only_ms": 1e3 * comm,
+            "hidden_ms": 1e3 * saved, "hidden_fraction": fraction, "hidden_fraction_of_comm": of_comm}
+
+
 def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
     import commfuse as cf
     from commfuse.runtime import measure
@@ -312,11 +333,10 @@ def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
     def hidden():
         timed(None)  # warm up
         total, comp, comm = timed(None), timed("compute_only"), timed("comm_only")
-        fraction = max(0.0, min(1.0, (comp + comm - total) / comm)) if comm > 0 else 1.0
-        figures = {"total_ms": 1e3 * total, "compute_only_ms": 1e3 * comp, "comm_only_ms": 1e3 * comm,
-                   "hidden_fraction": fraction}
-        if fraction < caps["overlap_threshold"]:
-            raise AssertionError(f"ring hid {fraction:.2f} of its communication, below the backend's threshold "
+        figures = dict(hidden_figures(total, comp, comm))
+        if figures["hidden_fraction"] < caps["overlap_threshold"]:
+            raise AssertionError(f"ring hid {figures['hidden_fraction']:.2f} of the time it could hide (the shorter "
+                                 f"of compute-only and comm-only), below the backend's threshold "
                                  f"{caps['overlap_threshold']}: {figures}")
         return figures
 
@@ -326,46 +346,361 @@ def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
 
 # -- robustness: each case in its own launch --------------------------------------------------------------
 
+#: Robustness cases that need more ranks than two, and how many.
+ROBUSTNESS_MIN_WORLD = {"absent-peer": 2, "mismatch-promptness": 4}
+#: The per-call timeout of ``mismatch-promptness``, at least: long enough that a mismatch "found" by a
+#: peer's wait running out would fail the case's bound on detection time.
+PROMPTNESS_TIMEOUT_S = 60.0
+#: ``mismatch-promptness``: every rank must name the mismatch within this many seconds.
+PROMPTNESS_BOUND_S = 10.0
 
-def robustness(rank: int, n: int, ref: str, caps: dict, kind: str):
-    """Returns (error type, message, seconds) for every rank that raised, or ("no error", "", seconds)."""
-    import commfuse as cf
+
+def robustness(rank: int, n: int, ref: str, caps: dict, kind: str) -> dict:
+    """One robustness case on this rank: a dict the suite judges (``RobustnessTests``).
+
+    ``kind``: the commfuse error type the case ended with, ``"no error"``, or
+    ``"absent"`` (the rank that stays away); ``message`` its text; ``seconds``
+    from the case's first faulty call to the error; ``problems``: what this
+    rank saw go wrong itself (a wrong result, an unexpected exception), each a
+    sentence; ``figures``: counts worth reporting.
+    """
     from commfuse.errors import CommfuseError
 
     dev = rank_device(caps["device"], rank)
     be = backend_from(ref, device=dev)
-    timeout = caps["timeout_s"]
+    out = {"kind": "no error", "message": "", "seconds": 0.0, "problems": [], "figures": {}}
     t0 = time.monotonic()
     try:
-        if kind == "mismatched-shapes":
-            rows = 8 if rank == 0 else 4
-            cf.all_gather_matmul(torch.randn(rows, 16, device=dev), torch.randn(16, 4, device=dev),
-                                 algorithm="ring", backend=be, timeout=timeout)
-        elif kind == "mismatched-algorithms":
-            cf.matmul_reduce_scatter(torch.randn(8, 16, device=dev), torch.randn(16, 4, device=dev),
-                                     algorithm="ring" if rank == 0 else "vanilla", backend=be, timeout=timeout)
-        elif kind == "absent-peer":
-            if rank == 1:
-                time.sleep(timeout + 3)
-                return ("absent", "", time.monotonic() - t0)
-            cf.all_gather_matmul(torch.randn(4, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
-                                 backend=be, timeout=timeout, check=False)
-        elif kind == "peer-death":
-            calls = []
-
-            def consumer(t, s):
-                calls.append(s)
-                if rank == 1 and len(calls) == 1:  # mid-schedule: step 0 posted, step 1 never will be
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return None
-
-            cf.all_gather_consume(torch.randn(64, 64, device=dev), consumer, algorithm="ring", backend=be,
-                                  timeout=timeout)
-            cf.all_gather_consume(torch.randn(64, 64, device=dev), consumer, algorithm="ring", backend=be,
-                                  timeout=timeout)
+        _ROBUSTNESS[kind](rank, n, be, dev, caps, out)
     except CommfuseError as e:
-        return (type(e).__name__, str(e), time.monotonic() - t0)
-    return ("no error", "", time.monotonic() - t0)
+        out["kind"], out["message"] = type(e).__name__, str(e)
+    except Exception as e:  # noqa: BLE001 - anything else is a finding, not a crash of the case
+        out["kind"], out["message"] = type(e).__name__, str(e)
+        out["problems"].append(f"raised {type(e).__name__} (not a commfuse error): {e}\n"
+                               f"{traceback.format_exc(limit=6)}")
+    out["seconds"] = time.monotonic() - out.pop("_since", t0)
+    return out
+
+
+def _exact_inputs(n: int, dev, seed: int = 31, rows: int = 4, k: int = 16, cols: int = 8):
+    """Integer-valued a (gathered) and b, so every result of a ring all_gather_matmul is exact."""
+    a = _values((rows * n, k), torch.float32, seed, True, dev)
+    b = _values((k, cols), torch.float32, seed + 1, True, dev)
+    return a, b, (a.double() @ b.double()).float()
+
+
+def _mismatched_shapes(rank, n, be, dev, caps, out):
+    import commfuse as cf
+
+    rows = 8 if rank == 0 else 4
+    cf.all_gather_matmul(torch.randn(rows, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
+                         backend=be, timeout=caps["timeout_s"])
+
+
+def _mismatched_algorithms(rank, n, be, dev, caps, out):
+    import commfuse as cf
+
+    cf.matmul_reduce_scatter(torch.randn(8, 16, device=dev), torch.randn(16, 4, device=dev),
+                             algorithm="ring" if rank == 0 else "vanilla", backend=be, timeout=caps["timeout_s"])
+
+
+def _absent_peer(rank, n, be, dev, caps, out):
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+    if rank == 1:
+        time.sleep(timeout + 3)
+        out["kind"] = "absent"
+        return
+    cf.all_gather_matmul(torch.randn(4, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
+                         backend=be, timeout=timeout, check=False)
+
+
+def _peer_death(rank, n, be, dev, caps, out):
+    import commfuse as cf
+
+    calls = []
+
+    def consumer(t, s):
+        calls.append(s)
+        if rank == 1 and len(calls) == 1:  # mid-schedule: step 0 posted, step 1 never will be
+            os.kill(os.getpid(), signal.SIGKILL)
+        return None
+
+    for _ in range(2):
+        cf.all_gather_consume(torch.randn(64, 64, device=dev), consumer, algorithm="ring", backend=be,
+                              timeout=caps["timeout_s"])
+
+
+def _two_threads_one_group(rank, n, be, dev, caps, out):
+    """Two threads of every rank on one group: refused (ConcurrentUseError) or right, never wrong, never hung.
+
+    Phase 1, deterministic: the owner thread is inside an all_gather_consume
+    (its consumer holds the op open until the intruder has tried) when the
+    intruder calls all_gather_matmul on the same group, in 5 rounds; the
+    intruder must be refused on every rank, locally, and the owner's op must
+    complete on every rank, so the ranks' call sequences stay aligned.
+
+    Phase 2, a free race: both threads call the same all_gather_matmul until
+    the rank has 20 results, retrying after each refusal. A
+    refused call consumes no call number, so every rank makes the same number
+    of calls whichever thread made them, and identical calls pair whatever the
+    interleaving. Every returned result must equal the reference exactly.
+    Ends with one call from the main thread: the group is in step.
+    """
+    import threading
+
+    import commfuse as cf
+    from commfuse.errors import ConcurrentUseError
+    from commfuse.runtime.executor import group_state
+
+    rounds, race_calls = 5, 20
+    timeout = caps["timeout_s"]
+    group_name = group_state(be).name
+    a_full, b, want = _exact_inputs(n, dev)
+    a = a_full.tensor_split(n)[rank]
+    problems, counts = out["problems"], {"owner_correct": 0, "refused": 0, "race_correct": 0, "race_refused": 0,
+                                          "wrong": 0, "other": 0}
+    out["figures"] = counts  # reported also when the case ends early
+    lock = threading.Lock()
+
+    def note(problem: str, counter: str = "other") -> None:
+        with lock:
+            counts[counter] += 1
+            if len(problems) < 20:
+                problems.append(problem)
+
+    def check_refusal(e: BaseException, in_flight: str, thread: int | None, where: str) -> bool:
+        """The refusal names the group, and the op in flight with its thread."""
+        text = str(e)
+        missing = [w for w in (group_name, f"{in_flight} (thread {thread})") if w not in text]
+        if missing:
+            note(f"{where}: the ConcurrentUseError does not name {missing}: {text}")
+            return False
+        return True
+
+    # -- phase 1: the intruder calls while the owner is provably inside its op --------------------------------
+    inside, tried = threading.Event(), threading.Event()
+    owner_ident: list[int] = []
+
+    def owner() -> None:
+        owner_ident.append(threading.get_ident())
+        for i in range(rounds):
+            first = [True]
+
+            def consumer(t, s, first=first):
+                if first[0]:
+                    first[0] = False
+                    inside.set()
+                    if not tried.wait(timeout):
+                        note(f"round {i}: the intruder never tried within {timeout:g} s")
+                    tried.clear()
+                return (t @ b).clone()
+
+            try:
+                parts = cf.all_gather_consume(a, consumer, algorithm="ring", backend=be, timeout=timeout)
+                got = torch.cat(parts, dim=0)
+                if torch.equal(got.cpu(), want.cpu()):
+                    with lock:
+                        counts["owner_correct"] += 1
+                else:
+                    note(f"round {i}: the owner's all_gather_consume returned data that differs from the "
+                         f"reference", "wrong")
+            except Exception as e:  # noqa: BLE001 - counted and named
+                note(f"round {i}: the owner's op raised {type(e).__name__}: {e}")
+                inside.set()
+                return
+
+    def intruder() -> None:
+        for i in range(rounds):
+            if not inside.wait(2 * timeout):
+                note(f"round {i}: the owner never entered its op")
+                return
+            inside.clear()
+            try:
+                y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+                note(f"round {i}: the intruder's all_gather_matmul ran while all_gather_consume was in flight "
+                     f"on {group_name} (it must be refused); "
+                     + ("its result was right" if torch.equal(y.cpu(), want.cpu()) else "its result was WRONG"),
+                     "other" if torch.equal(y.cpu(), want.cpu()) else "wrong")
+            except ConcurrentUseError as e:
+                if check_refusal(e, "all_gather_consume", owner_ident[0] if owner_ident else None,
+                                 f"round {i}"):
+                    with lock:
+                        counts["refused"] += 1
+            except Exception as e:  # noqa: BLE001
+                note(f"round {i}: the intruder got {type(e).__name__} instead of ConcurrentUseError: {e}")
+            finally:
+                tried.set()
+
+    _run_threads([owner, intruder], 3 * timeout + 10, problems)
+
+    # -- phase 2: a free race for race_calls results -----------------------------------------------------------
+    # the signature is planned and checked from this thread first: the check runs on a signature's first call,
+    # and that call must be the same call on every rank, not whichever thread of each rank won a race
+    y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+    if not torch.equal(y.cpu(), want.cpu()):
+        note("the warm-up all_gather_matmul returned data that differs from the reference", "wrong")
+    left = [race_calls]
+    racers: list[int] = []
+    deadline = time.monotonic() + 2 * timeout + 5
+
+    def racer() -> None:
+        me = threading.get_ident()
+        with lock:
+            racers.append(me)
+        while time.monotonic() < deadline:
+            with lock:
+                if left[0] == 0:
+                    return
+                left[0] -= 1
+            try:
+                y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+            except ConcurrentUseError as e:
+                with lock:
+                    left[0] += 1  # refused: the call did not happen, so it is still owed
+                other = next((r for r in racers if r != me), None)  # the op in flight is the other racer's
+                if check_refusal(e, "all_gather_matmul", other, "race"):
+                    with lock:
+                        counts["race_refused"] += 1
+                time.sleep(0.0005)
+                continue
+            except Exception as e:  # noqa: BLE001
+                note(f"race: all_gather_matmul raised {type(e).__name__} (expected a result or "
+                     f"ConcurrentUseError): {e}")
+                return
+            if torch.equal(y.cpu(), want.cpu()):
+                with lock:
+                    counts["race_correct"] += 1
+            else:
+                note("race: an all_gather_matmul returned data that differs from the reference", "wrong")
+        note(f"race: the threads did not make {race_calls} calls within the deadline")
+
+    _run_threads([racer, racer], 2 * timeout + 10, problems)
+    y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+    if not torch.equal(y.cpu(), want.cpu()):
+        note("the closing all_gather_matmul returned data that differs from the reference", "wrong")
+    if counts["refused"] != rounds:
+        problems.append(f"the intruder was refused {counts['refused']} times in {rounds} rounds")
+    if counts["owner_correct"] != rounds:
+        problems.append(f"the owner completed {counts['owner_correct']} of {rounds} ops correctly")
+    if counts["race_correct"] != race_calls:
+        problems.append(f"the race returned {counts['race_correct']} correct results of {race_calls}")
+
+
+def _run_threads(targets, bound: float, problems: list) -> None:
+    import threading
+
+    threads = [threading.Thread(target=t, name=f"commfuse-conformance-{i}", daemon=True)
+               for i, t in enumerate(targets)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + bound
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [t.name for t in threads if t.is_alive()]
+    if hung:  # daemon threads: the launch can still tear the rank down
+        problems.append(f"threads {hung} still running after {bound:g} s: a hang")
+        raise AssertionError(f"threads {hung} hung")
+
+
+def _skipped_call(rank, n, be, dev, caps, out):
+    """Rank 1's first call fails validation (it still takes a call number); then every rank makes the same
+    valid calls. Rank 1 is one call ahead of its peers: no call may pair across the gap, so no rank returns
+    data, and every rank ends in a named error."""
+    import commfuse as cf
+    from commfuse.errors import CommfuseValueError
+
+    timeout = caps["timeout_s"]
+    a_full, b, want = _exact_inputs(n, dev, seed=41)
+    a = a_full.tensor_split(n)[rank]
+    if rank == 1:
+        try:
+            cf.all_gather_matmul(a.flatten(), b, algorithm="ring", backend=be, timeout=timeout)
+            out["problems"].append("all_gather_matmul accepted a 1-D a_shard")
+        except CommfuseValueError:
+            pass
+    out["_since"] = time.monotonic()  # seconds: from the first valid call to the error
+    out["figures"]["returned"] = 0
+    for i in range(3):
+        y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+        out["figures"]["returned"] += 1
+        if not torch.equal(y.cpu(), want.cpu()):
+            out["problems"].append(f"valid call {i} returned data that differs from the reference (rank 1 is one "
+                                   "call ahead of its peers: the call paired across the gap)")
+
+
+def _symmetric_errors(rank, n, be, dev, caps, out):
+    """Every rank fails the same way inside an op (a consumer that raises; a matmul the dtype cannot do), with
+    transfers in flight: the error comes out unchanged, and the next valid op succeeds exactly."""
+    import commfuse as cf
+    from commfuse.errors import CommfuseError
+
+    timeout = caps["timeout_s"]
+    problems = out["problems"]
+    a_full, b, want = _exact_inputs(n, dev, seed=51)
+    a = a_full.tensor_split(n)[rank]
+    calls, raised = [], []
+
+    def consumer(t, s):
+        calls.append(s)
+        if len(calls) == 1:
+            error = ZeroDivisionError(f"rank {rank}: the conformance suite's consumer fails on its first call")
+            raised.append(error)
+            raise error
+        return t
+
+    try:
+        cf.all_gather_consume(a, consumer, algorithm="ring", backend=be, timeout=timeout)
+        problems.append("all_gather_consume returned although its consumer raised")
+    except ZeroDivisionError as e:
+        if not raised or e is not raised[0]:
+            problems.append(f"the consumer's ZeroDivisionError came out as another object: {e!r}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"the consumer's ZeroDivisionError came out as {type(e).__name__}: {e}")
+    if len(calls) != 1:
+        problems.append(f"the consumer was called {len(calls)} times (the op must stop at its error)")
+    out["figures"]["consumer_calls"] = len(calls)
+
+    def valid(after: str) -> None:
+        y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+        if not torch.equal(y.cpu(), want.cpu()):
+            problems.append(f"the all_gather_matmul after {after} returned data that differs from the reference")
+
+    valid("the consumer's error")
+    bools = a.bool(), b.bool()
+    try:
+        cf.all_gather_matmul(*bools, algorithm="ring", backend=be, timeout=timeout)
+        problems.append(f"a {bools[0].dtype} matmul did not raise on {dev}: the compute-error path was not "
+                        "exercised")
+    except CommfuseError as e:
+        problems.append(f"the bool matmul's error came out wrapped as {type(e).__name__}: {e}")
+    except (NotImplementedError, RuntimeError) as e:
+        out["figures"]["compute_error"] = type(e).__name__
+    valid("the failed bool matmul")
+
+
+def _mismatch_promptness(rank, n, be, dev, caps, out):
+    """Rank 2 calls with another shape: every rank, also those not beside rank 2, names it in seconds."""
+    import commfuse as cf
+
+    timeout = max(PROMPTNESS_TIMEOUT_S, caps["timeout_s"])
+    out["figures"]["timeout_s"] = timeout
+    rows = 6 if rank == 2 else 4
+    cf.all_gather_matmul(torch.randn(rows, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
+                         backend=be, timeout=timeout)
+
+
+_ROBUSTNESS = {
+    "mismatched-shapes": _mismatched_shapes,
+    "mismatched-algorithms": _mismatched_algorithms,
+    "absent-peer": _absent_peer,
+    "peer-death": _peer_death,
+    "two-threads-one-group": _two_threads_one_group,
+    "skipped-call": _skipped_call,
+    "symmetric-consumer-error": _symmetric_errors,
+    "mismatch-promptness": _mismatch_promptness,
+}
 
 
 TIERS = {"transport": transport, "schedules": schedules, "ops": ops, "determinism": determinism,

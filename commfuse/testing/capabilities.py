@@ -11,12 +11,17 @@ class Capabilities:
     ``autograd``: run the ops/autograd tier's gradient checks.
     ``self_transfer``: the transport can send a message to its own rank
     (gloo cannot; the schedules never need it).
-    ``overlap_threshold``: the least fraction of ring communication that must
-    be hidden behind compute for the overlap tier to pass; 0 reports the
-    figure only (gloo on a 2-core loopback: copies compete with the GEMMs).
+    ``overlap_threshold``: the least ``hidden_fraction`` for the overlap tier
+    to pass: the time a ring all_gather_matmul saves over compute plus
+    communication run apart, as a fraction of the most it could save, the
+    shorter of the two, ``(compute + comm - total) / min(compute, comm)``; 0
+    reports the figure only (gloo on a 2-core loopback: copies compete with
+    the GEMMs).
     ``survives_peer_death``: a dead peer surfaces as an error, not a hang, so
     the SIGKILL test may run.
-    ``timeout_s``: the bound every robustness test gives its waits.
+    ``timeout_s``: the bound every robustness test gives its waits (but
+    ``mismatch-promptness``, which runs with at least 60 s and must name the
+    mismatch within 10).
     ``device``: device type tensors are made on; ``dist_backend``: the
     torch.distributed backend of the process group the suite launches.
     """

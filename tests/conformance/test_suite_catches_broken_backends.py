@@ -62,6 +62,15 @@ def test_wrong_reduction_is_caught_by_the_reduce_scatter_schedules_only(tmp_path
     assert _outcome(data, "all_to_all-vanilla-float32-exact") == "passed"
 
 
+def test_corrupted_data_is_caught_by_the_robustness_cases_that_compare_results(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:corrupt_data", "--tier", "robustness", "-k",
+                        "two-threads or symmetric", n=2)
+    assert data["exit_code"] != 0
+    for case in ("two-threads-one-group", "symmetric-consumer-error"):
+        assert _outcome(data, case) == "failed", case
+        assert "differs from the reference" in data["by_case"][case]["reason"], data["by_case"][case]["reason"]
+
+
 @pytest.mark.parametrize("n", [2])
 def test_gloo_passes_every_tier(tmp_path, n):
     data = _conformance(tmp_path, "gloo", n=n)
@@ -69,4 +78,5 @@ def test_gloo_passes_every_tier(tmp_path, n):
     assert not failed, failed
     assert data["exit_code"] == 0 and data["summary"]["passed"] > 100
     overlap = data["by_case"]["ring-hides-communication"]["figures"]
-    assert "rank0.hidden_fraction" in overlap
+    assert "rank0.hidden_fraction" in overlap and "rank0.hidden_fraction_of_comm" in overlap
+    assert 0.0 <= overlap["rank0.hidden_fraction"] <= 1.0

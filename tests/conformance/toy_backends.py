@@ -2,7 +2,9 @@
 
 Each is the real gloo backend with one fault: ``wrong_peer`` delivers every
 message one rank too far, ``dropped_message`` never sends one message per
-step, ``wrong_reduction`` reduces whole reduce-scatters with max instead of sum.
+step, ``wrong_reduction`` reduces whole reduce-scatters (of tensor lists or
+into one tensor) with max instead of sum, ``corrupt_data`` adds 1 to every
+floating-point message it receives (not the call check's fingerprints).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from commfuse.runtime.c10d import C10dBackend, _Handle
+from commfuse.runtime.executor import FINGERPRINT_CHANNEL
 from commfuse.schedule import Collective
 
 
@@ -32,6 +35,30 @@ class WrongReduction(C10dBackend):
             return _Handle([work], list(outputs), list(inputs) + list(outputs))
         return super().collective(kind, inputs, outputs)
 
+    def collective_into(self, kind, input, output):  # vanilla over even shards runs into one tensor
+        if kind is Collective.REDUCE_SCATTER:
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            return _Handle([self.group._reduce_scatter_base(output, input, opts)], [output], (input, output))
+        return super().collective_into(kind, input, output)
+
+
+class _Corrupting:
+    def __init__(self, handle, data):
+        self.handle, self.data = handle, data
+
+    def wait(self, timeout):
+        got = self.handle.wait(timeout)
+        for t, data in zip(got, self.data):
+            if data and t.is_floating_point():
+                t.add_(1)
+        return got
+
+
+class CorruptData(C10dBackend):
+    def post(self, sends, recvs):
+        return _Corrupting(super().post(sends, recvs), [t.channel != FINGERPRINT_CHANNEL for t, _ in recvs])
+
 
 def wrong_peer(group=None, device=None):
     return WrongPeer(group, device, name="toy-wrong-peer")
@@ -43,6 +70,10 @@ def dropped_message(group=None, device=None):
 
 def wrong_reduction(group=None, device=None):
     return WrongReduction(group, device, name="toy-wrong-reduction")
+
+
+def corrupt_data(group=None, device=None):
+    return CorruptData(group, device, name="toy-corrupt-data")
 
 
 class FastCapabilities:
