@@ -142,10 +142,14 @@ class GroupState:
     """What every call on one process group shares: its sequence number, its one-op-at-a-time lock, and
     whether the last call failed (the next one is checked)."""
 
-    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "__weakref__")
+    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "__weakref__")
 
     def __init__(self, name: str) -> None:
         self.seq = 0
+        #: the call signatures (fingerprints less the call number) the ranks have agreed on for this group:
+        #: kept here, not per plan object, so that every rank checks the same calls however its plans were
+        #: made (two threads making one signature's first plan at once, a plan cache that was cleared)
+        self.checked: set[tuple] = set()
         self.lock = threading.Lock()
         self.busy: tuple[str, int] | None = None
         self.dirty = False
@@ -422,7 +426,7 @@ class Plan:
     """
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
-                 "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest")
+                 "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -446,17 +450,14 @@ class Plan:
         self.trace = _trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
         self.steps = self.compiled.steps
         self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag
+        self.signature: tuple | None = None  # the fingerprint less the call number
 
-    def tag_number(self, program: Program, seq: int) -> int:
-        """What this call's tags carry: the call number, offset by a digest of the signature, so that a
-        message can only pair with the same call of the same signature on its peer."""
-        digest = self.digest
-        if digest is None:
-            import zlib
+    def learn_signature(self, program: Program) -> None:
+        """The signature (fingerprint less the call number) and its digest, from the first call's program."""
+        import zlib
 
-            values = self.fingerprint(program, 0)
-            digest = self.digest = zlib.crc32(repr(values[2:]).encode())
-        return (seq + digest) % SEQUENCE_WRAP
+        self.signature = tuple(self.fingerprint(program, 0)[2:])
+        self.digest = zlib.crc32(repr(self.signature).encode())
 
     def fingerprint(self, program: Program, seq: int) -> list[int]:
         s = self.schedule
@@ -540,15 +541,18 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
                 if events is None:
                     events = getattr(_mode, "events", None)
             begin = plan.begin
+            if plan.digest is None:
+                plan.learn_signature(program)
             if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
-                if begin is not None:
-                    begin(None)
-                _check_fingerprint(plan, program, seq)
+                if state.dirty or plan.check == "always" or plan.signature not in state.checked:
+                    if begin is not None:
+                        begin(None)
+                    _check_fingerprint(plan, program, seq)
+                    state.checked.add(plan.signature)
+                    state.dirty = False
                 plan.checked = True
-                state.dirty = False
             if begin is not None:
-                digest = plan.digest
-                begin((seq + digest) % SEQUENCE_WRAP if digest is not None else plan.tag_number(program, seq))
+                begin((seq + plan.digest) % SEQUENCE_WRAP)
             if mode is None and events is None and not plan.trace and not _profiler_on():
                 _run(plan, program)
             else:
