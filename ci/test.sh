@@ -22,7 +22,7 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
     overlap = [t["figures"] for t in data["tests"] if t["test"].endswith("[ring-hides-communication]")]
     hidden = overlap[0].get("rank0.hidden_fraction") if overlap else None
     print(f"conformance gloo world size {data['world_size']}: {data['summary']}"
-          + (f", ring hid {hidden:.2f} of its communication (rank 0)" if hidden is not None else ""))
+          + (f", ring hid {hidden:.2f} of what it could hide, min(compute, comm) (rank 0)" if hidden is not None else ""))
 PY
 bash ci/test_backends.sh || status=1
 bash ci/test_xla.sh || status=1
