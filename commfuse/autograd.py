@@ -74,6 +74,8 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
     prepared = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul", _ag_meta(a, bs, gd, total))
 
     def forward(a, bs):
+        if not contraction and not return_gathered and len(bs) == 1:
+            return None, [_single(a, bs[0])]
         outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
         gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
         if contraction:
@@ -83,20 +85,6 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
                     write_rows(gathered, spans, gd, piece)
                 for bi, out in zip(bs, outs):
                     out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
-        elif gathered is None and len(bs) == 1:
-            b0, out0 = bs[0], outs[0]
-
-            def consume(spans):
-                if len(spans) == 1 and direct:
-                    start, size, t = spans[0]
-                    if size == total:  # every row at once (vanilla)
-                        torch.matmul(t, b0, out=out0)
-                    elif gd == 0:
-                        torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
-                    else:
-                        torch.matmul(t, b0, out=out0.narrow(gd, start, size))
-                else:
-                    matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
         else:
             def consume(spans):
                 piece = join(spans, gd)
@@ -107,6 +95,37 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
 
         run_gather(prepared, a, consume)
         return gathered, outs
+
+    def _single(a, b0):
+        """One weight, no gathered copy: the common case, with the output made by the first GEMM that
+        covers it all (vanilla) or allocated once the ring's first slice arrives."""
+        box = [None]
+
+        def one(start, size, t):
+            if size == total:  # every row at once (vanilla): the GEMM makes the output
+                box[0] = torch.matmul(t, b0)
+                return
+            out0 = box[0]
+            if out0 is None:
+                out0 = box[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
+            if gd == 0:
+                torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
+            elif direct:
+                torch.matmul(t, b0, out=out0.narrow(gd, start, size))
+            else:
+                matmul_rows(out0, [(start, size, t)], gd, t, b0)
+
+        def consume(spans):
+            if len(spans) == 1:
+                one(*spans[0])
+                return
+            out0 = box[0]
+            if out0 is None:
+                out0 = box[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
+            matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
+
+        run_gather(prepared, a, consume, consume_one=one)
+        return box[0]
 
     return forward
 
@@ -140,7 +159,7 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
                 y = torch.matmul(rows_of(a, spans, sd), b)
                 return list(torch.split(y, [size for _, size in spans], dim=sd))
 
-        return run_scatter(prepared, produce)
+        return run_scatter(prepared, produce, produce_whole=lambda: torch.matmul(a, b))
 
     return forward
 

@@ -39,16 +39,19 @@ from commfuse.runtime.executor import TAG_STRIDE, group_state
 from commfuse.runtime.watchdog import watchdog
 from commfuse.schedule import Collective, Transfer
 
-_DELTAS: dict[float, datetime.timedelta] = {}
+_LAST_DELTA = (0.0, datetime.timedelta(0))
+_SUM = dist.ReduceScatterOptions()  # the default reduction, a sum; made once
 
 
 def _delta(timeout: float) -> datetime.timedelta:
-    found = _DELTAS.get(timeout)
-    if found is None:
-        if len(_DELTAS) > 64:
-            _DELTAS.clear()
-        found = _DELTAS[timeout] = datetime.timedelta(seconds=timeout)
-    return found
+    """``timeout`` as the timedelta c10d wants, remembering the last one (calls repeat one timeout); the pair
+    is replaced as one tuple, so a thread never reads one call's timeout with another's delta."""
+    global _LAST_DELTA
+    seconds, delta = _LAST_DELTA
+    if seconds != timeout:
+        delta = datetime.timedelta(seconds=timeout)
+        _LAST_DELTA = (timeout, delta)
+    return delta
 
 
 class _Handle:
@@ -198,7 +201,7 @@ class C10dBackend:
             if kind is Collective.ALL_GATHER:
                 work = g._allgather_base(output, input)
             else:
-                work = g._reduce_scatter_base(output, input, dist.ReduceScatterOptions())
+                work = g._reduce_scatter_base(output, input, _SUM)
             return _Handle([work], [output], (input, output))
         if kind is Collective.ALL_GATHER:
             work = dist.all_gather_into_tensor(output, input, group=g, async_op=True)

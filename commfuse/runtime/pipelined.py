@@ -133,24 +133,31 @@ def prepare_gather(call: Call, shape, dtype, dim: int, sizes: tuple, label: str,
     return plan, layout, pool, dim
 
 
-def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False) -> None:
-    """:func:`gather_spans` on a plan from :func:`prepare_gather` (no look-up)."""
+def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False, consume_one=None) -> None:
+    """:func:`gather_spans` on a plan from :func:`prepare_gather` (no look-up). ``consume_one(start, size,
+    tensor)``, when given, takes the steps that compute on one slice (every ring step) without a list."""
     plan, layout, pool, dim = prepared
     start, size = layout.start, layout.size
 
+    # on_step must not refer to the program (a reference cycle per call would leave the collection of
+    # every call's tensors to the garbage collector's passes, which cost more than the call itself)
     def on_step(slots, tensors):
-        if tensors is None:  # every shard, gathered rank by rank into one tensor (n, *shard)
-            whole = program.whole  # (n * rows, ...): the gathered tensor itself when gathering dim 0
+        if type(tensors) is list:
+            if consume_one is not None and len(slots) == 1:
+                s = slots[0]
+                consume_one(start[s], size[s], tensors[0])
+            elif len(slots) == 1:
+                s = slots[0]
+                consume([(start[s], size[s], tensors[0])])
+            else:
+                consume([(start[s], size[s], t) for s, t in zip(slots, tensors)])
+        else:  # every shard, gathered rank by rank into one tensor (n * rows, ...): the gathered tensor itself
+            whole = tensors  # when gathering dim 0
             if dim == 0:
                 consume([(0, layout.total, whole)])
             else:
                 per_rank = whole.view(layout.stacked)
                 consume([(start[s], size[s], per_rank[q]) for q, s in enumerate(slots)])
-        elif len(slots) == 1:
-            s = slots[0]
-            consume([(start[s], size[s], tensors[0])])
-        else:
-            consume([(start[s], size[s], t) for s, t in zip(slots, tensors)])
 
     program = GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta, whole_ok=True)
     execute(plan, program)
@@ -203,12 +210,15 @@ def prepare_scatter(call: Call, out_shape: Sequence[int], dim: int, dtype: torch
     return plan, layout, pool, dim
 
 
-def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bool = False) -> torch.Tensor:
-    """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up)."""
+def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bool = False,
+                produce_whole=None) -> torch.Tensor:
+    """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up). ``produce_whole()``, when
+    given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
     plan, layout, pool, dim = prepared
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
-                                   meta=layout.meta, check_shapes=check_shapes)
+                                   meta=layout.meta, check_shapes=check_shapes,
+                                   produce_whole=produce_whole if dim == 0 else None)
     execute(plan, program)
     pieces = program.result()
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)

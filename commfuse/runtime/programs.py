@@ -216,7 +216,7 @@ class GatherProgram(_Consuming, _Base):
     def __init__(self, layout: GatherLayout, pool: _Pool, shard: torch.Tensor, consume: Callable, *,
                  keep: bool, meta: list[int], whole_ok: bool = False) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
-        self.whole_ok = whole_ok  # consume(slots, None) means "every shard, in self.whole"
+        self.whole_ok = whole_ok  # consume(slots, tensor) means "every shard, in this one tensor"
         held: list = [None] * len(layout.size)
         own = layout.own
         if len(own) == 1:
@@ -231,7 +231,7 @@ class GatherProgram(_Consuming, _Base):
 
     def compute(self, slots):
         if self.whole_ok and self.whole is not None and len(slots) == self.layout.n:
-            self.consume(slots, None)  # every shard at once, from self.whole (see gather_spans)
+            self.consume(slots, self.whole)  # every shard at once, as one tensor (see gather_spans)
             return
         held = self.held
         self.consume(slots, [held[s] for s in slots])
@@ -302,18 +302,23 @@ class ReduceScatterProgram(_Base):
     """Reduce-scatter: every rank produces a partial of every output slice; rank d keeps slice d summed.
 
     ``produce(slots) -> list of tensors`` makes this rank's partials for the
-    step's slots (fresh tensors it may add into when ``inplace``). With ``check_shapes`` every partial's shape is compared with
-    the layout's (producers written by users).
+    step's slots (fresh tensors it may add into when ``inplace``). With
+    ``check_shapes`` every partial's shape is compared with the layout's
+    (producers written by users). ``produce_whole()``, when given, makes
+    every rank's partial at once as one tensor, rank by rank along dim 0: the
+    input of a ``vanilla`` reduce-scatter run with ``collective_into``.
     """
 
     collective = Collective.REDUCE_SCATTER
 
     def __init__(self, layout: ScatterLayout, pool: _Pool, produce: Callable, *, inplace: bool,
-                 meta: list[int], check_shapes: bool = False) -> None:
+                 meta: list[int], check_shapes: bool = False, produce_whole: Callable | None = None) -> None:
         self.layout, self.pool, self.produce, self.inplace, self._meta = layout, pool, produce, inplace, meta
         self.check_shapes = check_shapes
         self.sums: list = [None] * len(layout.size)
         self.inbox: list = [None] * len(layout.size)
+        self.produce_whole = produce_whole if layout.into and pool.into else None
+        self.whole = None
 
     def payload(self, s):
         return self.sums[s]
@@ -323,6 +328,9 @@ class ReduceScatterProgram(_Base):
 
     def compute(self, slots):
         layout = self.layout
+        if self.produce_whole is not None and len(slots) == layout.n:
+            self.whole = self.produce_whole()
+            return
         partials = self.produce(slots)
         sums = self.sums
         for s, partial in zip(slots, partials):
@@ -353,7 +361,10 @@ class ReduceScatterProgram(_Base):
         slots = layout.part_slots[part]
         if layout.into and self.pool.into:
             mine = slots[layout.rank]
-            stacked = _stacked([self.sums[s] for s in slots]).view(layout.whole_key[0])
+            if self.whole is not None:
+                stacked, self.whole = self.whole.view(layout.whole_key[0]), None
+            else:
+                stacked = _stacked([self.sums[s] for s in slots]).view(layout.whole_key[0])
             out = self.pool.get(layout.key[mine])
 
             def finish_into(got):
