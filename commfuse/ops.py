@@ -124,11 +124,20 @@ class _Signatures:
         self.plans: dict[tuple, Any] = {}
         self.lock = threading.Lock()
 
-    def put(self, key, value) -> None:
-        with self.lock:
-            if len(self.plans) > 4096:
-                self.plans.clear()
-            self.plans[key] = value
+    def make(self, key, signature: Callable[[], Any], group, backend):
+        """``signature()`` (validate, resolve, plan), remembered under ``key`` (None: not remembered); a
+        call that fails it still takes its call number on the group (:func:`_failed`)."""
+        try:
+            run = signature()
+        except CommfuseError:
+            _failed(group, backend)
+            raise
+        if key is not None:
+            with self.lock:
+                if len(self.plans) > 4096:
+                    self.plans.clear()
+                self.plans[key] = run
+        return run
 
 
 _AGMM = _Signatures()
@@ -141,10 +150,6 @@ def _forget() -> None:
 
 
 backends.on_release(_forget)
-
-
-def _report(report: dict, run) -> None:
-    report.update(run.report)
 
 
 # -- all_gather_matmul -------------------------------------------------------
@@ -195,16 +200,11 @@ def all_gather_matmul(
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
     if run is None:
-        try:
-            run = _agmm_signature(a_shard, b, group, gather_dim, algorithm, return_gathered, gathered_size,
-                                  keep_gathered, timeout, check, backend)
-        except CommfuseError:
-            _failed(group, backend)
-            raise
-        if key is not None:
-            _AGMM.put(key, run)
+        run = _AGMM.make(key, lambda: _agmm_signature(a_shard, b, group, gather_dim, algorithm, return_gathered,
+                                                      gathered_size, keep_gathered, timeout, check, backend),
+                         group, backend)
     if report is not None:
-        _report(report, run)
+        report.update(run.report)
     return run(a_shard, b)
 
 
@@ -373,15 +373,10 @@ def matmul_reduce_scatter(
     except (AttributeError, TypeError):
         key, run = None, None
     if run is None:
-        try:
-            run = _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check, backend)
-        except CommfuseError:
-            _failed(group, backend)
-            raise
-        if key is not None:
-            _MMRS.put(key, run)
+        run = _MMRS.make(key, lambda: _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check,
+                                                      backend), group, backend)
     if report is not None:
-        _report(report, run)
+        report.update(run.report)
     return run(a, b)
 
 
