@@ -9,12 +9,16 @@ Three ways to run:
   rendezvous with the backend that fits its device (NCCL on CUDA, HCCL on
   Ascend, gloo on CPU) and rank 0 prints;
 - with ``--link-rate RATE`` it re-executes itself in a private network
-  namespace whose loopback is limited to RATE (``netns``), then as above.
+  namespace whose loopback is limited to RATE (``netns``), then as above;
+- with ``--fake-pg N`` it runs in this one process on torch's fake process
+  group (rank 0 of N, transfers that complete at once) and times each op's
+  GEMMs and overhead against the unsliced GEMM (``fakepg``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +34,20 @@ _SIZE_FLAGS = (("batch", "b"), ("seq", "s"), ("hidden", "h"), ("ffn", "ffn"), ("
                ("kv_heads", "kv_heads"))
 
 
+class _FakeGroupMode(argparse.Action):
+    """``--fake-pg N``: store N, and route the parsed command to :func:`run_fake` instead of :func:`run`.
+
+    The option is a mode of its own (one process, no ranks, no namespace), so
+    it is dispatched where the arguments are parsed: ``commfuse``'s parser sets
+    ``run`` as the subcommand's default before parsing, and this action,
+    applied during parsing, replaces it.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.run = run_fake
+
+
 def arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
@@ -41,6 +59,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse bench --link-rate 2gbit --plot gantt.png --trace trace.json\n"
         "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
         "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
+        "  commfuse bench --fake-pg 8 --device cuda --tokens 8192 --hidden 8192 --ffn 28672   # one GPU, no transfers\n"
         "see docs/benchmarks.md for how to read the figures"
     )
     g = p.add_argument_group("what to measure")
@@ -58,11 +77,14 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="divide the preset's b, s, h and ffn by F (default 1), e.g. --preset paper-mlp --scale 8")
     g.add_argument("-b", "--batch", type=int, help="batch size b")
     g.add_argument("-s", "--seq", type=int, help="whole sequence length s (each rank holds s/N)")
+    g.add_argument("--tokens", type=int, metavar="T",
+                   help="tokens b*s of the GEMM workloads, as batch 1 and seq T (not with -b or -s)")
     g.add_argument("--hidden", type=int, help="hidden size h")
     g.add_argument("--ffn", type=int, help="MLP inner size (each rank holds ffn/N columns)")
     g.add_argument("--heads", type=int, help="attention heads")
     g.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    g.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="default float32; with --fake-pg bfloat16 on CUDA")
     g = p.add_argument_group("how to run")
     g.add_argument("-n", "--world-size", type=int, default=2,
                    help="ranks to launch (default 2; torchrun decides there)")
@@ -82,6 +104,15 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of one iteration per algorithm")
     g.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart of one iteration per algorithm")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g = p.add_argument_group(
+        "fake process group: one process, every transfer completes at once without moving data; times each "
+        "algorithm of all_gather_matmul and matmul_reduce_scatter against the unsliced GEMM (docs/benchmarks.md)")
+    g.add_argument("--fake-pg", type=int, metavar="N", action=_FakeGroupMode,
+                   help="run as rank 0 of a fake group of N ranks in this process (no launch, no torchrun); "
+                   "--device cuda or cpu (default: cuda if there is one), -a, -w, sizes, --dtype, -r, --warmup, "
+                   "--threads and --json apply")
+    g.add_argument("--calls", type=int, metavar="K",
+                   help="with --fake-pg: calls per timed batch (default 20 on CUDA, 2 on CPU)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -95,6 +126,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     algorithms = [a for item in args.algorithms for a in item.split(",") if a]
     shape = scaled(PRESETS[args.preset], args.scale)
     overrides = {name: getattr(args, name) for name, _ in _SIZE_FLAGS if getattr(args, name) is not None}
+    tokens = getattr(args, "tokens", None)
+    if tokens is not None:
+        if args.batch is not None or args.seq is not None:
+            raise CommfuseValueError("--tokens T stands for batch 1 and seq T: give it, or -b/-s, not both")
+        overrides.update(batch=1, seq=tokens)
     shape = Shape(**{**shape.__dict__, **overrides})
     if args.link_rate is not None:
         from commfuse.bench.netns import parse_rate
@@ -110,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         threads=args.threads,
         repeats=args.repeats,
         warmup=args.warmup,
-        dtype=args.dtype,
+        dtype=args.dtype or "float32",
         device=args.device,
         backward=not args.forward_only,
         fingerprint=args.fingerprint,
@@ -124,12 +160,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The command line that parses back to ``args`` (for re-executing in the shaped namespace)."""
     out = ["--workloads", *args.workloads, "--algorithms", *args.algorithms, "--preset", args.preset,
-           "--scale", str(args.scale), "--dtype", args.dtype, "--world-size", str(args.world_size),
+           "--scale", str(args.scale), "--world-size", str(args.world_size),
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
            "--timeout", repr(args.timeout), "--seed", str(args.seed)]
     for name, _ in _SIZE_FLAGS:
         if getattr(args, name) is not None:
             out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if getattr(args, "tokens", None) is not None:
+        out += ["--tokens", str(args.tokens)]
+    if args.dtype:
+        out += ["--dtype", args.dtype]
     if args.forward_only:
         out.append("--forward-only")
     if args.fingerprint:
@@ -280,6 +320,53 @@ def run(args: argparse.Namespace) -> int:
     return emit(result, config, args)
 
 
+def fake_config(args: argparse.Namespace) -> tuple[BenchConfig, int]:
+    """(the run's config, calls per batch) for ``--fake-pg N``; names the flags that do not apply."""
+    n = args.fake_pg
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise CommfuseValueError(f"--fake-pg must be an integer >= 1, got {n!r}")
+    refused = [flag for flag, given in (("--link-rate", args.link_rate), ("--trace", args.trace),
+                                          ("--plot", args.plot), ("--fingerprint", args.fingerprint),
+                                          ("--forward-only", args.forward_only)) if given]
+    if refused:
+        raise CommfuseValueError(
+            f"--fake-pg runs the bare ops in one process with no transfers and no checks; {', '.join(refused)} "
+            f"{'does' if len(refused) == 1 else 'do'} not apply there: drop {'it' if len(refused) == 1 else 'them'}"
+        )
+    if under_torchrun():
+        raise CommfuseValueError("--fake-pg runs in one process: start it as a plain command, not under torchrun")
+    config = config_from_args(args)
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("float32" if device.split(":")[0] == "cpu" else "bfloat16")
+    config = dataclasses.replace(config, world_size=n, device=device, dtype=dtype, link_rate=None, trace=False)
+    calls = args.calls if args.calls is not None else (2 if device.split(":")[0] == "cpu" else 20)
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise CommfuseValueError(f"--calls must be an integer >= 1, got {calls!r}")
+    return config, calls
+
+
+def run_fake(args: argparse.Namespace) -> int:
+    """``commfuse bench --fake-pg N ...``: one process, the fake group; table (and JSON) of rank 0's op times."""
+    config, calls = fake_config(args)
+    from commfuse.bench import fakepg
+
+    result = fakepg.run(config, calls, progress=not args.no_progress)
+    recs = fakepg.records(result, config)
+    text = fakepg.table(recs) + "\n\n" + "\n".join(fakepg.targets(recs)) + "\n"
+    (sys.stdout if args.json != "-" else sys.stderr).write(text)
+    if args.json == "-":
+        sys.stdout.write(json.dumps(recs, indent=2) + "\n")
+    elif args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(recs, indent=2) + "\n")
+        print(f"wrote {len(recs)} records to {args.json}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m commfuse.bench ...``: the same as ``commfuse bench ...``."""
     p = argparse.ArgumentParser(prog="python -m commfuse.bench",
@@ -287,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     arguments(p)
     args = p.parse_args(argv)
     try:
-        return run(args)
+        return getattr(args, "run", run)(args)  # --fake-pg routes to run_fake
     except CommfuseError as e:
         print(f"commfuse bench: error: {e}", file=sys.stderr)
         return 2

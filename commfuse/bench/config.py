@@ -10,15 +10,15 @@ the sizes it needs (see :data:`WORKLOADS`).
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseError, CommfuseValueError
+from commfuse.schedule import AlgorithmSpec, parse_algorithm
 
 #: What the benchmark compares by default, in this order. ``vanilla`` is the
-#: baseline every speed-up and correctness check refers to.
-ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "ring", "bidirectional", "auto")
-
-_ALGORITHM = re.compile(r"^(vanilla|auto|(ring|bidirectional|sliced)(:[1-9][0-9]*)?)$")
+#: baseline every speed-up and correctness check refers to; ``serial`` (the
+#: ring's hops and compute, one after the other) separates what the ring's
+#: collective buys from what the overlap buys (``report``).
+ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "serial", "ring", "bidirectional", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,18 +103,25 @@ def scaled(shape: Shape, factor: int) -> Shape:
     )
 
 
-def check_algorithm(text: str) -> str:
-    if not isinstance(text, str) or not _ALGORITHM.match(text):
-        raise CommfuseValueError(
-            f"unknown algorithm {text!r}: expected vanilla, auto, ring, bidirectional or sliced, "
-            "the last three optionally with ':N' (e.g. sliced:4, ring:2)"
-        )
-    return text
+def check_algorithm(text: str) -> AlgorithmSpec:
+    """``text`` parsed by the library's one algorithm grammar (:func:`commfuse.schedule.parse_algorithm`).
+
+    Raises ``CommfuseValueError`` naming the text (also for a text that is not a string).
+    """
+    if not isinstance(text, str):
+        raise CommfuseValueError(f"algorithm {text!r} is not a string such as 'ring' or 'sliced:4'")
+    try:
+        return parse_algorithm(text)
+    except CommfuseValueError:
+        raise
+    except CommfuseError as e:  # the grammar's other errors, still naming the text
+        raise CommfuseValueError(f"algorithm {text!r}: {e}") from None
 
 
 def applies(workload: str, algorithm: str) -> bool:
     """Whether ``algorithm`` is defined for the workload's collectives (all_to_all has no bidirectional)."""
-    return not (WORKLOADS[workload].collective == "all_to_all" and algorithm.partition(":")[0] == "bidirectional")
+    spec = parse_algorithm(algorithm)
+    return not (WORKLOADS[workload].collective == "all_to_all" and spec.name == "bidirectional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +152,11 @@ class BenchConfig:
             raise CommfuseValueError(
                 f"unknown workload(s) {unknown or '(none given)'}: expected some of {', '.join(WORKLOADS)}"
             )
-        for a in self.algorithms:
-            check_algorithm(a)
+        specs = [check_algorithm(a) for a in self.algorithms]
         if "vanilla" not in self.algorithms:  # the baseline of every comparison
             object.__setattr__(self, "algorithms", ("vanilla", *self.algorithms))
-        if len(set(self.algorithms)) != len(self.algorithms):
+            specs.insert(0, parse_algorithm("vanilla"))
+        if len(set(specs)) != len(specs):  # the same algorithm written twice, also 'sliced' and 'sliced:2'
             raise CommfuseValueError(f"algorithms {list(self.algorithms)} name one algorithm twice")
         for name in ("world_size", "threads", "repeats"):
             value = getattr(self, name)

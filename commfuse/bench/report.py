@@ -18,6 +18,14 @@ Per algorithm, over the repeats (each repeat's figure is the slowest rank's):
   computing and communicating one after the other. It equals
   ``1 - exposed / comm``.
 - ``speedup_vs_vanilla``: vanilla's median over this one;
+- ``collective_effect`` and ``overlap_effect``: the workload's ring speed-up
+  over vanilla taken apart with ``serial`` (the ring's hops and compute with
+  no overlap): ``collective_effect = vanilla / serial`` (the same compute,
+  the ring's hops instead of the library's collective, neither overlapped)
+  and ``overlap_effect = serial / ring`` (the same hops, overlapped or not);
+  their product is ring's ``speedup_vs_vanilla``. Figures of the workload,
+  the same on each of its records; ``null`` unless vanilla, serial and ring
+  all ran;
 - ``correct``: the first (checked) run's result equals vanilla's within the
   dtype's tolerance on every rank (``max_rel_error`` says by how much).
 """
@@ -31,8 +39,8 @@ from commfuse.bench.config import BenchConfig, describe_rate
 SCHEMA_KEYS = (
     "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
     "median_ms", "p25_ms", "p75_ms", "min_ms", "max_ms", "compute_only_ms", "comm_only_ms", "outside_ms",
-    "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "hidden_fraction", "correct", "max_rel_error",
-    "unmeasured", "load", "cpus",
+    "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "collective_effect", "overlap_effect",
+    "hidden_fraction", "correct", "max_rel_error", "unmeasured", "load", "cpus",
 )
 
 
@@ -102,6 +110,8 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
                 "exposed_fraction": _r(max(0.0, exposed) / comm, 4) if comm and comm > 0 and exposed is not None
                 else None,
                 "speedup_vs_vanilla": None,
+                "collective_effect": None,
+                "overlap_effect": None,
                 "hidden_fraction": _r(hidden, 4),
                 "correct": bool(res["correct"][i]),
                 "max_rel_error": float(f"{res['max_rel_error'][i]:.3g}"),
@@ -112,8 +122,42 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
         vanilla = next(r["median_ms"] for r in rows if r["algorithm"] == "vanilla")
         for r in rows:
             r["speedup_vs_vanilla"] = _r(vanilla / r["median_ms"], 4) if r["median_ms"] > 0 else None
+        collective, overlap = effects(rows)
+        for r in rows:
+            r["collective_effect"], r["overlap_effect"] = _r(collective, 4), _r(overlap, 4)
         out += rows
     return out
+
+
+def effects(rows: list[dict]) -> tuple[float | None, float | None]:
+    """(vanilla / serial, serial / ring) of one workload's records: ring's speed-up over vanilla, taken apart.
+
+    ``serial`` runs the ring's very hops and per-shard compute, each step
+    waiting for its transfers before computing. So vanilla / serial is what
+    replacing the library's collective by the ring's hops changes, with no
+    overlap on either side (on gloo, whose reduce_scatter moves about twice a
+    ring's bytes, this alone is large), and serial / ring what overlapping
+    those same hops with the compute buys. (None, None) unless all three ran.
+    """
+    by = {r["algorithm"]: r["median_ms"] for r in rows}
+    van, ser, ring = by.get("vanilla"), by.get("serial"), by.get("ring")
+    if not (van and ser and ring):
+        return None, None
+    return van / ser, ser / ring
+
+
+def effects_line(rows: list[dict]) -> str | None:
+    """One line saying how ring's speed-up over vanilla splits into the collective and the overlap effects."""
+    collective, overlap = effects(rows)
+    if collective is None:
+        return None
+    by = {r["algorithm"]: r for r in rows}
+    van, ser = by["vanilla"], by["serial"]
+    comm = ""
+    if van["comm_only_ms"] is not None and ser["comm_only_ms"] is not None:
+        comm = f"; comm-only: vanilla {van['comm_only_ms']:.2f} ms, serial {ser['comm_only_ms']:.2f} ms"
+    return (f"ring vs vanilla {collective * overlap:.2f}x = collective {collective:.2f}x (vanilla / serial) "
+            f"x overlap {overlap:.2f}x (serial / ring){comm}")
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -162,6 +206,9 @@ def table(recs: list[dict], config: BenchConfig) -> str:
             lines.append("  " + "  ".join(cells).rstrip())
             if j == 0:
                 lines.append("  " + "  ".join("-" * w for w in widths))
+        split = effects_line(rows)
+        if split:
+            lines.append("  " + split)
         if r0["outside_ms"] and r0["workload"] not in ("ag_matmul", "matmul_rs"):
             lines.append(f"  (outside the fused ops: {r0['outside_ms']:.2f} ms per iteration, in all three runs)")
         for mode, why in r0["unmeasured"].items():
@@ -172,8 +219,14 @@ def table(recs: list[dict], config: BenchConfig) -> str:
         lines.append(load)
     lines.append("ms: milliseconds per iteration. compute-only: transfers removed; comm-only: compute removed; "
                  "exposed = median - compute-only;")
-    lines.append("hidden: fraction of the communication that ran behind compute, 1 - exposed / comm "
-                 "(docs/benchmarks.md).")
+    lines.append("hidden: fraction of the communication that ran behind compute, 1 - exposed / comm.")
+    if any(r["collective_effect"] is not None for r in recs):
+        lines.append("serial: the ring's hops and compute, each step waiting for its transfers; collective = "
+                     "vanilla / serial (the ring's hops vs the")
+        lines.append("library's collective, no overlap in either), overlap = serial / ring (the same hops, "
+                     "overlapped or not) (docs/benchmarks.md).")
+    else:
+        lines.append("(docs/benchmarks.md)")
     return "\n".join(lines)
 
 
@@ -195,6 +248,9 @@ def targets(recs: list[dict]) -> list[str]:
         if ring and van:
             s = ring["speedup_vs_vanilla"]
             lines.append(f"  ring vs vanilla {s:.2f}x (target >= 1.3x): {'met' if s >= 1.3 else 'MISSED'}")
+            if ring["collective_effect"] is not None:
+                lines.append(f"    of which collective {ring['collective_effect']:.2f}x (vanilla / serial) and "
+                             f"overlap {ring['overlap_effect']:.2f}x (serial / ring)")
         if ring and sliced:
             s = sliced["median_ms"] / ring["median_ms"]
             lines.append(f"  ring vs sliced:4 {s:.2f}x (target >= 1.05x): {'met' if s >= 1.05 else 'MISSED'}")

@@ -70,13 +70,25 @@ def _run(cmd: list[str], timeout: float, env=None) -> subprocess.CompletedProces
 
 def test_bench_end_to_end_json_trace_plot(tmp_path, capsys):
     out, tr, png = tmp_path / "records.json", tmp_path / "trace.json", tmp_path / "gantt.png"
-    algs = ["vanilla", "sliced:2", "ring", "bidirectional", "auto"]
+    algs = ["vanilla", "sliced:2", "serial", "ring", "bidirectional", "auto"]
     rc = main(["bench", *TINY, "-w", "ag_matmul", "matmul_rs", "-a", *algs, "--json", str(out), "--trace", str(tr),
                "--plot", str(png)])
     printed = capsys.readouterr()
     assert rc == 0, printed.err
     assert "ag_matmul:" in printed.out and "targets (printed, never asserted)" in printed.out
-    _check_records(json.loads(out.read_text()), ["ag_matmul", "matmul_rs"], algs, 2)
+    recs = json.loads(out.read_text())
+    _check_records(recs, ["ag_matmul", "matmul_rs"], algs, 2)
+    for w in ("ag_matmul", "matmul_rs"):
+        by = {r["algorithm"]: r for r in recs if r["workload"] == w}
+        serial, ring = by["serial"], by["ring"]
+        # serial is measured like the others: its compute and its transfers apart too
+        assert serial["comm_only_ms"] > 0 and serial["compute_only_ms"] > 0 and serial["taken"] == "serial"
+        # ring's speed-up over vanilla = collective (vanilla / serial) x overlap (serial / ring), on every record
+        assert {(r["collective_effect"], r["overlap_effect"]) for r in by.values()} == {
+            (ring["collective_effect"], ring["overlap_effect"])}
+        assert ring["collective_effect"] * ring["overlap_effect"] == pytest.approx(
+            ring["speedup_vs_vanilla"], rel=1e-3)
+    assert printed.out.count("= collective") == 2 and printed.out.count("of which collective") == 2
     _check_trace(tr, ["ag_matmul", "matmul_rs"], algs, 2)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

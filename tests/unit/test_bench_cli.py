@@ -60,9 +60,12 @@ def test_scale_keeps_head_dim_at_least_16():
     "argv, match",
     [
         (["-w", "nope"], "unknown workload"),
-        (["-a", "ring:0"], "unknown algorithm 'ring:0'"),
-        (["-a", "vanilla:2"], "unknown algorithm 'vanilla:2'"),
+        (["-a", "ring:0"], "algorithm 'ring:0'"),
+        (["-a", "vanilla:2"], "algorithm 'vanilla:2'"),
+        (["-a", "serial:x"], "algorithm 'serial:x'"),
         (["-a", "ring", "ring"], "name one algorithm twice"),
+        (["-a", "sliced", "sliced:2"], "name one algorithm twice"),  # the same algorithm, parsed
+        (["--tokens", "64", "-b", "2"], "--tokens T stands for batch 1 and seq T"),
         (["-r", "0"], "repeats must be an integer >= 1"),
         (["--batch", "0"], "batch must be an integer >= 1"),
         (["--link-rate", "fast"], "--link-rate 'fast' is not a rate"),
@@ -102,6 +105,48 @@ def test_to_argv_round_trips():
 def test_bidirectional_does_not_apply_to_all_to_all():
     assert not applies("ulysses", "bidirectional") and not applies("ulysses", "bidirectional:2")
     assert applies("ulysses", "ring") and applies("ag_matmul", "bidirectional")
+    assert applies("ulysses", "serial") and applies("matmul_rs", "serial:2")
+
+
+def test_algorithms_follow_the_library_grammar():
+    from commfuse.schedule import ALGORITHM_NAMES
+
+    assert "serial" in ALGORITHMS and ALGORITHMS.index("serial") < ALGORITHMS.index("ring")
+    for name in ALGORITHM_NAMES:  # every name the ops accept, the bench accepts
+        assert name in BenchConfig(algorithms=(name,)).algorithms
+    cfg = command.config_from_args(_args("-a", "serial:2", "ring:2", "--tokens", "96"))
+    assert cfg.algorithms == ("vanilla", "serial:2", "ring:2")
+    assert (cfg.shape.batch, cfg.shape.seq) == (1, 96)
+    with pytest.raises(CommfuseValueError, match="algorithm 3 is not a string"):
+        BenchConfig(algorithms=(3,))
+
+
+def test_fake_pg_is_a_mode_of_its_own():
+    assert _args().run is command.run
+    args = _args("--fake-pg", "8", "--device", "cpu", "-a", "ring", "--calls", "3")
+    assert args.run is command.run_fake
+    cfg, calls = command.fake_config(args)
+    assert cfg.world_size == 8 and cfg.device == "cpu" and cfg.dtype == "float32" and calls == 3
+    assert cfg.algorithms == ("vanilla", "ring")
+    cfg, calls = command.fake_config(_args("--fake-pg", "8", "--device", "cuda"))  # parsing needs no GPU
+    assert cfg.dtype == "bfloat16" and calls == 20
+    assert command.fake_config(_args("--fake-pg", "2", "--device", "cuda", "--dtype", "float16"))[0].dtype == "float16"
+    # python -m commfuse.bench routes the same way
+    p = command.argparse.ArgumentParser()
+    command.arguments(p)
+    assert p.parse_args(["--fake-pg", "2"]).run is command.run_fake
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--link-rate", "1gbit"], "--link-rate do"),
+    (["--trace", "t.json"], "--trace do"),
+    (["--fake-pg", "0"], "--fake-pg must be an integer >= 1"),
+    (["--calls", "0"], "--calls must be an integer >= 1"),
+])
+def test_fake_pg_names_what_does_not_apply(argv, match):
+    argv = argv if "--fake-pg" in argv else ["--fake-pg", "2", *argv]
+    with pytest.raises(CommfuseValueError, match=match):
+        command.fake_config(_args(*argv, "--device", "cpu"))
 
 
 @pytest.mark.parametrize("text, bytes_per_s",
@@ -186,6 +231,33 @@ def test_records_follow_the_documented_formulas():
     assert "ring" in text and "1.43x" in text
     lines = "\n".join(report.targets(recs))
     assert "ring exposes 10.0% of its comm-only time" in lines and "ring vs vanilla 1.43x" in lines
+
+
+def test_serial_takes_ring_speedup_apart():
+    """collective = vanilla / serial, overlap = serial / ring; their product is ring's speed-up over vanilla."""
+    run, _ = _result()
+    cfg = BenchConfig(workloads=("ag_matmul",), algorithms=("vanilla", "serial", "ring"), repeats=3)
+    res = run["results"][0]
+    res["algorithms"] = ["vanilla", "serial", "ring"]
+    res["wall_s"] = [[[0.030, 0.020, 0.010], [0.025, 0.020, 0.005], [0.020, 0.020, 0.005]] for _ in range(3)]
+    res["outside_s"] = [[0.0, 0.0, 0.0]] * 3
+    res["correct"], res["max_rel_error"], res["taken"] = [True] * 3, [0.0] * 3, ["vanilla", "serial", "ring"]
+    recs = report.records(run, cfg)
+    assert [set(r) for r in recs] == [set(report.SCHEMA_KEYS)] * 3
+    van, serial, ring = recs
+    assert serial["hidden_fraction"] == 0.0  # no overlap: compute + comm one after the other
+    for r in recs:  # figures of the workload, on each of its records
+        assert r["collective_effect"] == pytest.approx(30 / 25) and r["overlap_effect"] == pytest.approx(25 / 20)
+    assert ring["collective_effect"] * ring["overlap_effect"] == pytest.approx(ring["speedup_vs_vanilla"])
+    text = report.table(recs, cfg)
+    assert "ring vs vanilla 1.50x = collective 1.20x (vanilla / serial) x overlap 1.25x (serial / ring)" in text
+    assert "comm-only: vanilla 10.00 ms, serial 5.00 ms" in text
+    lines = "\n".join(report.targets(recs))
+    assert "of which collective 1.20x (vanilla / serial) and overlap 1.25x (serial / ring)" in lines
+    # without serial there is nothing to take apart
+    van_ring = report.records(*_result())
+    assert all(r["collective_effect"] is None and r["overlap_effect"] is None for r in van_ring)
+    assert "collective" not in "\n".join(report.targets(van_ring))
 
 
 def test_chrome_trace_has_compute_and_transfer_spans_per_rank():

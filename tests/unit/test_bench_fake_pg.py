@@ -1,0 +1,52 @@
+"""`commfuse bench --fake-pg N`: one process, torch's fake process group, every algorithm against the unsliced GEMM.
+
+On CPU here (the CUDA path needs a GPU). The mode runs in a subprocess so that
+its process group never meets the test process's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from commfuse.bench.config import ALGORITHMS
+
+FIELDS = {"mode", "workload", "op", "algorithm", "taken", "world_size", "device", "dtype", "tokens", "hidden", "ffn",
+          "calls", "repeats", "device_ms", "device_p25_ms", "device_p75_ms", "host_ms", "gemm_ms", "vs_gemm", "tflops"}
+
+
+def test_fake_pg_on_cpu_times_every_algorithm_against_the_gemm():
+    cmd = [sys.executable, "-m", "commfuse.bench", "--fake-pg", "4", "--device", "cpu", "--tokens", "64",
+           "--hidden", "32", "--ffn", "64", "--repeats", "2", "--warmup", "1", "--calls", "2", "--json", "-",
+           "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    recs = json.loads(done.stdout)  # --json alone: only JSON on stdout, the table on stderr
+    assert {(r["workload"], r["algorithm"]) for r in recs} == {
+        (w, a) for w in ("ag_matmul", "matmul_rs") for a in ("gemm", *ALGORITHMS)}
+    for r in recs:
+        assert FIELDS <= set(r), r
+        assert r["mode"] == "fake_pg" and r["world_size"] == 4 and r["device"] == "cpu" and r["dtype"] == "float32"
+        assert (r["tokens"], r["hidden"], r["ffn"], r["calls"], r["repeats"]) == (64, 32, 64, 2, 2)
+        assert r["device_p25_ms"] <= r["device_ms"] <= r["device_p75_ms"]
+        assert 0 < r["device_ms"] < 10_000 and 0 < r["host_ms"] < 10_000 and r["gemm_ms"] > 0
+        assert r["vs_gemm"] == pytest.approx(r["device_ms"] / r["gemm_ms"], rel=0.05)  # of the rounded figures
+        assert r["host_ms"] == r["device_ms"]  # on CPU the ops run on the host
+        if r["algorithm"] == "gemm":
+            assert r["vs_gemm"] == 1.0
+    taken = {r["algorithm"]: r["taken"] for r in recs if r["workload"] == "ag_matmul"}
+    assert taken["serial"] == "serial" and taken["auto"] in ("ring", "vanilla", "bidirectional", "serial")
+    table = done.stderr
+    assert "all_gather_matmul: fake group, rank 0 of 4, cpu" in table and "matmul_reduce_scatter:" in table
+    assert "unsliced GEMM" in table and "serial" in table
+    assert "ring at most 1.25x the unsliced GEMM" in table and "figures only, no verdict" in table
+
+
+def test_fake_pg_refuses_layer_workloads():
+    cmd = [sys.executable, "-m", "commfuse.bench", "--fake-pg", "2", "--device", "cpu", "-w", "mlp", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "--fake-pg times the bare ops only" in done.stderr and "mlp" in done.stderr
