@@ -12,8 +12,9 @@ Rows, per world size (median over rounds of the mean per call):
   from r-1) and one matmul into the output's rows; no checks, no timeouts;
 - ``floor reduce-scatter``: per step one matmul, one add, one
   ``batch_isend_irecv``;
-- ``torch collective``: ``all_gather_into_tensor`` (or
-  ``reduce_scatter_tensor``) then the matmul;
+- ``torch collective``: ``all_gather_single`` (or ``reduce_scatter_single``;
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before torch 2.13)
+  then the matmul;
 - commfuse's ``ring``, ``vanilla`` and ``auto`` for ``all_gather_matmul``
   and ``matmul_reduce_scatter``.
 
@@ -107,12 +108,15 @@ def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
         rs_out = torch.empty(m, f)
         candidates = {}
 
+        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
         def torch_ag():
-            dist.all_gather_into_tensor(gathered, a)
+            gather_single(gathered, a)
             return torch.matmul(gathered, w)
 
         def torch_rs():
-            dist.reduce_scatter_tensor(rs_out, torch.matmul(x, w))
+            scatter_single(rs_out, torch.matmul(x, w))
             return rs_out
 
         candidates["floor ring"] = lambda: _floor_ring(a, w, out, bufs, n)

@@ -41,6 +41,9 @@ from commfuse.schedule import Collective, Transfer
 
 _LAST_DELTA = (0.0, datetime.timedelta(0))
 _SUM = dist.ReduceScatterOptions()  # the default reduction, a sum; made once
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only the old ones
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _delta(timeout: float) -> datetime.timedelta:
@@ -204,9 +207,9 @@ class C10dBackend:
                 work = g._reduce_scatter_base(output, input, _SUM)
             return _Handle([work], [output], (input, output))
         if kind is Collective.ALL_GATHER:
-            work = dist.all_gather_into_tensor(output, input, group=g, async_op=True)
+            work = _ALL_GATHER_SINGLE(output, input, group=g, async_op=True)
         else:
-            work = dist.reduce_scatter_tensor(output, input, group=g, async_op=True)
+            work = _REDUCE_SCATTER_SINGLE(output, input, group=g, async_op=True)
         return self._handle([work], [output], (input, output), f"the whole {kind.value}")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
