@@ -265,14 +265,7 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     recs = report.records(result, config)
     text = report.table(recs, config) + "\n\n" + "targets (printed, never asserted):\n" + "\n".join(
         report.targets(recs)) + "\n"
-    to_stdout = args.json != "-"
-    (sys.stdout if to_stdout else sys.stderr).write(text)
-    if args.json == "-":
-        sys.stdout.write(json.dumps(recs, indent=2) + "\n")
-    elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(recs, indent=2) + "\n")
-        print(f"wrote {len(recs)} records to {args.json}", file=sys.stderr)
+    _write(text, recs, args.json)
     if args.trace:
         from commfuse.bench import trace
 
@@ -357,14 +350,20 @@ def run_fake(args: argparse.Namespace) -> int:
     result = fakepg.run(config, calls, progress=not args.no_progress)
     recs = fakepg.records(result, config)
     text = fakepg.table(recs) + "\n\n" + "\n".join(fakepg.targets(recs)) + "\n"
-    (sys.stdout if args.json != "-" else sys.stderr).write(text)
-    if args.json == "-":
-        sys.stdout.write(json.dumps(recs, indent=2) + "\n")
-    elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(recs, indent=2) + "\n")
-        print(f"wrote {len(recs)} records to {args.json}", file=sys.stderr)
+    _write(text, recs, args.json)
     return 0
+
+
+def _write(text: str, recs: list, target: str | None) -> None:
+    """The table to stdout (to stderr when the JSON records go to stdout, ``--json -``), the records to
+    ``target``."""
+    (sys.stdout if target != "-" else sys.stderr).write(text)
+    if target == "-":
+        sys.stdout.write(json.dumps(recs, indent=2) + "\n")
+    elif target:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_text(json.dumps(recs, indent=2) + "\n")
+        print(f"wrote {len(recs)} records to {target}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

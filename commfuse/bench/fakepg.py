@@ -42,6 +42,7 @@ import time
 import torch
 
 from commfuse.bench.config import BenchConfig
+from commfuse.bench.report import aligned
 from commfuse.errors import CommfuseValueError
 
 #: The op each bare workload runs.
@@ -338,12 +339,7 @@ def table(recs: list[dict]) -> str:
             body.append((alg, f"{r['device_ms']:.3f} ({r['device_p25_ms']:.3f}-{r['device_p75_ms']:.3f})",
                          "-" if r["vs_gemm"] is None else f"{r['vs_gemm']:.3f}x", f"{r['host_ms']:.3f}",
                          "-" if r["tflops"] is None else f"{r['tflops']:.2f}"))
-        widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]
-        for j, row in enumerate([header, *body]):
-            cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
-            lines.append("  " + "  ".join(cells).rstrip())
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines.extend(aligned(header, body))
         lines.append("")
     cpu = recs and recs[0]["device"] == "cpu"
     lines.append("Every transfer completes at once without moving data: an op's time is its GEMMs plus commfuse's "

@@ -172,6 +172,18 @@ def run_load(recs: list[dict]) -> str:
             "(the benchmark's own ranks count): above the rank count, other work shared the cores")
 
 
+def aligned(header, body) -> list[str]:
+    """A text table's lines: the first column left-aligned, the others right-aligned, a rule under the header."""
+    widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]
+    lines = []
+    for j, row in enumerate([header, *body]):
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
+        lines.append("  " + "  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths))
+    return lines
+
+
 def table(recs: list[dict], config: BenchConfig) -> str:
     """The human-readable table, one block per workload."""
     lines = []
@@ -200,12 +212,7 @@ def table(recs: list[dict], config: BenchConfig) -> str:
                 _fmt(r["speedup_vs_vanilla"], ".2f") + "x",
                 ("ok" if r["correct"] else "WRONG") + (" (ref)" if r["algorithm"] == "vanilla" else ""),
             ))
-        widths = [max(len(row[c]) for row in [header, *body]) for c in range(len(header))]
-        for j, row in enumerate([header, *body]):
-            cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
-            lines.append("  " + "  ".join(cells).rstrip())
-            if j == 0:
-                lines.append("  " + "  ".join("-" * w for w in widths))
+        lines.extend(aligned(header, body))
         split = effects_line(rows)
         if split:
             lines.append("  " + split)
