@@ -55,6 +55,7 @@ def _floor_ring(a, w, out, bufs, n):
 def _floor_rs(x, w, bufs, n):
     m = x.shape[0] // n
     acc = None
+    works = []  # the previous step's transfers
     for k in range(n):
         dest = (0 - 1 - k) % n
         part = torch.matmul(x[dest * m:(dest + 1) * m], w)

@@ -40,7 +40,7 @@ from commfuse.autograd import (
     produce_reduce_scatter_fn,
 )
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError
-from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, choose_algorithm, resolve_call
+from commfuse.runtime.calls import MIN_SLICE_BYTES, choose_algorithm, resolve_call
 from commfuse.runtime.executor import group_state, state_of_group
 from commfuse.runtime.pipelined import (
     StandIn,
