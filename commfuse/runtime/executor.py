@@ -734,10 +734,8 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
             for s in st.release:
                 program.release(s)
             t4 = clock()
-        if not overlap:  # serial: the wait came first; report it as the wait
-            t1, t2, t3, t4 = t1, t1 + (t3 - t2), t3, t3 + (t2 - t1) + (t4 - t3)
-        else:
-            t2 = t1
+        # overlapped: post, compute, wait (t1..t2 is empty); serial: post, wait (t1..t2), compute
+        wait = (t3, t4) if overlap else (t1, t2)
         if events is not None:
             step = st.step
             events.append(
@@ -745,7 +743,7 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
                     "step": st.index,
                     "post": (t0, t1),
                     "compute": (t2, t3),
-                    "wait": (t3, t4),
+                    "wait": wait,
                     "sends": [(t.peer, t.channel) for t in step.sends],
                     "recvs": [(t.peer, t.channel) for t in step.recvs],
                     "collectives": [f"{c.collective.value}[{c.part}]" for c in step.collectives],
@@ -755,7 +753,7 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
         if trace:
             print(
                 f"[commfuse rank {rank}] {name} step {st.index}: post {1e3 * (t1 - t0):.3f} ms, "
-                f"compute {1e3 * (t3 - t2):.3f} ms, wait+add {1e3 * (t4 - t3):.3f} ms ({_what(st.step, None)})",
+                f"compute {1e3 * (t3 - t2):.3f} ms, wait {1e3 * (wait[1] - wait[0]):.3f} ms ({_what(st.step, None)})",
                 file=sys.stderr,
                 flush=True,
             )
