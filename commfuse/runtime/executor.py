@@ -156,10 +156,6 @@ class GroupState:
         self.error: BaseException | None = None  # set by the watchdog: every later call raises it
         self.name = name
 
-    def failed(self) -> None:
-        """A call on this group failed on this rank: the next call is checked."""
-        self.dirty = True
-
 
 _STATES: dict[object, GroupState] = {}
 _STATES_LOCK = threading.Lock()

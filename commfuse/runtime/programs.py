@@ -99,7 +99,7 @@ def _shape_with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
 
 
 class _SlotLayout:
-    """Per slot: shard, piece, offset inside the shard, size, offset in the whole tensor along ``dim``."""
+    """Per slot: shard, piece, size and offset in the whole tensor along ``dim``; this rank's own slots."""
 
     def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
                  dtype: torch.dtype, *, by_source: bool = False) -> None:
@@ -116,7 +116,6 @@ class _SlotLayout:
         self.shard = [0] * n_slots
         self.piece = [0] * n_slots
         self.size = [0] * n_slots
-        self.local = [0] * n_slots
         self.start = [0] * n_slots
         self.key: list[tuple] = [()] * n_slots  # (shape, dtype): the pool's key and the buffer's shape
         for s, x in enumerate(compiled.slices):
@@ -124,8 +123,7 @@ class _SlotLayout:
             sizes = split_sizes(self.shard_sizes[owner], pieces)
             p = schedule.piece(x)
             self.shard[s], self.piece[s], self.size[s] = x.shard, p, sizes[p]
-            self.local[s] = offsets(sizes)[p]
-            self.start[s] = shard_offsets[owner] + self.local[s]
+            self.start[s] = shard_offsets[owner] + offsets(sizes)[p]
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
         # One whole collective over equal shards (vanilla) can run into/from one tensor, rank by rank along
@@ -140,6 +138,9 @@ class _SlotLayout:
         if by_source:
             self.part_slots = {}
         else:
+            # this rank's own slots (its input shard for all-gather, its output shard for reduce-scatter)
+            self.own = compiled.slots_of(self.rank)
+            self.own_set = frozenset(self.own)
             self.part_slots = {part: [slot[SliceId(q, part)] for q in range(self.n)]
                                for part in range(schedule.splits) if SliceId(0, part) in slot}
 
@@ -150,10 +151,7 @@ class GatherLayout(_SlotLayout):
     def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
                  dtype: torch.dtype) -> None:
         super().__init__(compiled, shard_sizes, dim, shape, dtype)
-        own = compiled.slots_of(self.rank)
-        self.own = own
-        self.own_set = frozenset(own)
-        sizes = [self.size[s] for s in own]
+        sizes = [self.size[s] for s in self.own]
         self.cuts = offsets(sizes)[1:]  # where tensor_split cuts this rank's shard
 
 
@@ -275,8 +273,7 @@ class GatherProgram(_Consuming, _Base):
             self.held[s] = None
             if self.whole is not None:
                 whole, self.whole = self.whole, None
-                if not self.keep:
-                    self.pool.put(whole, self.layout.whole_key)
+                self.pool.put(whole, self.layout.whole_key)
             elif t is not None and not self.narrowed:
                 self.pool.put(t, self.layout.key[s])
 
@@ -291,8 +288,6 @@ class ScatterLayout(_SlotLayout):
     def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
                  dtype: torch.dtype) -> None:
         super().__init__(compiled, shard_sizes, dim, shape, dtype)
-        self.own = compiled.slots_of(self.rank)
-        self.own_set = frozenset(self.own)
         # per step's compute: the (start, size) of each slot, in slot order
         self.spans = {st.compute: [(self.start[s], self.size[s]) for s in st.compute]
                       for st in compiled.steps if st.compute}
