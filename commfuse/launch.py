@@ -99,6 +99,10 @@ def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> 
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        from commfuse.runtime.watchdog import watchdog
+
+        # a host held inside a transport past its deadline is ended by the watchdog: its error is the result
+        watchdog().on_fatal.append(lambda e: _report(results, rank, False, f"{type(e).__name__}: {e}"))
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

@@ -6,8 +6,10 @@ group (``ProcessGroup.send``/``recv``: the ring cannot deadlock, every send has
 its receive in the same step, see ``commfuse.schedule``), and completion is
 ``work.wait(timeout)``, which blocks the host until the bytes are there while
 transfers progress in gloo's own threads. On a device (NCCL, HCCL, ...) the
-step's messages are coalesced with ``batch_isend_irecv`` (NCCL needs a
-step's sends and receives in one group), and when the backend declares
+step's messages are coalesced into one group (NCCL needs a step's sends and
+receives together, or a ring deadlocks) with the process group's own
+coalescing calls, what ``batch_isend_irecv`` does inside; and when the
+backend declares
 ``Capabilities.streams`` a wait is ``work.wait()`` with no timeout: it only
 makes the current (compute) stream wait for the communication stream, so the
 host never blocks. The timeout is then kept by the watchdog
@@ -18,11 +20,10 @@ tag carries (``channel + TAG_STRIDE * seq``), so on gloo, which matches
 messages by tag, a call can only pair with the same call on its peers. NCCL
 ignores tags; there the fingerprint check after a failed call does that work.
 
-UNVERIFIED here (no accelerator on the development machines): the accelerator
-path has not been run. It is this same code with device tensors; what it
-relies on is documented c10d behaviour (stream-ordered ``wait`` on
-NCCL/HCCL, ``batch_isend_irecv`` coalescing). The vendor distributions in
-``backends/`` add dedicated high-priority streams and native fused kernels.
+The NCCL path was run on an H100 through ``commfuse-cuda`` (which adds a
+high-priority communication stream and native fused kernels): see
+docs/benchmarks.md and docs/reliability.md. HCCL and other accelerators are
+unverified: no such device has been lent to this project.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from commfuse.errors import BackendUnavailableError
-from commfuse.runtime.executor import TAG_STRIDE, group_state
-from commfuse.runtime.watchdog import watchdog
+from commfuse.runtime.executor import DEFAULT_TIMEOUT_S, TAG_STRIDE, describe_stall, group_state
+from commfuse.runtime.watchdog import Posting, watchdog
 from commfuse.schedule import Collective, Transfer
 
 _LAST_DELTA = (0.0, datetime.timedelta(0))
@@ -82,27 +83,60 @@ class _Handle:
 
 class _StreamHandle(_Handle):
     """A step on a stream-ordered backend: ``wait`` orders the current stream after the works and hands
-    them to the watchdog, which enforces the timeout; the host does not block."""
+    them to the watchdog, which enforces the timeout; the host does not block.
 
-    __slots__ = ("backend", "what")
+    What the watchdog says on expiry is put together only then: from the
+    executor's plan of the call and the number of this post in it (the step,
+    the op and the peers, as a host-blocking timeout names them), or, outside
+    a plan (the fingerprint check), from ``what`` and the step's transfers.
+    """
 
-    def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str) -> None:
+    __slots__ = ("backend", "what", "plan", "post_no", "seq")
+
+    def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str | None) -> None:
         super().__init__(works, outputs, inflight)
         self.backend, self.what = backend, what
+        self.plan, self.post_no, self.seq = backend._plan, backend._posts, backend._seq
+        if what is None and self.plan is None:  # a post's transfers outside a plan's steps: the call check's
+            sends, _, recvs = inflight
+            peers = ", ".join(map(str, sorted({t.peer for t, _ in (*sends, *recvs)})))
+            checking = backend._checking
+            self.what = f"transfers with rank {peers}" if checking is None else (
+                f"step {self.post_no - 1} of the call check of {checking.label} (the fingerprints' ring "
+                f"all-gather), transfers with rank {peers}")
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
-        for work in self.works:
+        works = self.works
+        for work in works:
             work.wait()
-        if self.works:
-            be, what = self.backend, self.what
-            watchdog().watch(
-                self.works, time.monotonic() + timeout,
-                lambda: f"rank {be.rank}: {what} did not complete within {timeout:g} s (a peer died, hung, or "
-                        "called another op)",
-                be._expired,
-            )
+        if works:
+            watchdog().watch(works, time.monotonic() + timeout, lambda cause: self.describe(timeout, cause),
+                             self.backend._expired)
         self.inflight = None
         return self.outputs
+
+    def describe(self, timeout: float, cause: str | None = None) -> str:
+        """What the watchdog says of this step: it outlived ``timeout`` (``cause`` None), or its transfers
+        failed with ``cause``."""
+        if cause is None:
+            detail = (f"the device had not finished them {timeout:g} s after they were posted (the host did not "
+                      "block on them; commfuse's watchdog saw it): a peer died, hung, or called another op")
+        else:
+            detail = f"the transport failed them (commfuse's watchdog saw it): {cause}"
+        if self.plan is not None:
+            message = describe_stall(self.plan, self.post_no, detail, failed=cause is not None)
+            if message is not None:
+                return message
+        return f"rank {self.backend.rank}: {self.what} (call #{self.seq}, post {self.post_no}): {detail}"
+
+
+def _coalesces(group, device: torch.device) -> bool:
+    """Whether ``group`` coalesces point-to-point calls on ``device`` (``_start_coalescing`` /
+    ``_end_coalescing``, as NCCL does): the test batch_isend_irecv makes."""
+    try:
+        return bool(group._get_backend(device).supports_coalescing) and hasattr(group, "_start_coalescing")
+    except Exception:  # noqa: BLE001 - no such backend on this group, or an older torch: send one by one
+        return False
 
 
 class C10dBackend:
@@ -127,16 +161,30 @@ class C10dBackend:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._tag_base = 0
         self._seq = None
+        self._plan = None
+        self._checking = None  # the plan whose call check (fingerprint ring all-gather) is being posted
         self._posts = 0
+        self._coalescing: bool | None = None  # whether the group coalesces P2P (NCCL); on the first device post
         # gloo (and any CPU group) posts message by message; devices coalesce a step (NCCL needs it)
         self._coalesce = self.device.type != "cpu"
         self._stream_ordered: bool | None = None  # from capabilities.streams, on the first post
+        self._held: Posting | None = None  # a stream-ordered backend's post in progress, for the watchdog
+        self._timeout = DEFAULT_TIMEOUT_S  # of the current call (begin_call)
 
-    def begin_call(self, seq: int | None) -> None:
-        """The executor's call number for the messages that follow (None: untagged, the fingerprint check)."""
+    def begin_call(self, seq: int | None, plan=None) -> None:
+        """The executor's call number for the messages that follow (None: untagged, the fingerprint check),
+        and the plan of the call (its steps are what a stalled post's watchdog message names; the check's
+        posts are not its steps)."""
         self._seq = seq
+        self._plan = plan if seq is not None else None
+        self._checking = plan if seq is None else None
         self._tag_base = 0 if seq is None else TAG_STRIDE * seq
         self._posts = 0
+        if plan is not None:
+            self._timeout = plan.timeout
+            held = self._held
+            if held is not None:
+                held.timeout = plan.timeout
 
     def _streams(self) -> bool:
         ordered = self._stream_ordered
@@ -144,16 +192,38 @@ class C10dBackend:
             ordered = self._stream_ordered = (
                 bool(getattr(self.capabilities, "streams", False)) and self.device.type != "cpu"
             )
+            if ordered:
+                self._held = watchdog().posting(self._describe_held, self._record_error)
+                self._held.timeout = self._timeout
         return ordered
 
-    def _handle(self, works, outputs, inflight, what):
+    def _describe_held(self, timeout: float) -> str:
+        detail = (f"the host was still inside the transport's post {timeout:g} s after entering it (NCCL sets "
+                  "up a pair's communicator on its first transfer and waits there for the peer): a peer died, "
+                  "hung, or never called")
+        plan = self._plan
+        if plan is not None:
+            message = describe_stall(plan, self._posts, detail)
+            if message is not None:
+                return message
+        checking = self._checking
+        if checking is not None:
+            n, r = self.world_size, self.rank
+            return (f"rank {r}: step {self._posts - 1} of the call check of {checking.label} (the fingerprints' "
+                    f"ring all-gather), transfers with rank {(r + 1) % n} and {(r - 1) % n}: {detail}")
+        return f"rank {self.rank}: post {self._posts} of call #{self._seq}: {detail}"
+
+    def _record_error(self, error: BaseException) -> None:
+        group_state(self).error = error
+
+    def _handle(self, works, outputs, inflight, what: str | None):
         if self._streams():
-            return _StreamHandle(works, outputs, inflight, self, f"{what} (call #{self._seq}, post {self._posts})")
+            return _StreamHandle(works, outputs, inflight, self, what)
         return _Handle(works, outputs, inflight)
 
     def _expired(self, error: BaseException) -> None:
         """The watchdog saw a step outlive its timeout: fail every later call on the group, abort it."""
-        group_state(self).error = error
+        self._record_error(error)
         abort = getattr(self.group, "abort", None)
         if callable(abort):
             abort()
@@ -176,23 +246,56 @@ class C10dBackend:
             works = [pg.send([x], t.peer, t.channel + base) for t, x in sends]
             works += [pg.recv([x], t.peer, t.channel + base) for t, x in recvs]
             return _Handle(works, buffers, sends)
+        # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.
+        # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks: the
+        # group's own coalescing calls around its plain send/recv (measured on an H100 host: 22 us per step
+        # through batch_isend_irecv; 4 against 14 us on this project's CPU testbed with the fake group).
         g = self.group
-        ops = [dist.P2POp(dist.isend, x, group=g, group_peer=t.peer, tag=t.channel + base) for t, x in sends]
-        ops += [dist.P2POp(dist.irecv, x, group=g, group_peer=t.peer, tag=t.channel + base) for t, x in recvs]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        peers = sorted({t.peer for t, _ in sends} | {t.peer for t, _ in recvs})
-        return self._handle(works, buffers, (sends, buffers), f"transfers with rank {peers}")
+        coalescing = self._coalescing
+        if coalescing is None:
+            coalescing = self._coalescing = _coalesces(g, self.device)
+            self._streams()
+        held = self._held
+        if held is not None:
+            held.since = time.monotonic()
+        try:
+            if coalescing:
+                dev = self.device
+                g._start_coalescing(dev)
+                try:
+                    for t, x in sends:
+                        g.send([x], t.peer, t.channel + base)
+                    for t, x in recvs:
+                        g.recv([x], t.peer, t.channel + base)
+                finally:
+                    work = g._end_coalescing(dev)
+                works = [work] if work is not None else []
+            else:
+                works = [g.send([x], t.peer, t.channel + base) for t, x in sends]
+                works += [g.recv([x], t.peer, t.channel + base) for t, x in recvs]
+        finally:
+            if held is not None:
+                held.since = None
+        return self._handle(works, buffers, (sends, buffers, recvs), None)
 
     def collective(
         self, kind: Collective, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> _Handle:
         g = self.group
-        if kind is Collective.ALL_GATHER:
-            work = dist.all_gather(list(outputs), inputs[0], group=g, async_op=True)
-        elif kind is Collective.REDUCE_SCATTER:
-            work = dist.reduce_scatter(outputs[0], list(inputs), group=g, async_op=True)
-        else:
-            work = dist.all_to_all(list(outputs), list(inputs), group=g, async_op=True)
+        self._posts += 1
+        held = self._held if self._streams() else None
+        if held is not None:
+            held.since = time.monotonic()
+        try:
+            if kind is Collective.ALL_GATHER:
+                work = dist.all_gather(list(outputs), inputs[0], group=g, async_op=True)
+            elif kind is Collective.REDUCE_SCATTER:
+                work = dist.reduce_scatter(outputs[0], list(inputs), group=g, async_op=True)
+            else:
+                work = dist.all_to_all(list(outputs), list(inputs), group=g, async_op=True)
+        finally:
+            if held is not None:
+                held.since = None
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
 
     def collective_into(self, kind: Collective, input: torch.Tensor, output: torch.Tensor) -> _Handle:
@@ -200,16 +303,24 @@ class C10dBackend:
         one (torch's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, sum); ``wait`` returns
         ``[output]``."""
         g = self.group
+        self._posts += 1
         if not self._coalesce:
             if kind is Collective.ALL_GATHER:
                 work = g._allgather_base(output, input)
             else:
                 work = g._reduce_scatter_base(output, input, _SUM)
             return _Handle([work], [output], (input, output))
-        if kind is Collective.ALL_GATHER:
-            work = _ALL_GATHER_SINGLE(output, input, group=g, async_op=True)
-        else:
-            work = _REDUCE_SCATTER_SINGLE(output, input, group=g, async_op=True)
+        held = self._held if self._streams() else None
+        if held is not None:
+            held.since = time.monotonic()
+        try:
+            if kind is Collective.ALL_GATHER:
+                work = _ALL_GATHER_SINGLE(output, input, group=g, async_op=True)
+            else:
+                work = _REDUCE_SCATTER_SINGLE(output, input, group=g, async_op=True)
+        finally:
+            if held is not None:
+                held.since = None
         return self._handle([work], [output], (input, output), f"the whole {kind.value}")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -542,13 +542,13 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
             if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
                 if state.dirty or plan.check == "always" or plan.signature not in state.checked:
                     if begin is not None:
-                        begin(None)
+                        begin(None, plan)
                     _check_fingerprint(plan, program, seq)
                     state.checked.add(plan.signature)
                     state.dirty = False
                 plan.checked = True
             if begin is not None:
-                begin((seq + plan.digest) % SEQUENCE_WRAP)
+                begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
             if mode is None and events is None and not plan.trace and not _profiler_on():
                 _run(plan, program)
             else:
@@ -658,6 +658,24 @@ def _drain(pending, timeout: float) -> None:
             handle.wait(timeout)
         except BaseException:  # noqa: BLE001 - the original error is what the caller sees
             pass
+
+
+def describe_stall(plan: Plan, post_no: int, detail: str, failed: bool = False) -> str | None:
+    """What a timeout (or, ``failed``, a transport's failure) in the ``post_no``-th post (from 1) of a call
+    of ``plan`` says, ``detail`` last: the rank, the step, the op and the peers, as a host-blocking wait
+    names them (a stream-ordered backend's watchdog reports through this). None when the plan has no such
+    post."""
+    posts = 0
+    for st in plan.steps:
+        calls = ((None,) if st.p2p else ()) + tuple(st.collectives)
+        for call in calls:
+            posts += 1
+            if posts == post_no:
+                if failed:
+                    return (f"rank {plan.rank} failed in step {st.index} of {plan.label} "
+                            f"({plan.schedule.describe()}) waiting for {_what(st.step, call)}: {detail}")
+                return str(_waiting_error(plan, st, call, TimeoutError(detail)))
+    return None
 
 
 def _posting_error(plan: Plan, st: CStep, call, e: Exception) -> CommunicationError:

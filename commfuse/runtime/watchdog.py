@@ -7,17 +7,37 @@ transfer is done (measured on an H100 with NCCL 2.28: 56.7 ms of host time
 for a 64 MiB exchange, against 0.3 ms without a timeout). So the promise that
 no wait hangs forever is kept here instead: each posted step registers its
 works with a deadline; one daemon thread polls ``work.is_completed()``
-(non-blocking on every c10d backend) and, when a deadline passes first:
+(non-blocking on every c10d backend) and,
 
-* records a :class:`~commfuse.errors.CommfuseTimeoutError` naming the rank,
-  step, peers and op on the group, so every later commfuse call on that group
-  raises it at once;
-* prints it to stderr (the host may be blocked in a device sync by then);
-* aborts the process group where torch can (``ProcessGroup.abort()``), so
-  that the kernels stuck on the dead peer error out instead of hanging the
-  device; without that, the process group's own watchdog (its ``timeout``,
-  10 minutes by default for NCCL, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``)
-  ends it.
+* when a deadline passes first: records a
+  :class:`~commfuse.errors.CommfuseTimeoutError` naming the rank, step,
+  peers and op on the group, so every later commfuse call on that group
+  raises it at once; prints it to stderr (the host may be blocked in a
+  device sync by then); and aborts the process group where torch can
+  (``ProcessGroup.abort()``), so that the kernels stuck on the dead peer
+  end instead of hanging the device: a host sync then returns, and the next
+  call raises the error;
+* when a work fails first (NCCL saw the peer's sockets close): the same,
+  with the transport's cause, and the error is fatal (below). c10d's own
+  watchdog takes such a process down too, by default, after dumping its
+  debug state (a minute on the H100 testbed): the device may have run later
+  kernels on incomplete data. commfuse ends it at once, with the rank, step
+  and peer named.
+
+The host itself can also be held: NCCL sets up the communicator of a pair
+of ranks on their first transfer, and that set-up blocks the host until the
+peer joins; a peer that never calls holds it forever. So a stream-ordered
+backend also tells the watchdog when it enters and leaves the transport's
+post (:meth:`Watchdog.posting`: two attribute writes per step). A post still
+in progress at its deadline cannot be interrupted from Python (the thread is
+inside C++), so this too is fatal.
+
+Fatal: the watchdog records and prints the named error, gives it to the
+``on_fatal`` hooks (``commfuse.launch`` reports it to its parent that way),
+and ends the process with exit code :data:`EXIT_CODE`.
+``COMMFUSE_WATCHDOG_EXIT=0`` keeps the process: the group is poisoned and
+aborted as on a timeout, and a held post waits for the process group's own
+timeout.
 
 Per step the cost on the host is one ``time.monotonic()`` and one deque
 append. The poll interval is ``COMMFUSE_WATCHDOG_POLL_S`` (default 0.05 s).
@@ -30,11 +50,28 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-from commfuse.errors import CommfuseTimeoutError
+from commfuse.errors import CommfuseTimeoutError, CommunicationError
 
-__all__ = ["Watchdog", "watchdog"]
+__all__ = ["EXIT_CODE", "Posting", "Watchdog", "watchdog"]
+
+#: The exit code of a process the watchdog ends because its host was held inside a post past the deadline.
+EXIT_CODE = 75
+
+
+class Posting:
+    """One backend's post in progress, as the watchdog sees it: ``since`` (``time.monotonic()`` at entry, or
+    None between posts), the ``timeout`` of the current call, and ``describe(timeout)`` for the message."""
+
+    __slots__ = ("since", "timeout", "describe", "on_expiry", "__weakref__")
+
+    def __init__(self, describe: Callable[[float], str], on_expiry: Callable[[BaseException], None]) -> None:
+        self.since: float | None = None
+        self.timeout = 0.0
+        self.describe = describe
+        self.on_expiry = on_expiry
 
 
 class Watchdog:
@@ -44,16 +81,30 @@ class Watchdog:
         self.poll_s = poll_s if poll_s is not None else float(os.environ.get("COMMFUSE_WATCHDOG_POLL_S", "0.05"))
         self.pending: collections.deque = collections.deque()
         self.fired: list[CommfuseTimeoutError] = []
+        self.postings: weakref.WeakSet = weakref.WeakSet()
+        #: called with the error before the watchdog ends a process whose host is held in a post
+        self.on_fatal: list[Callable[[BaseException], None]] = []
+        self.exit = os.environ.get("COMMFUSE_WATCHDOG_EXIT", "1") not in ("0", "false", "no", "off")
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, works, deadline: float, describe: Callable[[], str], on_expiry: Callable[[BaseException], None]
-              ) -> None:
-        """Watch ``works`` until they complete; past ``deadline`` (``time.monotonic()``) report
-        ``describe()`` through ``on_expiry(error)``."""
+    def watch(self, works, deadline: float, describe: Callable[[str | None], str],
+              on_expiry: Callable[[BaseException], None]) -> None:
+        """Watch ``works`` until they complete. Past ``deadline`` (``time.monotonic()``) report
+        ``describe(None)`` as a :class:`CommfuseTimeoutError` through ``on_expiry(error)``; a work that fails
+        first is reported at once, as ``describe(cause)`` in a :class:`CommunicationError`, and is fatal
+        (see the module)."""
         self.pending.append((works, deadline, describe, on_expiry))
         if self._thread is None:
             self._start()
+
+    def posting(self, describe: Callable[[float], str], on_expiry: Callable[[BaseException], None]) -> Posting:
+        """A :class:`Posting` for one backend, watched from now on (while the backend keeps it)."""
+        entry = Posting(describe, on_expiry)
+        self.postings.add(entry)
+        if self._thread is None:
+            self._start()
+        return entry
 
     def _start(self) -> None:
         with self._lock:
@@ -67,36 +118,83 @@ class Watchdog:
             self.poll()
 
     def poll(self) -> None:
-        """One pass: drop what completed, fire what expired (called by the thread; callable in tests)."""
+        """One pass: drop what completed, report what failed or expired (called by the thread; callable in
+        tests)."""
         now = time.monotonic()
         keep = []
+        failure = None
         while True:
             try:
                 entry = self.pending.popleft()
             except IndexError:
                 break
             works, deadline, describe, on_expiry = entry
-            if all(_done(w) for w in works):
+            pending = False
+            failed = None
+            for work in works:
+                # c10d's NCCL work raises the transport's error from is_completed (its Work.exception() is
+                # deprecated, and on NCCL with torch 2.11 it cannot even return its value to Python), and,
+                # once a failed work counts as completed, from wait(), which on a completed work returns at
+                # once or raises the error it ended with
+                try:
+                    if not work.is_completed():
+                        pending = True
+                    else:
+                        work.wait()
+                except Exception as e:  # noqa: BLE001
+                    failed = e
+                    break
+            if failed is not None:
+                # NCCL fails every work of a communicator once it has an error, older steps not yet
+                # polled too: the newest one is the step that met the fault
+                failure = (failed, describe, on_expiry)
+                continue
+            if not pending:
                 continue
             if now > deadline:
-                error = CommfuseTimeoutError(describe())
-                self.fired.append(error)
-                print(f"commfuse watchdog: {error}", file=sys.stderr, flush=True)
-                try:
-                    on_expiry(error)
-                except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
-                    print(f"commfuse watchdog: acting on the expiry failed: {type(e).__name__}: {e}",
-                          file=sys.stderr, flush=True)
+                self._report(CommfuseTimeoutError(describe(None)), on_expiry)
                 continue
             keep.append(entry)
+        if failure is not None:
+            failed, describe, on_expiry = failure
+            error = CommunicationError(describe(f"{type(failed).__name__}: {_first_line(failed)}"))
+            self._report(error, on_expiry)
+            self._end(error)
         self.pending.extendleft(reversed(keep))
+        for entry in list(self.postings):
+            since = entry.since
+            if since is not None and now > since + entry.timeout:
+                entry.since = None  # fire once
+                error = CommfuseTimeoutError(entry.describe(entry.timeout))
+                self._report(error, entry.on_expiry)
+                self._end(error)
+
+    def _report(self, error: BaseException, on_expiry: Callable[[BaseException], None]) -> None:
+        self.fired.append(error)
+        print(f"commfuse watchdog: {error}", file=sys.stderr, flush=True)
+        try:
+            on_expiry(error)
+        except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
+            print(f"commfuse watchdog: acting on the expiry failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+
+    def _end(self, error: BaseException) -> None:
+        """End the process after a fatal error (see the module), unless ``COMMFUSE_WATCHDOG_EXIT=0``."""
+        if not self.exit:
+            return
+        for hook in list(self.on_fatal):
+            try:
+                hook(error)
+            except Exception:  # noqa: BLE001 - the process ends anyway
+                pass
+        print(f"commfuse watchdog: ending the process (exit code {EXIT_CODE}); COMMFUSE_WATCHDOG_EXIT=0 keeps "
+              "it", file=sys.stderr, flush=True)
+        os._exit(EXIT_CODE)
 
 
-def _done(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:  # noqa: BLE001 - a work that errored is finished; its wait reports the error
-        return True
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 _WATCHDOG: Watchdog | None = None

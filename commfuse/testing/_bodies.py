@@ -317,16 +317,23 @@ def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
     dev = rank_device(caps["device"], rank)
     be = backend_from(ref, device=dev)
     results: dict = {}
-    a = torch.randn(512, 512, device=dev)
-    b = torch.randn(512, 1024, device=dev)
+    # On a device the call returns once its work is queued (a stream-ordered backend never blocks the host),
+    # so each sample ends with a host read of work queued after it; and the shapes are bigger, so that the
+    # compute (a few ms) stands above the noise of launches and of ranks sharing one device.
+    on_device = torch.device(dev).type != "cpu"
+    rows, k, cols = (2048, 2048, 4096) if on_device else (512, 512, 1024)
+    a = torch.randn(rows, k, device=dev)
+    b = torch.randn(k, cols, device=dev)
 
     def timed(mode):
         samples = []
-        for _ in range(5):
+        for _ in range(7 if on_device else 5):
             dist.barrier()
             t0 = time.perf_counter()
             with measure(mode):
                 cf.all_gather_matmul(a, b, algorithm="ring", backend=be)
+            if on_device:
+                torch.ones(1, device=dev).sum().item()
             samples.append(time.perf_counter() - t0)
         return sorted(samples)[len(samples) // 2]
 
@@ -404,6 +411,19 @@ def _mismatched_algorithms(rank, n, be, dev, caps, out):
                              algorithm="ring" if rank == 0 else "vanilla", backend=be, timeout=caps["timeout_s"])
 
 
+def _surface(dev, again) -> None:
+    """After a call whose peer is gone: on a stream-ordered backend (NCCL, HCCL) that call returned without
+    blocking the host, and its error surfaces asynchronously: a host read of device work queued after it
+    waits until the watchdog has aborted the stuck transfers, and the next call raises the error the
+    watchdog recorded on the group. On a host-blocking backend (gloo) the call itself raised, and this is
+    never reached."""
+    try:
+        torch.ones(1, device=dev).sum().item()
+    except Exception:  # noqa: BLE001 - the device may report the abort here; the next call names it
+        pass
+    again()
+
+
 def _absent_peer(rank, n, be, dev, caps, out):
     import commfuse as cf
 
@@ -412,8 +432,13 @@ def _absent_peer(rank, n, be, dev, caps, out):
         time.sleep(timeout + 3)
         out["kind"] = "absent"
         return
-    cf.all_gather_matmul(torch.randn(4, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
-                         backend=be, timeout=timeout, check=False)
+
+    def call():
+        cf.all_gather_matmul(torch.randn(4, 16, device=dev), torch.randn(16, 4, device=dev), algorithm="ring",
+                             backend=be, timeout=timeout, check=False)
+
+    call()
+    _surface(dev, call)
 
 
 def _peer_death(rank, n, be, dev, caps, out):
@@ -427,9 +452,13 @@ def _peer_death(rank, n, be, dev, caps, out):
             os.kill(os.getpid(), signal.SIGKILL)
         return None
 
-    for _ in range(2):
+    def call():
         cf.all_gather_consume(torch.randn(64, 64, device=dev), consumer, algorithm="ring", backend=be,
                               timeout=caps["timeout_s"])
+
+    for _ in range(2):
+        call()
+    _surface(dev, call)
 
 
 def _two_threads_one_group(rank, n, be, dev, caps, out):

@@ -209,6 +209,9 @@ _LAUNCH_BOUNDS = {
     "mismatch-promptness": lambda t: 4 * max(t, _bodies.PROMPTNESS_TIMEOUT_S) + 60,
 }
 _COMMFUSE_ERRORS = ("MismatchError", "CommfuseTimeoutError", "CommunicationError")
+#: The errors with which commfuse's watchdog ends a rank (``commfuse.runtime.watchdog``; the launcher reports
+#: them as ``FAILED: <kind>: <message>``): a host held in a post past its deadline, a transfer that failed.
+_WATCHDOG_ENDS = ("CommfuseTimeoutError", "CommunicationError")
 
 
 def torchrun_skip_reason(backend: str, n: int, caps: Capabilities) -> str:
@@ -244,8 +247,16 @@ def judge_robustness(case: str, out: list, limit: float) -> list[str]:
     elif case == "absent-peer":
         ranks = [r for r in ranks if r != 1]
     for rank in ranks:
-        if not isinstance(out[rank], dict):
-            failures.append(f"rank {rank} did not report: {out[rank]}")
+        o = out[rank]
+        # a stream-ordered backend's survivor whose host was held inside the transport (NCCL setting up a
+        # pair with a peer that never came) is ended by commfuse's watchdog at the deadline, which reports
+        # the named error as the rank's result before the process exits
+        ended = next((k for k in _WATCHDOG_ENDS if isinstance(o, str) and o.startswith(f"FAILED: {k}: ")), None)
+        if case in ("absent-peer", "peer-death") and ended:
+            out[rank] = {"kind": ended, "message": o[len(f"FAILED: {ended}: "):], "seconds": 0.0,
+                         "problems": [], "figures": {}}
+        elif not isinstance(o, dict):
+            failures.append(f"rank {rank} did not report: {o}")
     if failures:
         return failures
     for rank in ranks:

@@ -173,3 +173,34 @@ def test_the_old_figure_could_not_credit_perfect_overlap_on_a_slow_link():
     figures = _bodies.hidden_figures(0.100, 0.010, 0.100)
     assert figures["hidden_fraction"] == pytest.approx(1.0)
     assert figures["hidden_fraction_of_comm"] == pytest.approx(0.1)
+
+
+# -- a rank ended by commfuse's watchdog (stream-ordered backends) ------------------------------------------------
+
+_HELD = ("rank 0 timed out after 10 s in step 0 of all_gather_matmul (ring all_gather over 2 ranks) waiting for "
+         "receives from rank 1; sends to rank 1: the host was still inside the transport's post")
+_FAILED = ("rank 0 failed in step 1 of all_gather_consume (ring all_gather over 2 ranks) waiting for receives "
+           "from rank 1; sends to rank 1: the transport failed them: DistBackendError: NCCL error: remote "
+           "process exited")
+
+
+@pytest.mark.parametrize("case, kind, message", [("absent-peer", "CommfuseTimeoutError", _HELD),
+                                                  ("peer-death", "CommunicationError", _FAILED)])
+def test_a_survivor_the_watchdog_ended_with_a_named_error_passes(case, kind, message):
+    dead = "FAILED: died with exit code -9 without reporting" if case == "peer-death" else _outcome("absent")
+    assert judge_robustness(case, [f"FAILED: {kind}: {message}", dead], LIMIT) == []
+
+
+def test_a_survivor_the_watchdog_ended_must_still_name_the_step_and_the_peer():
+    failures = judge_robustness("absent-peer", ["FAILED: CommfuseTimeoutError: rank 0 timed out somewhere",
+                                                _outcome("absent")], LIMIT)
+    assert any("does not name the step and the peer" in f for f in failures), failures
+
+
+def test_a_survivor_that_died_otherwise_did_not_report():
+    failures = judge_robustness("absent-peer", ["FAILED: died with exit code -6 without reporting",
+                                                _outcome("absent")], LIMIT)
+    assert any("did not report" in f for f in failures), failures
+    failures = judge_robustness("mismatched-shapes", [f"FAILED: CommfuseTimeoutError: {_HELD}",
+                                                      _outcome("MismatchError", "rank 1: rank 0 ...")], LIMIT)
+    assert any("did not report" in f for f in failures), failures  # only the two dead-peer cases accept it

@@ -1,0 +1,178 @@
+"""The watchdog of stream-ordered backends: timeouts, failed transfers, a host held inside a post, and
+what it says of each (the rank, the step, the op and the peer).
+
+The works here are small objects with c10d's ``is_completed`` / ``exception``
+interface, since the watchdog's decisions are a function of those answers
+alone; the watchdog on real gloo works is tested in
+tests/distributed/test_reliability_gloo.py, and on NCCL by the conformance
+suite's robustness tier on a GPU host.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch.distributed as dist
+
+from commfuse.errors import CommfuseTimeoutError, CommunicationError
+from commfuse.runtime.watchdog import EXIT_CODE, Watchdog
+
+
+class Work:
+    """A transfer whose state the test sets: pending, done, or failed (``is_completed`` raises, as c10d's
+    NCCL work does with the transport's error)."""
+
+    def __init__(self, state: str = "pending") -> None:
+        self.state = state
+
+    def is_completed(self) -> bool:
+        if self.state == "failed":
+            raise RuntimeError("NCCL error: remote process exited or there was a network error\nmore lines")
+        return self.state in ("done", "ended in error")
+
+    def wait(self):
+        if self.state == "ended in error":  # c10d: a work that ended in an error counts as completed
+            raise RuntimeError("NCCL error: remote process exited or there was a network error\nmore lines")
+
+
+def _describe(cause):
+    return "rank 0 timed out in step 1" if cause is None else f"rank 0 failed in step 1: {cause}"
+
+
+def _quiet_dog() -> Watchdog:
+    dog = Watchdog(poll_s=3600)  # polled by hand
+    dog.exit = False
+    return dog
+
+
+def test_a_step_past_its_deadline_is_reported_once_as_a_timeout():
+    dog = _quiet_dog()
+    got = []
+    dog.watch([Work("done"), Work("pending")], time.monotonic() - 1, _describe, got.append)
+    dog.poll()
+    dog.poll()
+    assert len(got) == 1 and isinstance(got[0], CommfuseTimeoutError)
+    assert str(got[0]) == "rank 0 timed out in step 1"
+
+
+def test_a_step_within_its_deadline_is_kept_and_a_finished_one_dropped_quietly():
+    dog = _quiet_dog()
+    got = []
+    pending = Work("pending")
+    dog.watch([pending], time.monotonic() + 60, _describe, got.append)
+    dog.watch([Work("done")], time.monotonic() - 1, _describe, got.append)
+    dog.poll()
+    assert got == [] and len(dog.pending) == 1
+    pending.state = "done"
+    dog.poll()
+    assert got == [] and len(dog.pending) == 0
+
+
+@pytest.mark.parametrize("how", ["failed", "ended in error"])
+def test_a_failed_transfer_is_reported_at_once_with_its_cause_before_the_deadline(how):
+    dog = _quiet_dog()
+    got = []
+    dog.watch([Work("done"), Work(how)], time.monotonic() + 600, _describe, got.append)
+    dog.poll()
+    assert len(got) == 1 and isinstance(got[0], CommunicationError)
+    assert not isinstance(got[0], CommfuseTimeoutError)
+    message = str(got[0])
+    assert message.startswith("rank 0 failed in step 1: RuntimeError: NCCL error: remote process exited")
+    assert "more lines" not in message  # the cause's first line only
+
+
+def test_a_host_held_in_a_post_past_its_timeout_is_named_once():
+    dog = _quiet_dog()
+    got = []
+    entry = dog.posting(lambda timeout: f"rank 1: post 1 held {timeout:g} s", got.append)
+    entry.timeout = 5.0
+    entry.since = time.monotonic() - 1  # inside a post, within the bound
+    dog.poll()
+    assert got == []
+    entry.since = time.monotonic() - 6
+    dog.poll()
+    dog.poll()
+    assert [type(e) for e in got] == [CommfuseTimeoutError] and str(got[0]) == "rank 1: post 1 held 5 s"
+    entry.since = None  # between posts: nothing to watch
+    dog.poll()
+    assert len(got) == 1
+
+
+@pytest.mark.parametrize("fault", ["failed transfer", "held post"])
+def test_a_fatal_fault_runs_the_hooks_and_ends_the_process_with_the_watchdogs_exit_code(fault):
+    script = textwrap.dedent(f"""
+        import time
+        from commfuse.runtime.watchdog import Watchdog
+
+        class Failed:
+            def is_completed(self):
+                raise RuntimeError("socket closed by peer")
+
+        dog = Watchdog(poll_s=0.02)
+        dog.exit = True
+        dog.on_fatal.append(lambda e: print("HOOK", type(e).__name__, e, flush=True))
+        if {fault!r} == "failed transfer":
+            dog.watch([Failed()], time.monotonic() + 600, lambda c: f"rank 0 failed in step 2: {{c}}",
+                      lambda e: print("RECORDED", flush=True))
+        else:
+            entry = dog.posting(lambda t: f"rank 0 held {{t:g}} s", lambda e: print("RECORDED", flush=True))
+            entry.timeout = 0.1
+            entry.since = time.monotonic()
+        time.sleep(30)
+        print("SURVIVED", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_CODE, (done.returncode, done.stdout, done.stderr)
+    assert "RECORDED" in done.stdout and "SURVIVED" not in done.stdout
+    if fault == "failed transfer":
+        assert "HOOK CommunicationError rank 0 failed in step 2: RuntimeError: socket closed by peer" in done.stdout
+    else:
+        assert "HOOK CommfuseTimeoutError rank 0 held 0.1 s" in done.stdout
+    assert "commfuse watchdog: rank 0" in done.stderr and "COMMFUSE_WATCHDOG_EXIT=0" in done.stderr
+
+
+def test_commfuse_watchdog_exit_0_keeps_the_process(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_WATCHDOG_EXIT", "0")
+    dog = Watchdog(poll_s=3600)
+    assert dog.exit is False
+    got = []
+    dog.watch([Work("failed")], time.monotonic() + 600, _describe, got.append)
+    dog.poll()  # would os._exit with exit on
+    assert len(got) == 1
+
+
+# -- what a stalled post of a call names -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_stalled_post_is_named_by_its_step_op_and_peers(fake_world):
+    from commfuse.runtime.c10d import C10dBackend
+    from commfuse.runtime.executor import Plan, describe_stall
+    from commfuse.schedule import build
+
+    backend = C10dBackend()
+    plan = Plan(build("all_gather", 4, algorithm="ring"), backend, label="all_gather_matmul", timeout=7.0,
+                check="off")
+    steps = [st for st in plan.steps if st.p2p]
+    assert len(steps) == 3  # a ring over 4 ranks: three hops
+    for post_no, st in enumerate(steps, start=1):
+        message = describe_stall(plan, post_no, "the device had not finished them")
+        assert message.startswith(f"rank 0 timed out after 7 s in step {st.index} of all_gather_matmul ("), message
+        assert "receives from rank 3" in message and "sends to rank 1" in message, message
+        assert message.endswith("the device had not finished them")
+        failed = describe_stall(plan, post_no, "the transport failed them", failed=True)
+        assert failed.startswith(f"rank 0 failed in step {st.index} of all_gather_matmul"), failed
+        assert "receives from rank 3" in failed and failed.endswith("the transport failed them")
+    assert describe_stall(plan, len(steps) + 1, "x") is None
