@@ -33,10 +33,10 @@ from torch import nn
 import commfuse.ops as ops
 from commfuse import backends
 from commfuse.errors import CommfuseValueError
-from commfuse.runtime import pipelined
-from commfuse.runtime.calls import resolve_call
 from commfuse.nn._common import gather_dim, replicated, resolve_group, world
 from commfuse.nn.linear import _init_linear
+from commfuse.runtime import pipelined
+from commfuse.runtime.calls import resolve_call
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int = 0) -> torch.Tensor:

@@ -48,7 +48,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -422,7 +422,8 @@ class Plan:
     """
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
-                 "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature")
+                 "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature", "whole",
+                 "whole_compute", "one_by_one")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -447,6 +448,28 @@ class Plan:
         self.steps = self.compiled.steps
         self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag
         self.signature: tuple | None = None  # the fingerprint less the call number
+        # One whole collective and one compute over every slot, no P2P (vanilla): (its step, its call), and
+        # the compute's slots. Such a call may take execute_into, with no program.
+        self.whole = None
+        self.whole_compute: tuple[int, ...] = ()
+        steps = self.steps
+        with_calls = [st for st in steps if st.collectives]
+        # Point-to-point steps only, each computing at most one slot, overlapped (ring, ring:m): such a call
+        # may take execute_one_by_one, with no program.
+        self.one_by_one = overlap and not with_calls and all(len(st.compute) <= 1 for st in steps)
+        if (len(steps) == 2 and len(with_calls) == 1 and len(with_calls[0].collectives) == 1
+                and not any(st.p2p for st in steps) and sum(bool(st.compute) for st in steps) == 1):
+            self.whole = (with_calls[0], with_calls[0].collectives[0])
+            self.whole_compute = next(st.compute for st in steps if st.compute)
+
+    def lean(self) -> bool:
+        """Whether the next call may skip the program (:func:`execute_into`): its signature is known and
+        agreed (or never checked), and nothing observes the call."""
+        if self.digest is None or _observers[0] or self.trace or _profiler_on():
+            return False
+        if not self.checks:
+            return True
+        return self.checked and self.check != "always" and not self.state.dirty
 
     def learn_signature(self, program: Program) -> None:
         """The signature (fingerprint less the call number) and its digest, from the first call's program."""
@@ -516,49 +539,142 @@ def _strip(values: list[int]) -> list[int]:
 def execute(plan: Plan, program: Program, *, events: list | None = None) -> None:
     """Run one call of ``plan`` with ``program``'s data on ``plan.backend``."""
     state = plan.state
-    if not state.lock.acquire(False):
-        busy = state.busy
-        who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
-        raise ConcurrentUseError(
-            f"rank {plan.rank}: {plan.label} cannot start on {state.name}: {who} is in flight on it. commfuse "
-            f"ops on one process group must not overlap: call them from one thread, or give each thread its "
-            f"own group (torch.distributed.new_group)"
-        )
+    seq = _enter(plan, state)
     try:
-        state.busy = (plan.label, threading.get_ident())
-        if state.error is not None:
-            raise state.error
-        seq = state.seq
-        state.seq = seq + 1
-        try:
-            mode = None
-            if _observers[0]:
-                mode = getattr(_mode, "value", None)
-                if events is None:
-                    events = getattr(_mode, "events", None)
-            begin = plan.begin
-            if plan.digest is None:
-                plan.learn_signature(program)
-            if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
-                if state.dirty or plan.check == "always" or plan.signature not in state.checked:
-                    if begin is not None:
-                        begin(None, plan)
-                    _check_fingerprint(plan, program, seq)
-                    state.checked.add(plan.signature)
-                    state.dirty = False
-                plan.checked = True
-            if begin is not None:
-                begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
-            if mode is None and events is None and not plan.trace and not _profiler_on():
-                _run(plan, program)
-            else:
-                _run_observed(plan, program, mode, events)
-        except BaseException:
-            state.dirty = True
-            raise
+        mode = None
+        if _observers[0]:
+            mode = getattr(_mode, "value", None)
+            if events is None:
+                events = getattr(_mode, "events", None)
+        begin = plan.begin
+        if plan.digest is None:
+            plan.learn_signature(program)
+        if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
+            if state.dirty or plan.check == "always" or plan.signature not in state.checked:
+                if begin is not None:
+                    begin(None, plan)
+                _check_fingerprint(plan, program, seq)
+                state.checked.add(plan.signature)
+                state.dirty = False
+            plan.checked = True
+        if begin is not None:
+            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+        if mode is None and events is None and not plan.trace and not _profiler_on():
+            _run(plan, program)
+        else:
+            _run_observed(plan, program, mode, events)
+    except BaseException:
+        state.dirty = True
+        raise
     finally:
-        state.busy = None
+        _leave(state)
+
+
+def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
+    """One call of a whole-collective plan (``plan.whole``, vanilla) straight into ``output``: the
+    collective over single tensors (``collective_into``) and its wait, with :func:`execute`'s rules (one op
+    per group at a time, the call number in the tags, a failed call marks the group for a check) and no
+    program. Only when ``plan.lean()``: the first call of a signature, a check, or an observed call take
+    :func:`execute`."""
+    state = plan.state
+    seq = _enter(plan, state)
+    try:
+        st, call = plan.whole
+        begin = plan.begin
+        if begin is not None:
+            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+        try:
+            handle = plan.backend.collective_into(call.collective, input, output)
+        except Exception as e:
+            raise _posting_error(plan, st, call, e) from e
+        try:
+            handle.wait(plan.timeout)
+        except BaseException as e:
+            raise _waiting_error(plan, st, call, e) from e
+    except BaseException:
+        state.dirty = True
+        raise
+    finally:
+        _leave(state)
+
+
+def execute_one_by_one(plan: Plan, held: list, buffer: Callable, one: Callable, start: list, size: list,
+                       release: Callable) -> None:
+    """One call of a point-to-point plan whose steps each compute at most one slot (``plan.one_by_one``:
+    ring, ring:m), walked with the least Python per step and no program: slices are sent from and land in
+    ``held`` (by slot), receive buffers come from ``buffer(slot)``, a step computes ``one(start[s],
+    size[s], held[s])`` between posting and waiting, and a slot the step releases goes to
+    ``release(slot, tensor)``. :func:`execute`'s rules hold (one op per group at a time, the call number in
+    the tags, a failed call marks the group for a check, transfers already posted are drained when the
+    compute fails). Only when ``plan.lean()``."""
+    state = plan.state
+    seq = _enter(plan, state)
+    try:
+        begin = plan.begin
+        if begin is not None:
+            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+        post, timeout = plan.backend.post, plan.timeout
+        for st in plan.steps:
+            handle = None
+            if st.p2p:
+                recvs = [(t, buffer(s)) for t, s in st.recvs]
+                try:
+                    handle = post([(t, held[s]) for t, s in st.sends], recvs)
+                except Exception as e:
+                    raise _posting_error(plan, st, None, e) from e
+            if st.compute:
+                (s,) = st.compute
+                try:
+                    one(start[s], size[s], held[s])
+                except BaseException:
+                    if handle is not None:
+                        _drain(((handle, None, None),), timeout)
+                    raise
+            if handle is not None:
+                try:
+                    got = handle.wait(timeout)
+                except BaseException as e:
+                    raise _waiting_error(plan, st, None, e) from e
+                for (_, s), tensor in zip(st.recvs, got):
+                    held[s] = tensor
+            for s in st.release:
+                release(s, held[s])
+                held[s] = None
+    except BaseException:
+        state.dirty = True
+        raise
+    finally:
+        _leave(state)
+
+
+def _enter(plan: Plan, state: GroupState) -> int:
+    """Take the group for one call of ``plan`` (refused, by name, while another op is in flight on it; a
+    group the watchdog declared dead raises its error) and return the call's number. :func:`_leave` gives
+    it back."""
+    if not state.lock.acquire(False):
+        raise _busy(plan, state)
+    if state.error is not None:
         state.lock.release()
+        raise state.error
+    state.busy = (plan.label, threading.get_ident())
+    seq = state.seq
+    state.seq = seq + 1
+    return seq
+
+
+def _leave(state: GroupState) -> None:
+    state.busy = None
+    state.lock.release()
+
+
+def _busy(plan: Plan, state: GroupState) -> ConcurrentUseError:
+    busy = state.busy
+    who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
+    return ConcurrentUseError(
+        f"rank {plan.rank}: {plan.label} cannot start on {state.name}: {who} is in flight on it. commfuse "
+        f"ops on one process group must not overlap: call them from one thread, or give each thread its "
+        f"own group (torch.distributed.new_group)"
+    )
 
 
 def _profiler_on() -> bool:

@@ -27,7 +27,14 @@ import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime.calls import Call
-from commfuse.runtime.executor import Plan, cached_schedule, execute, register_format
+from commfuse.runtime.executor import (
+    Plan,
+    cached_schedule,
+    execute,
+    execute_into,
+    execute_one_by_one,
+    register_format,
+)
 from commfuse.runtime.programs import (
     AllToAllLayout,
     AllToAllProgram,
@@ -37,6 +44,7 @@ from commfuse.runtime.programs import (
     ScatterLayout,
     _Pool,
     dtype_code,
+    held_slots,
     shape_text,
 )
 from commfuse.schedule import Collective, split_sizes
@@ -138,6 +146,17 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
     tensor)``, when given, takes the steps that compute on one slice (every ring step) without a list."""
     plan, layout, pool, dim = prepared
     start, size = layout.start, layout.size
+    if consume_one is not None and not keep and plan.one_by_one and plan.lean():
+        # a ring, signature agreed: the steps walked with no program
+        key, own_set, get, put = layout.key, layout.own_set, pool.get, pool.put
+
+        def release(s, t):
+            if t is not None and s not in own_set:
+                put(t, key[s])
+
+        execute_one_by_one(plan, held_slots(layout, shard), lambda s: get(key[s]), consume_one, start, size,
+                           release)
+        return
 
     # on_step must not refer to the program (a reference cycle per call would leave the collection of
     # every call's tensors to the garbage collector's passes, which cost more than the call itself)
@@ -159,6 +178,14 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
                 per_rank = whole.view(layout.stacked)
                 consume([(start[s], size[s], per_rank[q]) for q, s in enumerate(slots)])
 
+    if plan.whole is not None and layout.into and pool.into and plan.lean():
+        # vanilla, signature agreed: the collective straight into one tensor, then the one compute on it
+        whole = pool.get(layout.whole_key)
+        execute_into(plan, shard if shard.is_contiguous() else shard.contiguous(), whole)
+        on_step(plan.whole_compute, whole)
+        if not keep:
+            pool.put(whole, layout.whole_key)
+        return
     program = GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta, whole_ok=True)
     execute(plan, program)
 
@@ -215,6 +242,8 @@ def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bo
     """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up). ``produce_whole()``, when
     given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
     plan, layout, pool, dim = prepared
+    if produce_whole is not None and scatters_whole(prepared) and plan.lean():
+        return run_scatter_whole(prepared, produce_whole())
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
                                    meta=layout.meta, check_shapes=check_shapes,
@@ -222,6 +251,24 @@ def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bo
     execute(plan, program)
     pieces = program.result()
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def scatters_whole(prepared: tuple) -> bool:
+    """Whether the plan from :func:`prepare_scatter` is one whole reduce-scatter over dim 0 straight from one
+    tensor (vanilla over even shards, on a backend with ``collective_into``): then, while ``plan.lean()``,
+    :func:`run_scatter_whole` runs a call with no program."""
+    plan, layout, pool, dim = prepared
+    return dim == 0 and plan.whole is not None and layout.into and pool.into
+
+
+def run_scatter_whole(prepared: tuple, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's summed shard of ``whole`` (every rank's partial, the whole tensor's shape), reduce-scattered
+    along dim 0 straight into the result (see :func:`scatters_whole`)."""
+    plan, layout, pool, _ = prepared
+    out = pool.get(layout.key[layout.own[0]])
+    stacked = layout.whole_key[0]
+    execute_into(plan, whole if whole.shape == stacked else whole.view(stacked), out)
+    return out
 
 
 # -- consume / produce forms -----------------------------------------------------------------------------------

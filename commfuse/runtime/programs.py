@@ -199,6 +199,19 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return out
 
 
+def held_slots(layout: GatherLayout, shard: torch.Tensor) -> list:
+    """A gather's tensors by slot at the start of a call: this rank's shard (cut into its slices), nothing
+    else yet."""
+    held: list = [None] * len(layout.size)
+    own = layout.own
+    if len(own) == 1:
+        held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
+    else:
+        for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
+            held[s] = p.contiguous()
+    return held
+
+
 class GatherProgram(_Consuming, _Base):
     """All-gather: rank r starts with its shard and consumes every rank's slices.
 
@@ -215,14 +228,7 @@ class GatherProgram(_Consuming, _Base):
                  keep: bool, meta: list[int], whole_ok: bool = False) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
         self.whole_ok = whole_ok  # consume(slots, tensor) means "every shard, in this one tensor"
-        held: list = [None] * len(layout.size)
-        own = layout.own
-        if len(own) == 1:
-            held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
-        else:
-            for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
-                held[s] = p.contiguous()
-        self.held = held
+        self.held = held_slots(layout, shard)
         self.narrowed = False  # a whole collective over uneven shards left views in ``held``
         self.whole = None  # the gathered tensor, (n, *shard) rank by rank, after a collective_into
         self.into = layout.into and pool.into

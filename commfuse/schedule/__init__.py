@@ -9,8 +9,8 @@ from commfuse.schedule._builders import ALGORITHMS, build
 from commfuse.schedule._ir import Algorithm, Collective, CollectiveCall, Schedule, SliceId, Step, Transfer
 from commfuse.schedule._reference import all_gather_ref, all_to_all_ref, reduce_scatter_ref, run_schedule
 from commfuse.schedule._render import render
-from commfuse.schedule._spec import ALGORITHM_NAMES, AlgorithmSpec, offsets, parse_algorithm, split_sizes
 from commfuse.schedule._ring import Ring
+from commfuse.schedule._spec import ALGORITHM_NAMES, AlgorithmSpec, offsets, parse_algorithm, split_sizes
 from commfuse.schedule._validate import validate
 
 __all__ = [

@@ -15,8 +15,8 @@ from commfuse.sim._model import Kernel, collective_time, efficiency, kernel_time
 from commfuse.sim._planner import choose, crossovers, explain, op_times, plan, profile_for
 from commfuse.sim._predict import DEFAULT_ALGORITHMS, Prediction, compare, predict
 from commfuse.sim._profile import (
-    ComputeSpec,
     CollectiveSpec,
+    ComputeSpec,
     ContentionSpec,
     HostSpec,
     LinkSpec,

@@ -248,7 +248,7 @@ def watchdog_fires(rank, n):
         work = dist.group.WORLD.recv([buf], 1, 77)
         errors = []
         t0 = time.monotonic()
-        dog.watch([work], t0 + 0.5, lambda: "rank 0: receive from rank 1 (step 3 of test) timed out",
+        dog.watch([work], t0 + 0.5, lambda cause: "rank 0: receive from rank 1 (step 3 of test) timed out",
                   errors.append)
         while not errors and time.monotonic() - t0 < 10:
             time.sleep(0.05)
@@ -259,7 +259,7 @@ def watchdog_fires(rank, n):
         finished = dist.group.WORLD.recv([buf], 1, 78)
         finished.wait()
         quiet = []
-        done.watch([finished], time.monotonic() + 0.2, lambda: "should not fire", quiet.append)
+        done.watch([finished], time.monotonic() + 0.2, lambda cause: "should not fire", quiet.append)
         time.sleep(0.5)
         done.poll()
         return [str(e) for e in errors], fired_after, quiet, bool(buf[0] == 78)

@@ -131,3 +131,11 @@ def test_timeout_argument_and_environment(monkeypatch):
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "soon")
     with pytest.raises(CommfuseError, match="COMMFUSE_TIMEOUT_S must be a number of seconds, got 'soon'"):
         resolve_timeout(None)
+
+
+def test_repeated_calls_take_the_lean_paths_and_stay_right():
+    expected = {key: [4, True] for key in ("all_gather_matmul vanilla", "matmul_reduce_scatter vanilla",
+                                            "all_gather_matmul ring", "all_gather_matmul ring:2")}
+    for rank, got in enumerate(launch(_cases.repeated_lean, 3, timeout=120)):
+        # the first call of each signature is planned and checked through the program; the 4 after are lean
+        assert got == expected, (rank, got)
