@@ -109,7 +109,7 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
                 return
             out0 = box[0]
             if out0 is None:
-                out0 = box[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
+                out0 = box[0] = t.new_empty(out_shapes[0])
             if gd == 0:
                 torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
             elif direct:
@@ -129,6 +129,8 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
         run_gather(prepared, a, consume, consume_one=one)
         return box[0]
 
+    # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly
+    forward.single = None if contraction or return_gathered else _single
     return forward
 
 

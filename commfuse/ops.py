@@ -269,7 +269,11 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
             results = outs[0] if single else list(outs)
             return (a, results) if return_gathered else results
     else:
+        lean = forward.single if single and native is None else None
+
         def run(a, b):
+            if lean is not None and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+                return lean(a, b)  # the common call: one weight, no gradient, no native kernel
             bs = [b] if single else list(b)
             got = None if native is None else native(a, bs)  # None: gradients wanted, the ring runs
             if got is not None:
