@@ -28,7 +28,9 @@ from commfuse.runtime.pipelined import (
     produce_reduce_scatter_core,
     rows_of,
     run_gather,
+    run_gather_one_by_one,
     run_scatter,
+    run_scatter_one_by_one,
     run_scatter_whole,
     scatter_spans,
     scatters_whole,
@@ -129,8 +131,25 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
         run_gather(prepared, a, consume, consume_one=one)
         return box[0]
 
+    plan = prepared[0]
+    first_shape = out_shapes[0]
+
+    def _ring_single(a, b0):
+        """:func:`_single` for a ring along dim 0 whose signature is agreed: the output made up front, each
+        slice's GEMM written into its rows, no program."""
+        if not plan.lean():
+            return _single(a, b0)
+        out0 = a.new_empty(first_shape)
+
+        def one(start, size, t):
+            torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
+
+        run_gather_one_by_one(prepared, a, one)
+        return out0
+
     # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly
-    forward.single = None if contraction or return_gathered else _single
+    forward.single = None if contraction or return_gathered else (
+        _ring_single if gd == 0 and plan.one_by_one else _single)
     return forward
 
 
@@ -152,9 +171,22 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
     plan = prepared[0]
     whole = scatters_whole(prepared)
 
+    ring = plan.one_by_one
+
     def forward(a, b):
-        if whole and plan.lean():  # vanilla, signature agreed: one GEMM, one reduce-scatter, no program
-            return run_scatter_whole(prepared, torch.matmul(a, b))
+        if (whole or ring) and plan.lean():  # signature agreed: no program
+            if whole:  # vanilla: one GEMM, one reduce-scatter
+                return run_scatter_whole(prepared, torch.matmul(a, b))
+            if last:
+                def part(start, size, _):
+                    return torch.matmul(a, b[:, start:start + size])
+            elif sd == 0:
+                def part(start, size, _):
+                    return torch.matmul(a[start:start + size], b)
+            else:
+                def part(start, size, _):
+                    return torch.matmul(a.narrow(sd, start, size), b)
+            return run_scatter_one_by_one(prepared, part)  # a ring: this rank's partial of each slice
         if last:
             def produce(spans):
                 y = torch.matmul(a, rows_of(b, spans, 1))

@@ -192,10 +192,13 @@ def all_gather_matmul(
     (K, N) (``(N*L, N)`` when gathering the last dim); result (..., N*L, ..., N).
     """
     try:
-        single = type(b) is torch.Tensor or isinstance(b, torch.Tensor)
-        bkey = (b.shape, b.dtype, b.device) if single else tuple((x.shape, x.dtype, x.device) for x in b)
-        key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, bkey, group, gather_dim, algorithm,
-               return_gathered, gathered_size, keep_gathered, timeout, check, backend)
+        if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
+            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, b.shape, b.dtype, b.device, group,
+                   gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend)
+        else:
+            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
+                   tuple((x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
+                   gathered_size, keep_gathered, timeout, check, backend)
         run = _AGMM.plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
@@ -205,6 +208,9 @@ def all_gather_matmul(
                          group, backend)
     if report is not None:
         report.update(run.report)
+    lean = run.lean
+    if lean is not None and not (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
+        return lean(a_shard, b)  # the common call: one weight, no gradient, no native kernel
     return run(a_shard, b)
 
 
@@ -269,11 +275,7 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
             results = outs[0] if single else list(outs)
             return (a, results) if return_gathered else results
     else:
-        lean = forward.single if single and native is None else None
-
         def run(a, b):
-            if lean is not None and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
-                return lean(a, b)  # the common call: one weight, no gradient, no native kernel
             bs = [b] if single else list(b)
             got = None if native is None else native(a, bs)  # None: gradients wanted, the ring runs
             if got is not None:
@@ -293,6 +295,8 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
             return (gathered, results) if return_gathered else results
 
     run.report = said
+    # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
+    run.lean = forward.single if call is not None and single and native is None else None
     return run
 
 

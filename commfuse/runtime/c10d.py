@@ -169,22 +169,19 @@ class C10dBackend:
         self._coalesce = self.device.type != "cpu"
         self._stream_ordered: bool | None = None  # from capabilities.streams, on the first post
         self._held: Posting | None = None  # a stream-ordered backend's post in progress, for the watchdog
-        self._timeout = DEFAULT_TIMEOUT_S  # of the current call (begin_call)
 
     def begin_call(self, seq: int | None, plan=None) -> None:
         """The executor's call number for the messages that follow (None: untagged, the fingerprint check),
         and the plan of the call (its steps are what a stalled post's watchdog message names; the check's
         posts are not its steps)."""
-        self._seq = seq
-        self._plan = plan if seq is not None else None
-        self._checking = plan if seq is None else None
-        self._tag_base = 0 if seq is None else TAG_STRIDE * seq
         self._posts = 0
-        if plan is not None:
-            self._timeout = plan.timeout
-            held = self._held
-            if held is not None:
-                held.timeout = plan.timeout
+        if seq is None:
+            self._seq, self._plan, self._checking, self._tag_base = None, None, plan, 0
+        else:
+            self._seq, self._plan, self._checking, self._tag_base = seq, plan, None, TAG_STRIDE * seq
+        held = self._held
+        if held is not None and plan is not None:
+            held.timeout = plan.timeout
 
     def _streams(self) -> bool:
         ordered = self._stream_ordered
@@ -194,7 +191,8 @@ class C10dBackend:
             )
             if ordered:
                 self._held = watchdog().posting(self._describe_held, self._record_error)
-                self._held.timeout = self._timeout
+                plan = self._plan or self._checking
+                self._held.timeout = plan.timeout if plan is not None else DEFAULT_TIMEOUT_S
         return ordered
 
     def _describe_held(self, timeout: float) -> str:

@@ -423,7 +423,7 @@ class Plan:
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
                  "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature", "whole",
-                 "whole_compute", "one_by_one")
+                 "whole_compute", "one_by_one", "settled")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -437,6 +437,9 @@ class Plan:
         self.check = check
         self.overlap = overlap
         self.checked = False
+        #: the signature is known and needs no check on a clean group (then, unless the group is dirty or
+        #: something observes the call, a call may take a lean path): set by execute
+        self.settled = False
         self.name = f"commfuse.{label}.{schedule.algorithm.value if overlap else 'serial'}"
         # A traced backend (XLA) cannot compare values on the host without executing the graph mid-trace.
         self.traced = getattr(getattr(backend, "capabilities", None), "execution", "eager") == "traced"
@@ -465,11 +468,9 @@ class Plan:
     def lean(self) -> bool:
         """Whether the next call may skip the program (:func:`execute_into`): its signature is known and
         agreed (or never checked), and nothing observes the call."""
-        if self.digest is None or _observers[0] or self.trace or _profiler_on():
+        if not self.settled or _observers[0] or torch.autograd.profiler._is_profiler_enabled:
             return False
-        if not self.checks:
-            return True
-        return self.checked and self.check != "always" and not self.state.dirty
+        return not (self.checks and self.state.dirty)
 
     def learn_signature(self, program: Program) -> None:
         """The signature (fingerprint less the call number) and its digest, from the first call's program."""
@@ -559,6 +560,8 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
             plan.checked = True
         if begin is not None:
             begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+        if not plan.settled:
+            plan.settled = not plan.trace and (not plan.checks or (plan.checked and plan.check != "always"))
         if mode is None and events is None and not plan.trace and not _profiler_on():
             _run(plan, program)
         else:
@@ -598,15 +601,22 @@ def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
         _leave(state)
 
 
-def execute_one_by_one(plan: Plan, held: list, buffer: Callable, one: Callable, start: list, size: list,
-                       release: Callable) -> None:
+def execute_one_by_one(plan: Plan, held: list, one: Callable, start: list, size: list, key: list, get: Callable,
+                       put: Callable, own: frozenset, inbox: list | None = None) -> None:
     """One call of a point-to-point plan whose steps each compute at most one slot (``plan.one_by_one``:
-    ring, ring:m), walked with the least Python per step and no program: slices are sent from and land in
-    ``held`` (by slot), receive buffers come from ``buffer(slot)``, a step computes ``one(start[s],
-    size[s], held[s])`` between posting and waiting, and a slot the step releases goes to
-    ``release(slot, tensor)``. :func:`execute`'s rules hold (one op per group at a time, the call number in
-    the tags, a failed call marks the group for a check, transfers already posted are drained when the
-    compute fails). Only when ``plan.lean()``."""
+    ring, ring:m), walked with the least Python per step and no program.
+
+    Slices are sent from ``held`` (by slot); a receive buffer is ``get(key[slot])``; a step posts, computes
+    ``one(start[s], size[s], held[s])``, then waits. What ``one`` returns, when not None, becomes the
+    slot's tensor (a reduce-scatter's partial). A received slice lands in ``held`` for a gather (``inbox``
+    None); for a reduce-scatter it lands in ``inbox`` and is added, in place, into the slot's partial
+    where the step accumulates, its buffer going back with ``put``. A slot the step releases goes back
+    with ``put(tensor, key[slot])`` unless it is one of this rank's ``own`` (a reduce-scatter's result
+    stays in ``held``).
+
+    :func:`execute`'s rules hold (one op per group at a time, the call number in the tags, a failed call
+    marks the group for a check, transfers already posted are drained when the compute fails). Only when
+    ``plan.lean()``."""
     state = plan.state
     seq = _enter(plan, state)
     try:
@@ -614,10 +624,11 @@ def execute_one_by_one(plan: Plan, held: list, buffer: Callable, one: Callable, 
         if begin is not None:
             begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
         post, timeout = plan.backend.post, plan.timeout
+        landing = held if inbox is None else inbox
         for st in plan.steps:
             handle = None
             if st.p2p:
-                recvs = [(t, buffer(s)) for t, s in st.recvs]
+                recvs = [(t, get(key[s])) for t, s in st.recvs]
                 try:
                     handle = post([(t, held[s]) for t, s in st.sends], recvs)
                 except Exception as e:
@@ -625,21 +636,31 @@ def execute_one_by_one(plan: Plan, held: list, buffer: Callable, one: Callable, 
             if st.compute:
                 (s,) = st.compute
                 try:
-                    one(start[s], size[s], held[s])
+                    made = one(start[s], size[s], held[s])
                 except BaseException:
                     if handle is not None:
                         _drain(((handle, None, None),), timeout)
                     raise
+                if made is not None:
+                    held[s] = made
             if handle is not None:
                 try:
                     got = handle.wait(timeout)
                 except BaseException as e:
                     raise _waiting_error(plan, st, None, e) from e
                 for (_, s), tensor in zip(st.recvs, got):
-                    held[s] = tensor
+                    landing[s] = tensor
+            for s in st.accumulate:
+                received = inbox[s]
+                inbox[s] = None
+                held[s].add_(received)
+                put(received, key[s])
             for s in st.release:
-                release(s, held[s])
-                held[s] = None
+                if s not in own:
+                    t = held[s]
+                    held[s] = None
+                    if t is not None:
+                        put(t, key[s])
     except BaseException:
         state.dirty = True
         raise

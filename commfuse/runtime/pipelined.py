@@ -51,8 +51,9 @@ from commfuse.schedule import Collective, split_sizes
 
 __all__ = [
     "StandIn", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive", "forget_plans",
-    "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core", "rows_of",
-    "run_gather", "run_scatter", "scatter_spans", "write_rows",
+    "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
+    "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one", "run_scatter_whole",
+    "scatter_spans", "scatters_whole", "write_rows",
 ]
 
 _PLANS: dict[tuple, tuple] = {}
@@ -147,15 +148,7 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
     plan, layout, pool, dim = prepared
     start, size = layout.start, layout.size
     if consume_one is not None and not keep and plan.one_by_one and plan.lean():
-        # a ring, signature agreed: the steps walked with no program
-        key, own_set, get, put = layout.key, layout.own_set, pool.get, pool.put
-
-        def release(s, t):
-            if t is not None and s not in own_set:
-                put(t, key[s])
-
-        execute_one_by_one(plan, held_slots(layout, shard), lambda s: get(key[s]), consume_one, start, size,
-                           release)
+        run_gather_one_by_one(prepared, shard, consume_one)
         return
 
     # on_step must not refer to the program (a reference cycle per call would leave the collection of
@@ -188,6 +181,15 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
         return
     program = GatherProgram(layout, pool, shard, on_step, keep=keep, meta=layout.meta, whole_ok=True)
     execute(plan, program)
+
+
+def run_gather_one_by_one(prepared: tuple, shard: torch.Tensor, one) -> None:
+    """A call of a ring plan from :func:`prepare_gather` (``plan.one_by_one``; the caller has seen
+    ``plan.lean()``), its steps walked with no program: ``one(start, size, tensor)`` for each slice, this
+    rank's first; it returns None."""
+    plan, layout, pool, _ = prepared
+    execute_one_by_one(plan, held_slots(layout, shard), one, layout.start, layout.size, layout.key, pool.get,
+                       pool.put, layout.own_set)
 
 
 def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
@@ -269,6 +271,18 @@ def run_scatter_whole(prepared: tuple, whole: torch.Tensor) -> torch.Tensor:
     stacked = layout.whole_key[0]
     execute_into(plan, whole if whole.shape == stacked else whole.view(stacked), out)
     return out
+
+
+def run_scatter_one_by_one(prepared: tuple, one) -> torch.Tensor:
+    """A call of a ring plan from :func:`prepare_scatter` (``plan.one_by_one``; the caller has seen
+    ``plan.lean()``), its steps walked with no program: ``one(start, size, None)`` makes this rank's partial
+    of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed shard."""
+    plan, layout, pool, dim = prepared
+    held: list = [None] * len(layout.size)
+    execute_one_by_one(plan, held, one, layout.start, layout.size, layout.key, pool.get, pool.put, layout.own_set,
+                       [None] * len(layout.size))
+    own = layout.own
+    return held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
 
 
 # -- consume / produce forms -----------------------------------------------------------------------------------

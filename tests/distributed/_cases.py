@@ -311,12 +311,12 @@ __all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch
 
 def repeated_lean(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
-    through the program), vanilla calls take ``execute_into`` and ring all-gathers ``execute_one_by_one``,
-    and stay right. Returns per op and algorithm: [lean calls, every result right]."""
+    through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (through the
+    pipelined helpers that call them), and stay right. Returns per op and algorithm: [lean calls, every result right]."""
     import commfuse.runtime.pipelined as pipelined
 
     lean = []
-    real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one
+    real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one  # what the helpers call
 
     def into(plan, *args):
         lean.append(plan.label)
@@ -329,22 +329,24 @@ def repeated_lean(rank, n):
     pipelined.execute_into, pipelined.execute_one_by_one = into, one_by_one
     out = {}
     try:
-        for op, alg in (("all_gather_matmul", "vanilla"), ("matmul_reduce_scatter", "vanilla"),
-                        ("all_gather_matmul", "ring"), ("all_gather_matmul", "ring:2")):
+        for op, alg, dim in (("all_gather_matmul", "vanilla", 0), ("matmul_reduce_scatter", "vanilla", 0),
+                             ("all_gather_matmul", "ring", 0), ("all_gather_matmul", "ring:2", 0),
+                             ("matmul_reduce_scatter", "ring", 0), ("matmul_reduce_scatter", "ring:2", 0),
+                             ("matmul_reduce_scatter", "ring", 1)):
             right = True
             before = len(lean)
             for call in range(5):
                 every = [_data((6, 5), torch.float32, 100 * call + r, True) for r in range(n)]
-                w = _data((5, 3), torch.float32, 999 + call, True)
+                w = _data((5, 3 * n), torch.float32, 999 + call, True)
                 if op == "all_gather_matmul":
                     got = cf.all_gather_matmul(every[rank], w, algorithm=alg)
                     want = torch.cat(every) @ w
                 else:
                     fulls = [_data((6 * n, 5), torch.float32, 50 + 7 * call + r, True) for r in range(n)]
-                    got = cf.matmul_reduce_scatter(fulls[rank], w, algorithm=alg)
-                    want = sum(f @ w for f in fulls).tensor_split(n)[rank]
+                    got = cf.matmul_reduce_scatter(fulls[rank], w, algorithm=alg, scatter_dim=dim)
+                    want = sum(f @ w for f in fulls).tensor_split(n, dim=dim)[rank]
                 right = right and torch.equal(got, want)
-            out[f"{op} {alg}"] = [len(lean) - before, right]
+            out[f"{op} {alg} dim {dim}"] = [len(lean) - before, right]
     finally:
         pipelined.execute_into, pipelined.execute_one_by_one = real_into, real_one
     return out
