@@ -91,8 +91,26 @@ def _teardown() -> bool:
     return clean == [True]
 
 
+#: Set to 1, every launched rank looks like its own host to NCCL (a distinct ``NCCL_HOSTID``, and NCCL's
+#: transports that assume one host switched off), so that several NCCL ranks can share one GPU: NCCL
+#: otherwise refuses two ranks on one device ("Duplicate GPU detected"). For checking a device path on a
+#: one-GPU machine; the ranks then talk over sockets on the loopback. The same trick as a per-rank
+#: ``NCCL_HOSTID`` wrapper under torchrun (docs/benchmarks.md).
+ONE_GPU_ENV = "COMMFUSE_NCCL_HOST_PER_RANK"
+
+
+def rank_environment(rank: int) -> dict[str, str]:
+    """What a launched rank adds to its environment before it initialises its group (see
+    :data:`ONE_GPU_ENV`)."""
+    if os.environ.get(ONE_GPU_ENV) != "1":
+        return {}
+    return {"NCCL_HOSTID": f"commfuse-rank-{rank}", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+            "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
+
+
 def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> None:
     os.environ.update(env)
+    os.environ.update(rank_environment(rank))
     initialised = False
     try:
         import torch

@@ -57,3 +57,24 @@ def test_results_survive_a_teardown_that_would_hang(how):
 
 def test_teardown_bound_is_a_few_seconds():
     assert 0 < launch_module.TEARDOWN_S <= 10
+
+
+def _nccl_env(rank, n):
+    import os
+
+    return {k: os.environ.get(k) for k in ("NCCL_HOSTID", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE",
+                                           "NCCL_SOCKET_IFNAME")}
+
+
+def test_each_launched_rank_can_look_like_its_own_nccl_host(monkeypatch):
+    from commfuse.launch import ONE_GPU_ENV
+
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    plain = launch(_nccl_env, 2, timeout=60)
+    assert [e["NCCL_HOSTID"] for e in plain] == [None, None]
+    monkeypatch.setenv(ONE_GPU_ENV, "1")
+    one_gpu = launch(_nccl_env, 3, timeout=60)
+    assert [e["NCCL_HOSTID"] for e in one_gpu] == ["commfuse-rank-0", "commfuse-rank-1", "commfuse-rank-2"]
+    assert all(e["NCCL_P2P_DISABLE"] == e["NCCL_SHM_DISABLE"] == "1" and e["NCCL_SOCKET_IFNAME"] == "lo"
+               for e in one_gpu)
