@@ -219,9 +219,12 @@ def torchrun_skip_reason(backend: str, n: int, caps: Capabilities) -> str:
     command = f"commfuse conformance --backend {backend} --world-size {n} --tier robustness"
     if type(caps) is not Capabilities:
         command += f" --capabilities {type(caps).__module__}:{type(caps).__qualname__}"
+    one_gpu = ""
+    if caps.dist_backend == "nccl":
+        one_gpu = " (on a host with fewer GPUs than ranks, prefix COMMFUSE_NCCL_HOST_PER_RANK=1)"
     return ("the robustness tier launches fresh ranks of its own for every case (commfuse.launch; it kills one, "
             "starves one), which it cannot do from inside a torchrun job; run the tier outside torchrun, on one "
-            f"host, with: {command}")
+            f"host, with: {command}{one_gpu}")
 
 
 def _line_naming(rank: int) -> re.Pattern:

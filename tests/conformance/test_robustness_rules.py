@@ -149,6 +149,12 @@ def test_the_torchrun_skip_says_the_command_that_runs_the_tier():
 
     reason = torchrun_skip_reason("mine", 2, Vendor())
     assert f"--capabilities {__name__}:" in reason and "Vendor" in reason and "outside torchrun" in reason
+    assert "COMMFUSE_NCCL_HOST_PER_RANK" not in reason
+
+    class Nccl(Capabilities):
+        dist_backend = "nccl"
+
+    assert "COMMFUSE_NCCL_HOST_PER_RANK=1" in torchrun_skip_reason("cuda", 2, Nccl())
 
 
 @pytest.mark.parametrize("total, compute, comm, hidden", [
