@@ -466,8 +466,9 @@ class Plan:
             self.whole_compute = next(st.compute for st in steps if st.compute)
 
     def lean(self) -> bool:
-        """Whether the next call may skip the program (:func:`execute_into`): its signature is known and
-        agreed (or never checked), and nothing observes the call."""
+        """Whether the next call may skip the program (:func:`execute_into`, :func:`execute_one_by_one`): the
+        plan is ``settled`` (its signature known, and agreed or never checked, with no check on every call and
+        no trace), its group clean, and nothing observes the call (a measurement mode, the profiler)."""
         if not self.settled or _observers[0] or torch.autograd.profiler._is_profiler_enabled:
             return False
         return not (self.checks and self.state.dirty)
