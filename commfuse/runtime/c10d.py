@@ -91,19 +91,16 @@ class _StreamHandle(_Handle):
     a plan (the fingerprint check), from ``what`` and the step's transfers.
     """
 
-    __slots__ = ("backend", "what", "plan", "post_no", "seq")
+    __slots__ = ("backend", "what", "plan", "checking", "post_no", "seq")
 
     def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str | None) -> None:
         super().__init__(works, outputs, inflight)
         self.backend, self.what = backend, what
-        self.plan, self.post_no, self.seq = backend._plan, backend._posts, backend._seq
-        if what is None and self.plan is None:  # a post's transfers outside a plan's steps: the call check's
+        self.plan, self.checking = backend._plan, backend._checking
+        self.post_no, self.seq = backend._posts, backend._seq
+        if what is None and self.plan is None:  # a post's transfers outside a plan's steps (the call check's)
             sends, _, recvs = inflight
-            peers = ", ".join(map(str, sorted({t.peer for t, _ in (*sends, *recvs)})))
-            checking = backend._checking
-            self.what = f"transfers with rank {peers}" if checking is None else (
-                f"step {self.post_no - 1} of the call check of {checking.label} (the fingerprints' ring "
-                f"all-gather), transfers with rank {peers}")
+            self.what = "transfers with rank " + ", ".join(map(str, sorted({t.peer for t, _ in (*sends, *recvs)})))
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
         works = self.works
@@ -123,11 +120,28 @@ class _StreamHandle(_Handle):
                       "block on them; commfuse's watchdog saw it): a peer died, hung, or called another op")
         else:
             detail = f"the transport failed them (commfuse's watchdog saw it): {cause}"
-        if self.plan is not None:
-            message = describe_stall(self.plan, self.post_no, detail, failed=cause is not None)
-            if message is not None:
-                return message
-        return f"rank {self.backend.rank}: {self.what} (call #{self.seq}, post {self.post_no}): {detail}"
+        return self.backend._describe_post(self.plan, self.checking, self.seq, self.post_no, self.what, detail,
+                                           failed=cause is not None)
+
+
+def _send_recv(group, sends, recvs, base: int) -> list:
+    """A step's messages posted one by one on ``group`` (tag ``channel + base``): its works."""
+    works = [group.send([x], t.peer, t.channel + base) for t, x in sends]
+    works += [group.recv([x], t.peer, t.channel + base) for t, x in recvs]
+    return works
+
+
+def _coalesced(group, sends, recvs, base: int, device: torch.device) -> list:
+    """A step's messages as one coalesced group on ``device`` (what NCCL needs): its one work."""
+    group._start_coalescing(device)
+    try:
+        for t, x in sends:
+            group.send([x], t.peer, t.channel + base)
+        for t, x in recvs:
+            group.recv([x], t.peer, t.channel + base)
+    finally:
+        work = group._end_coalescing(device)
+    return [work] if work is not None else []
 
 
 def _coalesces(group, device: torch.device) -> bool:
@@ -199,17 +213,23 @@ class C10dBackend:
         detail = (f"the host was still inside the transport's post {timeout:g} s after entering it (NCCL sets "
                   "up a pair's communicator on its first transfer and waits there for the peer): a peer died, "
                   "hung, or never called")
-        plan = self._plan
+        n, r = self.world_size, self.rank
+        what = f"transfers with rank {(r + 1) % n} and {(r - 1) % n}" if self._checking is not None else "a post"
+        return self._describe_post(self._plan, self._checking, self._seq, self._posts, what, detail)
+
+    def _describe_post(self, plan, checking, seq, post_no: int, what: str | None, detail: str,
+                       failed: bool = False) -> str:
+        """What the watchdog says of post ``post_no`` (from 1) of a call: its step of ``plan`` (the op and the
+        peers, as a host-blocking wait names them); else its step of the call check of ``checking``; else
+        ``what`` with the call number. ``detail`` last."""
         if plan is not None:
-            message = describe_stall(plan, self._posts, detail)
+            message = describe_stall(plan, post_no, detail, failed)
             if message is not None:
                 return message
-        checking = self._checking
         if checking is not None:
-            n, r = self.world_size, self.rank
-            return (f"rank {r}: step {self._posts - 1} of the call check of {checking.label} (the fingerprints' "
-                    f"ring all-gather), transfers with rank {(r + 1) % n} and {(r - 1) % n}: {detail}")
-        return f"rank {self.rank}: post {self._posts} of call #{self._seq}: {detail}"
+            return (f"rank {self.rank}: step {post_no - 1} of the call check of {checking.label} (the "
+                    f"fingerprints' ring all-gather), {what}: {detail}")
+        return f"rank {self.rank}: {what} (call #{seq}, post {post_no}): {detail}"
 
     def _record_error(self, error: BaseException) -> None:
         group_state(self).error = error
@@ -239,61 +259,47 @@ class C10dBackend:
         base = self._tag_base
         buffers = [x for _, x in recvs]
         self._posts += 1
+        g = self.group
         if not self._coalesce:
-            pg = self.group
-            works = [pg.send([x], t.peer, t.channel + base) for t, x in sends]
-            works += [pg.recv([x], t.peer, t.channel + base) for t, x in recvs]
-            return _Handle(works, buffers, sends)
+            return _Handle(_send_recv(g, sends, recvs, base), buffers, sends)
         # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.
         # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks: the
         # group's own coalescing calls around its plain send/recv (measured on an H100 host: 22 us per step
         # through batch_isend_irecv; 4 against 14 us on this project's CPU testbed with the fake group).
-        g = self.group
         coalescing = self._coalescing
         if coalescing is None:
             coalescing = self._coalescing = _coalesces(g, self.device)
             self._streams()
-        held = self._held
-        if held is not None:
-            held.since = time.monotonic()
-        try:
-            if coalescing:
-                dev = self.device
-                g._start_coalescing(dev)
-                try:
-                    for t, x in sends:
-                        g.send([x], t.peer, t.channel + base)
-                    for t, x in recvs:
-                        g.recv([x], t.peer, t.channel + base)
-                finally:
-                    work = g._end_coalescing(dev)
-                works = [work] if work is not None else []
-            else:
-                works = [g.send([x], t.peer, t.channel + base) for t, x in sends]
-                works += [g.recv([x], t.peer, t.channel + base) for t, x in recvs]
-        finally:
-            if held is not None:
-                held.since = None
+        if coalescing:
+            works = self._issue(_coalesced, g, sends, recvs, base, self.device)
+        else:
+            works = self._issue(_send_recv, g, sends, recvs, base)
         return self._handle(works, buffers, (sends, buffers, recvs), None)
+
+    def _issue(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, a transport's issue, with the watchdog told that the host is inside it
+        (stream-ordered backends; see :meth:`Watchdog.posting`)."""
+        held = self._held
+        if held is None:
+            return call(*args, **kwargs)
+        held.since = time.monotonic()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            held.since = None
 
     def collective(
         self, kind: Collective, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> _Handle:
         g = self.group
         self._posts += 1
-        held = self._held if self._streams() else None
-        if held is not None:
-            held.since = time.monotonic()
-        try:
-            if kind is Collective.ALL_GATHER:
-                work = dist.all_gather(list(outputs), inputs[0], group=g, async_op=True)
-            elif kind is Collective.REDUCE_SCATTER:
-                work = dist.reduce_scatter(outputs[0], list(inputs), group=g, async_op=True)
-            else:
-                work = dist.all_to_all(list(outputs), list(inputs), group=g, async_op=True)
-        finally:
-            if held is not None:
-                held.since = None
+        self._streams()  # makes the watchdog's guard of a stream-ordered backend before its first issue
+        if kind is Collective.ALL_GATHER:
+            work = self._issue(dist.all_gather, list(outputs), inputs[0], group=g, async_op=True)
+        elif kind is Collective.REDUCE_SCATTER:
+            work = self._issue(dist.reduce_scatter, outputs[0], list(inputs), group=g, async_op=True)
+        else:
+            work = self._issue(dist.all_to_all, list(outputs), list(inputs), group=g, async_op=True)
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
 
     def collective_into(self, kind: Collective, input: torch.Tensor, output: torch.Tensor) -> _Handle:
@@ -308,17 +314,9 @@ class C10dBackend:
             else:
                 work = g._reduce_scatter_base(output, input, _SUM)
             return _Handle([work], [output], (input, output))
-        held = self._held if self._streams() else None
-        if held is not None:
-            held.since = time.monotonic()
-        try:
-            if kind is Collective.ALL_GATHER:
-                work = _ALL_GATHER_SINGLE(output, input, group=g, async_op=True)
-            else:
-                work = _REDUCE_SCATTER_SINGLE(output, input, group=g, async_op=True)
-        finally:
-            if held is not None:
-                held.since = None
+        self._streams()
+        single = _ALL_GATHER_SINGLE if kind is Collective.ALL_GATHER else _REDUCE_SCATTER_SINGLE
+        work = self._issue(single, output, input, group=g, async_op=True)
         return self._handle([work], [output], (input, output), f"the whole {kind.value}")
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -810,8 +810,7 @@ def describe_stall(plan: Plan, post_no: int, detail: str, failed: bool = False) 
             posts += 1
             if posts == post_no:
                 if failed:
-                    return (f"rank {plan.rank} failed in step {st.index} of {plan.label} "
-                            f"({plan.schedule.describe()}) waiting for {_what(st.step, call)}: {detail}")
+                    return _failed_waiting(plan, st, call, detail)
                 return str(_waiting_error(plan, st, call, TimeoutError(detail)))
     return None
 
@@ -837,10 +836,12 @@ def _waiting_error(plan: Plan, st: CStep, call, e: BaseException) -> BaseExcepti
         return e
     if not isinstance(e, Exception):
         return e
-    return CommunicationError(
-        f"rank {plan.rank} failed in step {st.index} of {plan.label} ({plan.schedule.describe()}) while waiting "
-        f"for {_what(st.step, call)}: {type(e).__name__}: {e}"
-    )
+    return CommunicationError(_failed_waiting(plan, st, call, f"{type(e).__name__}: {e}"))
+
+
+def _failed_waiting(plan: Plan, st: CStep, call, detail: str) -> str:
+    return (f"rank {plan.rank} failed in step {st.index} of {plan.label} ({plan.schedule.describe()}) while "
+            f"waiting for {_what(st.step, call)}: {detail}")
 
 
 def _run_observed(plan: Plan, program: Program, mode: str | None, events: list | None) -> None:

@@ -185,7 +185,7 @@ def test_the_old_figure_could_not_credit_perfect_overlap_on_a_slow_link():
 
 _HELD = ("rank 0 timed out after 10 s in step 0 of all_gather_matmul (ring all_gather over 2 ranks) waiting for "
          "receives from rank 1; sends to rank 1: the host was still inside the transport's post")
-_FAILED = ("rank 0 failed in step 1 of all_gather_consume (ring all_gather over 2 ranks) waiting for receives "
+_FAILED = ("rank 0 failed in step 1 of all_gather_consume (ring all_gather over 2 ranks) while waiting for receives "
            "from rank 1; sends to rank 1: the transport failed them: DistBackendError: NCCL error: remote "
            "process exited")
 

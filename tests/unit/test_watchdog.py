@@ -176,3 +176,40 @@ def test_a_stalled_post_is_named_by_its_step_op_and_peers(fake_world):
         assert failed.startswith(f"rank 0 failed in step {st.index} of all_gather_matmul"), failed
         assert "receives from rank 3" in failed and failed.endswith("the transport failed them")
     assert describe_stall(plan, len(steps) + 1, "x") is None
+
+
+def test_a_stream_ordered_backend_tells_the_watchdog_while_its_host_is_inside_an_issue(fake_world):
+    from commfuse.runtime.c10d import C10dBackend
+
+    backend = C10dBackend()
+    assert backend._issue(lambda x: x + 1, 1) == 2  # no guard (host-blocking backend): just the call
+    dog = _quiet_dog()
+    backend._held = dog.posting(lambda timeout: "held", lambda e: None)
+    seen = []
+
+    def issue(x, *, also):
+        seen.append(backend._held.since)
+        if also == "fail":
+            raise RuntimeError("transport refused")
+        return x
+
+    before = time.monotonic()
+    assert backend._issue(issue, 7, also="ok") == 7
+    assert seen[0] is not None and seen[0] >= before and backend._held.since is None
+    with pytest.raises(RuntimeError, match="transport refused"):
+        backend._issue(issue, 7, also="fail")
+    assert backend._held.since is None  # cleared on the error too: a failed issue is not a held host
+
+
+def test_a_coalesced_step_posts_its_sends_and_receives_as_one_group(fake_world):
+    import torch
+
+    from commfuse.runtime.c10d import _coalesced, _send_recv
+    from commfuse.schedule import SliceId, Transfer
+
+    group = dist.group.WORLD
+    x, y = torch.ones(4), torch.empty(4)
+    sends = [(Transfer(slice=SliceId(0, 0), peer=1, shift=1, channel=3), x)]
+    recvs = [(Transfer(slice=SliceId(3, 0), peer=3, shift=1, channel=3), y)]
+    assert len(_coalesced(group, sends, recvs, 2048, torch.device("cpu"))) == 1  # one work for the group
+    assert len(_send_recv(group, sends, recvs, 2048)) == 2  # one per message

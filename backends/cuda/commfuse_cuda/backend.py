@@ -263,34 +263,25 @@ class CudaBackend(C10dBackend):
     # -- transfers: c10d's calls, issued from the communication stream ---------------------------------------
 
     def post(self, sends: Sequence[tuple[Transfer, torch.Tensor]], recvs: Sequence[tuple[Transfer, torch.Tensor]]):
-        streams = self.streams
-        if streams is None:
-            return C10dBackend.post(self, sends, recvs)
-        token = streams.enter()
-        try:
-            return C10dBackend.post(self, sends, recvs)
-        finally:
-            streams.leave(token)
+        return self._from_comm_stream(C10dBackend.post, sends, recvs)
 
     def collective(self, kind: Collective, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]):
-        streams = self.streams
-        if streams is None:
-            return C10dBackend.collective(self, kind, inputs, outputs)
-        token = streams.enter()
-        try:
-            return C10dBackend.collective(self, kind, inputs, outputs)
-        finally:
-            streams.leave(token)
+        return self._from_comm_stream(C10dBackend.collective, kind, inputs, outputs)
 
     def collective_into(self, kind: Collective, input: torch.Tensor, output: torch.Tensor):
         """c10d's ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (what ``vanilla`` over even shards
         runs), issued from the communication stream like every other transfer."""
+        return self._from_comm_stream(C10dBackend.collective_into, kind, input, output)
+
+    def _from_comm_stream(self, issue, *args):
+        """``issue(self, *args)``, one of c10d's issues, with the communication stream current (one switch
+        there and back; see :class:`CommStream`); from the current stream when there is none."""
         streams = self.streams
         if streams is None:
-            return C10dBackend.collective_into(self, kind, input, output)
+            return issue(self, *args)
         token = streams.enter()
         try:
-            return C10dBackend.collective_into(self, kind, input, output)
+            return issue(self, *args)
         finally:
             streams.leave(token)
 
