@@ -69,14 +69,16 @@ class _Handle:
         self.inflight = inflight
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
-        delta = _delta(timeout)
-        for work in self.works:
-            try:
+        seconds, delta = _LAST_DELTA
+        if seconds != timeout:
+            delta = _delta(timeout)
+        try:
+            for work in self.works:
                 work.wait(delta)
-            except RuntimeError as e:  # gloo reports a timeout as a RuntimeError
-                if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                    raise TimeoutError(str(e)) from e
-                raise
+        except RuntimeError as e:  # gloo reports a timeout as a RuntimeError
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise TimeoutError(str(e)) from e
+            raise
         self.inflight = None
         return self.outputs
 
@@ -257,11 +259,16 @@ class C10dBackend:
         self, sends: Sequence[tuple[Transfer, torch.Tensor]], recvs: Sequence[tuple[Transfer, torch.Tensor]]
     ) -> _Handle:
         base = self._tag_base
-        buffers = [x for _, x in recvs]
         self._posts += 1
         g = self.group
-        if not self._coalesce:
-            return _Handle(_send_recv(g, sends, recvs, base), buffers, sends)
+        if not self._coalesce:  # gloo: message by message, written out (the common CPU step, kept lean)
+            works = [g.send([x], t.peer, t.channel + base) for t, x in sends]
+            buffers = []
+            for t, x in recvs:
+                works.append(g.recv([x], t.peer, t.channel + base))
+                buffers.append(x)
+            return _Handle(works, buffers, sends)
+        buffers = [x for _, x in recvs]
         # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.
         # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks: the
         # group's own coalescing calls around its plain send/recv (measured on an H100 host: 22 us per step

@@ -602,17 +602,52 @@ def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
         _leave(state)
 
 
-def execute_one_by_one(plan: Plan, held: list, one: Callable, start: list, size: list, key: list, get: Callable,
-                       put: Callable, own: frozenset, inbox: list | None = None) -> None:
-    """One call of a point-to-point plan whose steps each compute at most one slot (``plan.one_by_one``:
-    ring, ring:m), walked with the least Python per step and no program.
+def lean_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) -> tuple:
+    """``plan``'s steps as :func:`execute_one_by_one` walks them, with what each step reads resolved once,
+    per step ``(st, pair, sends, recvs, compute, accumulate, release)``:
 
-    Slices are sent from ``held`` (by slot); a receive buffer is ``get(key[slot])``; a step posts, computes
-    ``one(start[s], size[s], held[s])``, then waits. What ``one`` returns, when not None, becomes the
-    slot's tensor (a reduce-scatter's partial). A received slice lands in ``held`` for a gather (``inbox``
-    None); for a reduce-scatter it lands in ``inbox`` and is added, in place, into the slot's partial
-    where the step accumulates, its buffer going back with ``put``. A slot the step releases goes back
-    with ``put(tensor, key[slot])`` unless it is one of this rank's ``own`` (a reduce-scatter's result
+    - ``pair``: a step of exactly one send and one receive (every ring step) as ``(send's Transfer, its
+      slot, receive's Transfer, the receive buffer's pool key)``, posted with no comprehension; else None;
+    - ``sends``: ``(Transfer, slot)`` pairs of any other step with point-to-point transfers, else None;
+    - ``recvs``: ``(Transfer, slot, key)``, ``key`` the receive buffer's pool key (for a ``pair`` too);
+    - ``compute``: ``(slot, start, size)`` of the one slice the step computes, or None;
+    - ``accumulate``, ``release``: ``(slot, key)`` pairs (``release`` less this rank's ``own`` slots).
+
+    Plans with ``one_by_one`` only."""
+    walk = []
+    for st in plan.steps:
+        compute = None
+        if st.compute:
+            (s,) = st.compute
+            compute = (s, start[s], size[s])
+        sends, pair = (st.sends if st.p2p else None), None
+        if sends is not None and len(sends) == 1 and len(st.recvs) == 1:
+            (t, s), (r, q) = sends[0], st.recvs[0]
+            sends, pair = None, (t, s, r, key[q])
+        walk.append((
+            st,
+            pair,
+            sends,
+            tuple((t, s, key[s]) for t, s in st.recvs),
+            compute,
+            tuple((s, key[s]) for s in st.accumulate),
+            tuple((s, key[s]) for s in st.release if s not in own),
+        ))
+    return tuple(walk)
+
+
+def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: Callable, put: Callable,
+                       inbox: list | None = None) -> None:
+    """One call of a point-to-point plan whose steps each compute at most one slot (``plan.one_by_one``:
+    ring, ring:m), walked with the least Python per step and no program; ``walk`` is the plan's
+    :func:`lean_walk`.
+
+    Slices are sent from ``held`` (by slot); a receive buffer is ``get(key)``; a step posts, computes
+    ``one(start, size, held[slot])``, then waits. What ``one`` returns, when not None, becomes the slot's
+    tensor (a reduce-scatter's partial). A received slice lands in ``held`` for a gather (``inbox`` None);
+    for a reduce-scatter it lands in ``inbox`` and is added, in place, into the slot's partial where the
+    step accumulates, its buffer going back with ``put``. A slot the step releases goes back with
+    ``put(tensor, key)`` (this rank's own slots are not in the walk's releases: a reduce-scatter's result
     stays in ``held``).
 
     :func:`execute`'s rules hold (one op per group at a time, the call number in the tags, a failed call
@@ -626,18 +661,21 @@ def execute_one_by_one(plan: Plan, held: list, one: Callable, start: list, size:
             begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
         post, timeout = plan.backend.post, plan.timeout
         landing = held if inbox is None else inbox
-        for st in plan.steps:
+        for st, pair, sends, recvs, compute, accumulate, release in walk:
             handle = None
-            if st.p2p:
-                recvs = [(t, get(key[s])) for t, s in st.recvs]
+            if pair is not None or sends is not None:
                 try:
-                    handle = post([(t, held[s]) for t, s in st.sends], recvs)
+                    if pair is not None:
+                        t, s, r, k = pair
+                        handle = post(((t, held[s]),), ((r, get(k)),))
+                    else:
+                        handle = post([(t, held[s]) for t, s in sends], [(t, get(k)) for t, _, k in recvs])
                 except Exception as e:
                     raise _posting_error(plan, st, None, e) from e
-            if st.compute:
-                (s,) = st.compute
+            if compute is not None:
+                s, at, length = compute
                 try:
-                    made = one(start[s], size[s], held[s])
+                    made = one(at, length, held[s])
                 except BaseException:
                     if handle is not None:
                         _drain(((handle, None, None),), timeout)
@@ -649,19 +687,18 @@ def execute_one_by_one(plan: Plan, held: list, one: Callable, start: list, size:
                     got = handle.wait(timeout)
                 except BaseException as e:
                     raise _waiting_error(plan, st, None, e) from e
-                for (_, s), tensor in zip(st.recvs, got):
+                for (_, s, _), tensor in zip(recvs, got):
                     landing[s] = tensor
-            for s in st.accumulate:
+            for s, k in accumulate:
                 received = inbox[s]
                 inbox[s] = None
                 held[s].add_(received)
-                put(received, key[s])
-            for s in st.release:
-                if s not in own:
-                    t = held[s]
-                    held[s] = None
-                    if t is not None:
-                        put(t, key[s])
+                put(received, k)
+            for s, k in release:
+                t = held[s]
+                held[s] = None
+                if t is not None:
+                    put(t, k)
     except BaseException:
         state.dirty = True
         raise

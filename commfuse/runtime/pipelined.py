@@ -33,6 +33,7 @@ from commfuse.runtime.executor import (
     execute,
     execute_into,
     execute_one_by_one,
+    lean_walk,
     register_format,
 )
 from commfuse.runtime.programs import (
@@ -188,8 +189,10 @@ def run_gather_one_by_one(prepared: tuple, shard: torch.Tensor, one) -> None:
     ``plan.lean()``), its steps walked with no program: ``one(start, size, tensor)`` for each slice, this
     rank's first; it returns None."""
     plan, layout, pool, _ = prepared
-    execute_one_by_one(plan, held_slots(layout, shard), one, layout.start, layout.size, layout.key, pool.get,
-                       pool.put, layout.own_set)
+    walk = layout.walk
+    if walk is None:
+        walk = layout.walk = lean_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
+    execute_one_by_one(plan, walk, held_slots(layout, shard), one, pool.get, pool.put)
 
 
 def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
@@ -278,9 +281,11 @@ def run_scatter_one_by_one(prepared: tuple, one) -> torch.Tensor:
     ``plan.lean()``), its steps walked with no program: ``one(start, size, None)`` makes this rank's partial
     of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed shard."""
     plan, layout, pool, dim = prepared
+    walk = layout.walk
+    if walk is None:
+        walk = layout.walk = lean_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
     held: list = [None] * len(layout.size)
-    execute_one_by_one(plan, held, one, layout.start, layout.size, layout.key, pool.get, pool.put, layout.own_set,
-                       [None] * len(layout.size))
+    execute_one_by_one(plan, walk, held, one, pool.get, pool.put, [None] * len(layout.size))
     own = layout.own
     return held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
 

@@ -126,6 +126,7 @@ class _SlotLayout:
             self.start[s] = shard_offsets[owner] + offsets(sizes)[p]
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
+        self.walk: tuple | None = None  # the plan's lean_walk, made on the first lean call (one_by_one plans)
         # One whole collective over equal shards (vanilla) can run into/from one tensor, rank by rank along
         # dim 0 (``collective_into``), when the backend has it: no per-rank buffer lists, no concatenation.
         self.into = schedule.algorithm.value == "vanilla" and len(set(self.shard_sizes)) == 1 and not by_source
