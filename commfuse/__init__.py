@@ -25,6 +25,7 @@ _LAZY = {
     "ops": None,
     "launch": None,
     "nn": None,
+    "tp": None,
     "autograd": None,
 }
 

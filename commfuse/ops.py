@@ -25,6 +25,7 @@ ring (``commfuse.runtime.pipelined``). Gradients go through
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,7 +75,19 @@ release_backends = backends.release
 def _tensor(name: str, value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise CommfuseTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if type(value) is not torch.Tensor and _is_dtensor(value):
+        raise CommfuseTypeError(
+            f"{name} is a DTensor (placements {tuple(value.placements)} on {value.device_mesh}): commfuse's "
+            f"functional ops take this rank's local shard; pass {name}.to_local(), or parallelize the module "
+            f"with commfuse.tp's styles, which take DTensors"
+        )
     return value
+
+
+def _is_dtensor(value) -> bool:
+    """Whether ``value`` is a DTensor (without importing torch.distributed.tensor when nothing has)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def _dim(name: str, dim, ndim: int) -> int:
@@ -193,11 +206,11 @@ def all_gather_matmul(
     """
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
-            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, b.shape, b.dtype, b.device, group,
-                   gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend)
+            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape, b.dtype, b.device,
+                   group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend)
         else:
             key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
-                   tuple((x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
+                   tuple((type(x), x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
                    gathered_size, keep_gathered, timeout, check, backend)
         run = _AGMM.plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
@@ -375,7 +388,7 @@ def matmul_reduce_scatter(
     ``scatter_dim`` cut to this rank's shard.
     """
     try:
-        key = (type(a), a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
+        key = (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
                algorithm, timeout, check, backend)
         run = _MMRS.plans.get(key)
     except (AttributeError, TypeError):

@@ -1,0 +1,337 @@
+"""Rank-side bodies of the commfuse.tp tests: each model parallelized twice, with torch's styles and with
+commfuse's, from the same weights and data; outputs, gradients, clipped norms, optimizer steps and state
+dicts must agree."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+import commfuse as cf
+from commfuse import tp
+
+TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
+
+
+def _run(results, name, fn):
+    try:
+        fn()
+        results[name] = None
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(got, want, what, **tol):
+    got, want = _full(got).detach(), _full(want).detach()
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
+    if not torch.allclose(got, want, **(tol or TOL)):
+        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+
+
+class MLP(nn.Module):
+    """RMSNorm, up projection, SiLU, down projection, residual: a transformer's feed-forward half."""
+
+    def __init__(self, hidden: int = 16, ffn: int = 32, bias: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.w1 = nn.Linear(hidden, ffn, bias=bias)
+        self.w2 = nn.Linear(ffn, hidden, bias=bias)
+
+    def forward(self, x):
+        h = self.w2(nn.functional.silu(self.w1(self.norm(x))))
+        return x + h
+
+
+def _pair(seed, mesh, plan_torch, plan_cf, make=MLP):
+    """The same model twice, parallelized with torch's styles and with commfuse's."""
+    torch.manual_seed(seed)
+    base = make()
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    ours = make()
+    ours.load_state_dict(state)
+    return parallelize_module(base, mesh, plan_torch), parallelize_module(ours, mesh, plan_cf)
+
+
+def _plans(algorithm="ring"):
+    theirs = {"norm": SequenceParallel(), "w1": TorchColwise(input_layouts=Shard(1)),
+              "w2": TorchRowwise(output_layouts=Shard(1))}
+    ours = {"norm": SequenceParallel(), "w1": tp.ColwiseParallel(input_layouts=Shard(1), algorithm=algorithm),
+            "w2": tp.RowwiseParallel(output_layouts=Shard(1), algorithm=algorithm)}
+    return theirs, ours
+
+
+class _Counted:
+    """The fused ops as commfuse.tp sees them, counted while the block runs."""
+
+    def __init__(self):
+        from commfuse import tp as tp_module
+
+        self.module = tp_module
+        self.calls = {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
+
+    def __enter__(self):
+        self.saved = self.module.ops
+        calls, real = self.calls, self.saved
+
+        class Ops:
+            def all_gather_matmul(self, *args, **kwargs):
+                calls["all_gather_matmul"] += 1
+                return real.all_gather_matmul(*args, **kwargs)
+
+            def matmul_reduce_scatter(self, *args, **kwargs):
+                calls["matmul_reduce_scatter"] += 1
+                return real.matmul_reduce_scatter(*args, **kwargs)
+
+        self.module.ops = Ops()
+        return self.calls
+
+    def __exit__(self, *exc):
+        self.module.ops = self.saved
+
+
+def sequence_parallel_mlp(rank, n):
+    """The Megatron TPSP MLP with norms in SequenceParallel: 5 AdamW steps with clipping, side by side."""
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+
+    for algorithm in ("ring", "vanilla", "auto"):
+        def train(algorithm=algorithm):
+            theirs, ours = _pair(5, mesh, *_plans(algorithm), make=lambda: MLP(16, 8 * n))
+            opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+            opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+            g = torch.Generator().manual_seed(11)
+            for step in range(5):
+                x = torch.randn(2, 4 * n, 16, generator=g)
+                local = x.tensor_split(n, dim=1)[rank]
+                xt, xo = local.clone().requires_grad_(), local.clone().requires_grad_()
+                yt = theirs(xt)
+                with _Counted() as calls:
+                    yo = ours(xo)
+                if calls != {"all_gather_matmul": 1, "matmul_reduce_scatter": 1}:
+                    raise AssertionError(f"the forward did not take both fused ops once: {calls}")
+                _close(yo, yt, f"{algorithm} step {step} output")
+                (yt.square().sum()).backward()
+                (yo.square().sum()).backward()
+                _close(xo.grad, xt.grad, f"{algorithm} step {step} input grad")
+                for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
+                    if not isinstance(po, DTensor):
+                        raise AssertionError(f"{name} is a {type(po).__name__}, not a DTensor")
+                    if po.placements != pt.placements:
+                        raise AssertionError(f"{name}: placements {po.placements} != torch's {pt.placements}")
+                    _close(po.grad, pt.grad, f"{algorithm} step {step} {name} grad")
+                nt = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+                no = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+                _close(no, nt, f"{algorithm} step {step} clipped norm")
+                every = [torch.zeros(()) for _ in range(n)]
+                torch.distributed.all_gather(every, _full(no).detach().reshape(()))
+                if len({float(v) for v in every}) != 1:
+                    raise AssertionError(f"clip_grad_norm_ differs between ranks: {[float(v) for v in every]}")
+                opt_t.step(), opt_o.step()
+                opt_t.zero_grad(), opt_o.zero_grad()
+            for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
+                _close(po, pt, f"{algorithm} {name} after 5 AdamW steps")
+            st, so = theirs.state_dict(), ours.state_dict()
+            if list(st) != list(so):
+                raise AssertionError(f"state_dict keys {list(so)} != torch's {list(st)}")
+            for k in st:
+                if so[k].shape != st[k].shape:
+                    raise AssertionError(f"state_dict[{k!r}] has global shape {list(so[k].shape)}, torch's "
+                                         f"{list(st[k].shape)}")
+
+        _run(results, f"sp-mlp-{algorithm}", train)
+    return results
+
+
+def layouts(rank, n):
+    """Each style with other layouts, against torch's style with the same ones: replicated input, DTensor
+    output, a replicated (all-reduced) output, uneven shards, no bias."""
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+
+    def one(name, colwise, rowwise, x_full, shard_input, bias=True):
+        def body():
+            torch.manual_seed(7)
+            lin1, lin2 = nn.Linear(16, 8 * n, bias=bias), nn.Linear(8 * n, 12, bias=bias)
+            pairs = []
+            for style1, style2 in ((colwise[0], rowwise[0]), (colwise[1], rowwise[1])):
+                a, b = nn.Linear(16, 8 * n, bias=bias), nn.Linear(8 * n, 12, bias=bias)
+                a.load_state_dict(lin1.state_dict()), b.load_state_dict(lin2.state_dict())
+                pairs.append((parallelize_module(a, mesh, style1), parallelize_module(b, mesh, style2)))
+            outs = []
+            for a, b in pairs:
+                x = shard_input(x_full).requires_grad_() if shard_input else x_full.clone().requires_grad_()
+                y = b(a(x))
+                _full(y).square().sum().backward()
+                outs.append((x, y, a, b))
+            (xt, yt, at, bt), (xo, yo, ao, bo) = outs
+            if isinstance(yt, DTensor) != isinstance(yo, DTensor):
+                raise AssertionError(f"output is {type(yo).__name__}, torch's {type(yt).__name__}")
+            if isinstance(yt, DTensor) and yt.placements != yo.placements:
+                raise AssertionError(f"output placements {yo.placements} != torch's {yt.placements}")
+            _close(yo, yt, "output")
+            _close(_full(xo.grad), _full(xt.grad), "input grad")
+            for m_o, m_t, which in ((ao, at, "colwise"), (bo, bt, "rowwise")):
+                for (pn, po), (_, pt) in zip(m_o.named_parameters(), m_t.named_parameters()):
+                    _close(po.grad, pt.grad, f"{which} {pn} grad")
+
+        _run(results, name, body)
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4 * n, 16, generator=g)
+    seq = lambda t: t.tensor_split(n, dim=1)[rank].clone()  # noqa: E731
+    # replicated input (torch's default): no gather to fuse; the output all-reduced (torch's default)
+    one("replicated-in-replicated-out", (TorchColwise(), tp.ColwiseParallel()),
+        (TorchRowwise(), tp.RowwiseParallel()), x, None)
+    # DTensor output kept (use_local_output=False), sequence-sharded
+    one("dtensor-out", (TorchColwise(input_layouts=Shard(1)), tp.ColwiseParallel(input_layouts=Shard(1))),
+        (TorchRowwise(output_layouts=Shard(1), use_local_output=False),
+         tp.RowwiseParallel(output_layouts=Shard(1), use_local_output=False)), x, seq)
+    # the gathered input is the batch dim (dim 0), and no bias
+    xb = torch.randn(2 * n, 3, 16, generator=g)
+    one("batch-dim-no-bias", (TorchColwise(input_layouts=Shard(0)), tp.ColwiseParallel(input_layouts=Shard(0))),
+        (TorchRowwise(output_layouts=Shard(0)), tp.RowwiseParallel(output_layouts=Shard(0))), xb,
+        lambda t: t.tensor_split(n, dim=0)[rank].clone(), bias=False)
+    # a sequence the ranks cannot split evenly, handed in as a DTensor: commfuse falls back to DTensor's moves
+    xu = torch.randn(2, 4 * n + 1, 16, generator=g)
+
+    def uneven(t):
+        return DTensor.from_local(torch.chunk(t, n, dim=1)[rank].clone(), mesh, [Shard(1)], run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    def uneven_leaf(t):
+        d = uneven(t)
+        return d.detach()
+
+    one("uneven-dtensor-in", (TorchColwise(input_layouts=Shard(1)), tp.ColwiseParallel(input_layouts=Shard(1))),
+        (TorchRowwise(output_layouts=Shard(1), use_local_output=False),
+         tp.RowwiseParallel(output_layouts=Shard(1), use_local_output=False)), xu, uneven_leaf)
+    return results
+
+
+def errors_and_log(rank, n):
+    """Honest errors: a DTensor handed to a functional op, a style on a module it cannot parallelize, a 2-D
+    mesh; and the DEBUG log of a layout with nothing to fuse."""
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+
+    def dtensor_to_op():
+        w = DTensor.from_local(torch.randn(8, 4), mesh, [Replicate()], run_check=False)
+        a = DTensor.from_local(torch.randn(3, 8), mesh, [Shard(0)], run_check=False)
+        for call in (lambda: cf.all_gather_matmul(a, w.to_local()), lambda: cf.all_gather_matmul(a.to_local(), w),
+                     lambda: cf.matmul_reduce_scatter(a.to_local().repeat(n, 1), w)):
+            try:
+                call()
+            except cf.errors.CommfuseTypeError as e:
+                if "DTensor" not in str(e) or "to_local()" not in str(e) or "commfuse.tp" not in str(e):
+                    raise AssertionError(f"the error does not say what to do: {e}") from e
+            else:
+                raise AssertionError("a DTensor was taken by a functional op")
+        # the same shapes as plain tensors first, then as a DTensor: the remembered signature must not let it by
+        plain = torch.randn(3, 8)
+        cf.all_gather_matmul(plain, w.to_local())
+        try:
+            cf.all_gather_matmul(plain, w)
+        except cf.errors.CommfuseTypeError:
+            pass
+        else:
+            raise AssertionError("a DTensor weight was taken after a plain call of the same shapes")
+
+    def wrong_module():
+        try:
+            parallelize_module(nn.Conv1d(2, 2, 1), mesh, tp.ColwiseParallel())
+        except cf.errors.CommfuseTypeError as e:
+            assert "nn.Linear" in str(e), e
+        else:
+            raise AssertionError("ColwiseParallel took a Conv1d")
+        lin = parallelize_module(nn.Linear(4, 2 * n), mesh, tp.ColwiseParallel())
+        try:
+            tp.ColwiseParallel()._apply(lin, mesh)
+        except cf.errors.CommfuseValueError as e:
+            assert "once" in str(e), e
+        else:
+            raise AssertionError("a module was parallelized twice")
+        try:
+            tp.RowwiseParallel(output_layouts=(Shard(0), Shard(1)))
+        except cf.errors.CommfuseTypeError as e:
+            assert "1-D" in str(e), e
+        else:
+            raise AssertionError("two placements were taken for a 1-D mesh")
+
+    def debug_log():
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+
+        logger = logging.getLogger("commfuse")
+        handler, level = Keep(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        try:
+            lin = parallelize_module(nn.Linear(16, 4 * n), mesh, tp.RowwiseParallel(input_layouts=Replicate()))
+            lin(torch.randn(2, 3, 16))
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        if not any("RowwiseParallel" in m and "Replicate" in m for m in records):
+            raise AssertionError(f"no DEBUG record says why nothing was fused: {records}")
+
+    _run(results, "dtensor-to-functional-op", dtensor_to_op)
+    _run(results, "wrong-module-or-layout", wrong_module)
+    _run(results, "debug-log-of-a-fallback", debug_log)
+    return results
+
+
+def with_fsdp(rank, n):
+    """TP over mesh['tp'] then fully_shard over mesh['dp'] (2 x 2): commfuse's styles against torch's."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    dp_rank, tp_rank, t = dp_mesh.get_local_rank(), tp_mesh.get_local_rank(), tp_mesh.size()
+
+    def train():
+        theirs, ours = _pair(9, tp_mesh, *_plans("ring"), make=lambda: MLP(16, 8 * t))
+        fully_shard(theirs, mesh=dp_mesh)
+        fully_shard(ours, mesh=dp_mesh)
+        opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+        opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(13)
+        for step in range(4):
+            x = torch.randn(2, 2, 4 * t, 16, generator=g)[dp_rank]  # each DP replica its own batch
+            local = x.tensor_split(t, dim=1)[tp_rank]
+            yt = theirs(local.clone())
+            with _Counted() as calls:
+                yo = ours(local.clone())
+            if calls != {"all_gather_matmul": 1, "matmul_reduce_scatter": 1}:
+                raise AssertionError(f"the forward under fully_shard did not take both fused ops once: {calls}")
+            _close(yo, yt, f"step {step} output")
+            yt.square().sum().backward()
+            yo.square().sum().backward()
+            for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
+                _close(po.grad, pt.grad, f"step {step} {name} grad")
+            nt = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+            no = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+            _close(no, nt, f"step {step} clipped norm")
+            opt_t.step(), opt_o.step()
+            opt_t.zero_grad(), opt_o.zero_grad()
+        for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
+            _close(po, pt, f"{name} after 4 AdamW steps")
+
+    _run(results, "tp-then-fully-shard", train)
+    return results
