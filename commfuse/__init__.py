@@ -26,6 +26,7 @@ _LAZY = {
     "launch": None,
     "nn": None,
     "tp": None,
+    "fsdp": None,
     "autograd": None,
 }
 

@@ -47,7 +47,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.nn._common import replicated
+from commfuse.nn._common import contiguous_stride, replicated
 
 __all__ = ["ColwiseParallel", "RowwiseParallel"]
 
@@ -102,14 +102,6 @@ def _redistributed(local: torch.Tensor, have: Placement, want: Placement, mesh: 
     return moved.to_local(grad_placements=[Partial()] if isinstance(want, Replicate) else None)
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
-
-
 class _Style(ParallelStyle):
     def __init__(self, *, input_layouts, output_layouts, use_local_output: bool, algorithm: str) -> None:
         super().__init__()
@@ -156,7 +148,7 @@ class _Style(ParallelStyle):
         if want == have and self.use_local_output:
             return y
         out = DTensor.from_local(y, mesh, [have], run_check=False, shape=torch.Size(full_shape),
-                                 stride=_contiguous_stride(full_shape))
+                                 stride=contiguous_stride(full_shape))
         if want != have:
             out = out.redistribute(placements=[want])
         return out.to_local() if self.use_local_output else out
@@ -283,7 +275,7 @@ class RowwiseParallel(_Style):
         z = torch.matmul(local, w.t())
         full = list(z.shape)
         partial = DTensor.from_local(z, mesh, [Partial()], run_check=False, shape=torch.Size(full),
-                                     stride=_contiguous_stride(full))
+                                     stride=contiguous_stride(full))
         out = partial.redistribute(placements=[want])
         if bias is not None:
             out = out + bias

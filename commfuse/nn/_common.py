@@ -42,9 +42,36 @@ def shard_range(size: int, rank: int, n: int) -> tuple[int, int]:
     return offsets(sizes)[rank], sizes[rank]
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a parameter: a DTensor's local tensor (a view that shares its storage), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``DTensor.from_local`` wants with a ``shape``)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def mesh_of(group, device) -> "object | None":
+    """A 1-D DeviceMesh over ``group`` (None: the default group) for DTensor parameters, or None when there is
+    no distributed world (one process: plain tensors are every parameter's whole)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = torch.device(device).type if device is not None else "cpu"
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
+
+
 def gather_dim(t: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
     """The whole tensor from every rank's ``tensor_split`` piece along ``dim`` (exact copy, uneven allowed)."""
     rank, n = world(group)
+    t = local(t)
     if n == 1:
         return t.detach().clone()
     sizes = split_sizes(full, n)
@@ -87,9 +114,9 @@ def load_row_shard(layer, linear) -> None:
     """Copy this rank's rows ``tensor_split(out_features, N)[r]`` of ``linear`` into ``layer``."""
     start, rows = shard_range(linear.out_features, layer.rank, layer.world_size)
     with torch.no_grad():
-        layer.weight.copy_(linear.weight[start : start + rows])
+        local(layer.weight).copy_(linear.weight[start : start + rows])
         if layer.bias is not None:
-            layer.bias.copy_(linear.bias[start : start + rows])
+            local(layer.bias).copy_(linear.bias[start : start + rows])
 
 
 def linear_from_row_shards(layer):
@@ -97,7 +124,7 @@ def linear_from_row_shards(layer):
     from torch import nn
 
     linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                       device=layer.weight.device, dtype=layer.weight.dtype)
+                       device=local(layer.weight).device, dtype=layer.weight.dtype)
     with torch.no_grad():
         linear.weight.copy_(gather_dim(layer.weight, 0, layer.out_features, layer.group))
         if layer.bias is not None:

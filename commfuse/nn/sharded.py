@@ -18,7 +18,16 @@ import torch
 from torch import nn
 
 from commfuse.errors import CommfuseValueError
-from commfuse.nn._common import linear_from_row_shards, load_row_shard, resolve_group, shard_range, world
+from commfuse.nn._common import (
+    contiguous_stride,
+    linear_from_row_shards,
+    load_row_shard,
+    local,
+    mesh_of,
+    resolve_group,
+    shard_range,
+    world,
+)
 from commfuse.nn.linear import _init_linear
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import resolve_call
@@ -86,6 +95,14 @@ class _ShardedLinear(torch.autograd.Function):
         return None, None, dx, dw, db
 
 
+def _is_mesh(group) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        return False
+    return isinstance(group, DeviceMesh)
+
+
 class ShardedLinear(nn.Module):
     """A linear layer whose weight lives sharded over the data-parallel group (ZeRO-3 / FSDP).
 
@@ -108,22 +125,75 @@ class ShardedLinear(nn.Module):
         self.in_features, self.out_features, self.algorithm, self.reduce = in_features, out_features, algorithm, reduce
         self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
         _, rows = shard_range(out_features, self.rank, self.world_size)
-        self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
-        _init_linear(self.weight, self.bias, in_features)
+        weight = torch.empty(rows, in_features, device=device, dtype=dtype)
+        bias_ = torch.empty(rows, device=device, dtype=dtype) if bias else None
+        _init_linear(weight, bias_, in_features)
+        # With more than one rank the parameters are DTensors Shard(0) on the group's mesh, so that
+        # clip_grad_norm_, state_dict, distributed checkpoints and optimizers see the whole layer; the ops work
+        # on their local shards. fully_shard must leave them alone (commfuse.fsdp.fully_shard does).
+        # a DeviceMesh given as the group is the mesh: give fully_shard the same one
+        self._mesh = (group if _is_mesh(group) else mesh_of(self.group, device)) if self.world_size > 1 else None
+        self.weight = nn.Parameter(self._distributed(weight))
+        self.bias = nn.Parameter(self._distributed(bias_)) if bias else None
+        self._own = (self.weight, self.bias)
+
+    def use_mesh(self, mesh) -> None:
+        """Put the parameters on ``mesh``, a 1-D DeviceMesh over the same ranks as the layer's group (the one
+        given to ``fully_shard``, so that ``clip_grad_norm_`` and optimizers see one mesh); their values and
+        gradients are kept. :func:`commfuse.fsdp.fully_shard` calls this."""
+        if self._mesh is None or mesh == self._mesh:
+            return
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != list(ranks):
+            raise CommfuseValueError(
+                f"rank {self.rank}: ShardedLinear({self.in_features}, {self.out_features}) is sharded over ranks "
+                f"{list(ranks)}, but the mesh given is over {mesh.mesh.tolist()}: give fully_shard the layer's "
+                "data-parallel mesh, or build the layer with group=that mesh"
+            )
+        self._mesh = mesh
+        for name in ("weight", "bias"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            new = nn.Parameter(self._distributed(local(old).detach()), requires_grad=old.requires_grad)
+            if old.grad is not None:
+                new.grad = self._distributed(local(old.grad))
+            setattr(self, name, new)
+        self._own = (self.weight, self.bias)
+
+    def _distributed(self, t: torch.Tensor) -> torch.Tensor:
+        if self._mesh is None:
+            return t
+        from torch.distributed.tensor import DTensor, Shard
+
+        full = torch.Size([t.shape[0] * self.world_size, *t.shape[1:]])
+        return DTensor.from_local(t, self._mesh, [Shard(0)], run_check=False, shape=full, stride=contiguous_stride(full))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"rank={self.rank}/{self.world_size}, algorithm={self.algorithm!r}, reduce={self.reduce!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not self._own[0] or self.bias is not self._own[1]:
+            raise CommfuseValueError(
+                f"rank {self.rank}: ShardedLinear({self.in_features}, {self.out_features}) no longer holds the "
+                f"parameters it made (now a {type(self.weight).__name__} of shape {list(self.weight.shape)}): "
+                "something re-registered them, most likely torch's fully_shard, which would shard the shards "
+                "again and give wrong gradients. ShardedLinear is its own data-parallel sharding: use "
+                "commfuse.fsdp.fully_shard(model, mesh=...), or pass "
+                "ignored_params=commfuse.fsdp.sharded_params(model) to torch's fully_shard"
+            )
         if self.world_size == 1:
             return nn.functional.linear(x, self.weight, self.bias)
         # auto decides on the largest shard (tensor_split puts it first), the same on every rank
         rows = -(-self.out_features // self.world_size)
         call = resolve_call("all_gather", self.algorithm, group=self.group, backend=self.backend, device=x.device,
                             slice_bytes=rows * self.in_features * self.weight.element_size())
-        return _ShardedLinear.apply(call, self.reduce == "avg", x, self.weight, self.bias)
+        bias = self.bias
+        return _ShardedLinear.apply(call, self.reduce == "avg", x, local(self.weight),
+                                    local(bias) if bias is not None else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, algorithm: str = "auto",

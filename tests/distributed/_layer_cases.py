@@ -217,8 +217,17 @@ def layers(rank, n):
             rows = 12 // n
 
             def pairs(layer, ref):
-                yield layer.weight.grad, (ref.weight.grad[rank * rows : (rank + 1) * rows], "weight grad")
-                yield layer.bias.grad, (ref.bias.grad[rank * rows : (rank + 1) * rows], "bias grad")
+                from torch.distributed.tensor import DTensor
+
+                for mine, theirs, what in ((layer.weight, ref.weight, "weight"), (layer.bias, ref.bias, "bias")):
+                    if n > 1:  # a DTensor Shard(0) on the group: its local rows, and the whole on every rank
+                        if not isinstance(mine, DTensor) or not isinstance(mine.grad, DTensor):
+                            raise AssertionError(f"{what}: {type(mine).__name__} with a {type(mine.grad).__name__} "
+                                                 "gradient, not DTensors")
+                        yield mine.grad.full_tensor(), (theirs.grad, f"{what} grad (gathered)")
+                        yield mine.grad.to_local(), (theirs.grad[rank * rows : (rank + 1) * rows], f"{what} grad")
+                    else:
+                        yield mine.grad, (theirs.grad, f"{what} grad")
 
             # each rank its own batch rows; the per-rank loss times n, gradients averaged: equals the whole batch
             _check_layer(rank, n, ref, layer, torch.randn(2 * n, 5, h), dp=True, pairs=pairs)

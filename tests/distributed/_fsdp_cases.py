@@ -1,0 +1,118 @@
+"""Rank-side bodies of the FSDP2 tests: commfuse's ShardedLinear inside a model that torch's fully_shard
+shards, against the unsharded model trained on the whole batch."""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import commfuse as cf
+from commfuse.nn import ShardedLinear
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _run(results, name, fn):
+    try:
+        fn()
+        results[name] = None
+    except Exception as e:
+        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(got, want, what):
+    got, want = _full(got).detach(), _full(want).detach()
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
+    if not torch.allclose(got, want, **TOL):
+        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+
+
+def _models(n):
+    """(reference, sharded): a ShardedLinear then an nn.Linear that FSDP2 shards, from the same weights."""
+    torch.manual_seed(21)
+    l1, l2 = nn.Linear(8, 4 * n), nn.Linear(4 * n, 6)
+    ref = nn.Sequential(nn.Linear(8, 4 * n), nn.ReLU(), nn.Linear(4 * n, 6))
+    ref[0].load_state_dict(l1.state_dict()), ref[2].load_state_dict(l2.state_dict())
+    mine = nn.Sequential(ShardedLinear.from_linear(l1, algorithm="ring"), nn.ReLU(), l2)
+    return ref, mine
+
+
+def with_fully_shard(rank, n):
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+
+    def helper_trains_like_the_unsharded_model():
+        ref, mine = _models(n)
+        cf.fsdp.fully_shard(mine, mesh=mesh)
+        for name, p in mine.named_parameters():
+            if not isinstance(p, DTensor):
+                raise AssertionError(f"{name} is a {type(p).__name__}, not a DTensor")
+        opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt_m = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        for step in range(4):
+            x = torch.randn(2 * n, 3, 8, generator=g)
+            # the reference sees the whole batch; each rank its rows, gradients averaged over the ranks
+            (ref(x).square().sum() / n).backward()
+            mine(x.tensor_split(n)[rank]).square().sum().backward()
+            for (name, pr), (_, pm) in zip(ref.named_parameters(), mine.named_parameters()):
+                _close(pm.grad, pr.grad, f"step {step} {name} grad")
+            nr = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            nm = torch.nn.utils.clip_grad_norm_(mine.parameters(), 0.5)
+            _close(nm, nr, f"step {step} clip_grad_norm_ (the whole model's norm, on every rank)")
+            opt_r.step(), opt_m.step()
+            opt_r.zero_grad(), opt_m.zero_grad()
+        for (name, pr), (_, pm) in zip(ref.named_parameters(), mine.named_parameters()):
+            _close(pm, pr, f"{name} after 4 AdamW steps")
+        state = mine.state_dict()
+        for key in ("0.weight", "0.bias", "2.weight"):
+            if list(state[key].shape) != list(ref.state_dict()[key].shape):
+                raise AssertionError(f"state_dict[{key!r}] has shape {list(state[key].shape)}, the layer's "
+                                     f"{list(ref.state_dict()[key].shape)}")
+
+    def torch_fully_shard_never_gives_wrong_gradients():
+        from torch.distributed.fsdp import fully_shard
+
+        _, mine = _models(n)
+        try:
+            fully_shard(mine, mesh=mesh)
+            mine(torch.randn(2, 3, 8)).sum().backward()
+        except cf.errors.CommfuseValueError as e:
+            if "commfuse.fsdp.fully_shard" not in str(e) or "ignored_params" not in str(e):
+                raise AssertionError(f"the error does not say what to do: {e}") from e
+        except Exception:  # noqa: BLE001 - torch refusing the DTensor parameters itself is an error too
+            pass
+        else:
+            raise AssertionError("torch's fully_shard over a ShardedLinear ran a backward")
+        # with the documented ignored_params, torch's own fully_shard is right
+        ref, mine = _models(n)
+        fully_shard(mine, mesh=mesh, ignored_params=cf.fsdp.sharded_params(mine))
+        x = torch.randn(2 * n, 3, 8)
+        (ref(x).square().sum() / n).backward()
+        mine(x.tensor_split(n)[rank]).square().sum().backward()
+        for (name, pr), (_, pm) in zip(ref.named_parameters(), mine.named_parameters()):
+            _close(pm.grad, pr.grad, f"{name} grad with ignored_params")
+
+    def reregistered_parameters_raise():
+        layer = ShardedLinear(8, 2 * n)
+        layer.weight = nn.Parameter(torch.zeros(2 * n, 8))
+        try:
+            layer(torch.randn(2, 8))
+        except cf.errors.CommfuseValueError as e:
+            assert "no longer holds the parameters" in str(e) and f"rank {rank}" in str(e), e
+        else:
+            raise AssertionError("a ShardedLinear ran with a weight it did not make")
+
+    _run(results, "commfuse-fully-shard", helper_trains_like_the_unsharded_model)
+    _run(results, "torch-fully-shard", torch_fully_shard_never_gives_wrong_gradients)
+    _run(results, "reregistered", reregistered_parameters_raise)
+    return results
