@@ -8,11 +8,15 @@ pulls torch or a vendor runtime by itself.
 from __future__ import annotations
 
 import importlib
+import logging
 
 from commfuse import schedule
 from commfuse.errors import CommfuseError
 
 __version__ = "0.1.0"
+
+# The library logs on "commfuse" (auto's choices, at DEBUG) and leaves handlers to the application.
+logging.getLogger("commfuse").addHandler(logging.NullHandler())
 
 _LAZY = {
     "all_gather_matmul": "commfuse.ops",

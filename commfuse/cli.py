@@ -33,11 +33,14 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     from commfuse.schedule import Algorithm, Collective
 
-    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION", help="what to do")
     show = sub.add_parser("show", help="print the step table of one schedule")
-    show.add_argument("collective", choices=[c.value for c in Collective])
+    show.add_argument("collective", choices=[c.value for c in Collective],
+                      help="the collective to decompose: %(choices)s")
     show.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
-    show.add_argument("--algorithm", "-a", default="ring", choices=[a.value for a in Algorithm])
+    show.add_argument("--algorithm", "-a", default="ring", choices=[a.value for a in Algorithm],
+                      help="ring (CommFuse's hops), bidirectional (half of each slice each way round), sliced "
+                      "(whole collectives on chunks) or vanilla (one collective, then the compute); default ring")
     show.add_argument("--parts", type=int, default=1, help="slices per shard (ring algorithms; the paper's m)")
     show.add_argument("--chunks", type=int, default=1, help="collectives the data is sliced into (sliced)")
     dump = sub.add_parser("dump", help="regenerate the schedules/ catalog from the builders")
@@ -135,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
         description="Communication-computation overlap by decomposing collectives into ring steps.",
     )
     p.add_argument("--version", action="version", version=f"commfuse {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", help="the subcommand to run (COMMAND --help for its own)")
     for name, help, arguments, run in COMMANDS:
         sp = sub.add_parser(name, help=help, description=help)
         arguments(sp)

@@ -25,6 +25,7 @@ ring (``commfuse.runtime.pipelined``). Gradients go through
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -64,6 +65,8 @@ __all__ = [
     "produce_reduce_scatter",
     "release_backends",
 ]
+
+log = logging.getLogger("commfuse")
 
 #: ``commfuse.backends.release``, under the name scripts written for earlier versions call.
 release_backends = backends.release
@@ -338,6 +341,10 @@ def _native(be, op: str, algorithm, said: dict, **signature):
             raise CommfuseValueError(f"algorithm 'native' for {op}: the call does not qualify: {reason}")
         return None, algorithm
     said.update(algorithm="native", reason=reason, world_size=be.world_size)
+    if spec.name == "auto":
+        log.debug("auto chose native for %s: %s [world size %d, backend %r declares it in native_fused_ops and its "
+                  "native_op accepted this signature; a call that wants gradients runs auto's ring-side choice]",
+                  op, reason, be.world_size, getattr(be, "name", type(be).__name__))
 
     def run(*tensors):
         if torch.is_grad_enabled() and any(t.requires_grad for t in _flat_tensors(tensors)):

@@ -97,7 +97,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="run the ranks behind a loopback limited to RATE (tc units: 800mbit, 2gbit, ...) in a "
                    "private network namespace; needs root (default: plain loopback)")
     g.add_argument("--timeout", type=float, default=1800.0, help="seconds before the launched ranks are killed")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the inputs, the layers' parameters and the order the algorithms run in each repeat "
+                   "(default 0)")
     g = p.add_argument_group("output")
     g.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the records as JSON to FILE, or to stdout (the table then goes to stderr)")

@@ -9,10 +9,15 @@ signature, so a layer that resolves on every forward pays a dict look-up.
 ``auto`` decides from sizes that every rank knows (the largest shard of a
 ``tensor_split``, never this rank's own), so every rank takes the same
 algorithm.
+
+The policy logs each decision once, when a signature is resolved, at DEBUG on
+the ``commfuse`` logger: the algorithm, why, and the inputs it decided on.
+Later calls of the signature find it in the memo and log nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from commfuse.errors import CommfuseValueError
@@ -26,6 +31,8 @@ __all__ = ["MIN_SLICE_BYTES", "Call", "choose_algorithm", "forget_calls", "resol
 #: collective and there is little compute to hide. A backend may declare its own
 #: (``Capabilities.auto_min_slice_bytes``).
 MIN_SLICE_BYTES = 64 * 1024
+
+log = logging.getLogger("commfuse")
 
 
 class Call:
@@ -66,28 +73,60 @@ def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes:
     ``capabilities.auto_min_slice_bytes`` (default :data:`MIN_SLICE_BYTES`),
     take ``vanilla``; else ``ring``.
     """
+    name, reason, _ = _decide(collective, world_size, slice_bytes, capabilities, flops, backend)
+    return name, reason
+
+
+def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -> tuple[str, str, str]:
+    """:func:`choose_algorithm`'s (algorithm, reason), and what the hardware model had to do with it."""
     if world_size == 1:
-        return "vanilla", "world size 1: nothing to communicate"
+        return "vanilla", "world size 1: nothing to communicate", "not asked"
     if (capabilities is not None and not getattr(capabilities, "overlap", True)
             and getattr(capabilities, "execution", "eager") == "eager"):
         return "vanilla", (
             "the backend declares no overlap (its transfers do not progress while the host computes): "
             f"{world_size - 1} hops would add up behind the compute instead of hiding, so one collective is cheaper"
-        )
-    if flops is not None:
+        ), "not asked"
+    if flops is None:
+        model = "not asked (the op gave no flops)"
+    else:
         from commfuse.sim import plan  # pure Python, imported on first use
 
         planned = plan(collective, world_size, slice_bytes, flops, backend)
         if planned is not None:
-            return planned
+            return (*planned, "decided (its reason names the profile)")
+        model = ("no profile applies (COMMFUSE_PROFILE is unset or off, and none is installed for this backend "
+                 "or shipped for its device)")
     limit = getattr(capabilities, "auto_min_slice_bytes", None)
     limit = MIN_SLICE_BYTES if limit is None else limit
     if slice_bytes < limit:
         return "vanilla", (
             f"a ring hop would carry {slice_bytes} bytes, under {limit}: per-step latency would "
             f"outweigh the overlap, so one collective is cheaper"
-        )
-    return "ring", f"a ring hop carries {slice_bytes} bytes: each of the {world_size - 1} hops hides behind one shard of compute"
+        ), model
+    return "ring", (f"a ring hop carries {slice_bytes} bytes: each of the {world_size - 1} hops hides behind one "
+                    "shard of compute"), model
+
+
+def _log_choice(collective: Collective, name: str, reason: str, *, world_size: int, slice_bytes: int, flops,
+                be=None, model: str = "not asked", remembered: bool = True) -> None:
+    """Say at DEBUG what ``auto`` took for a new call signature and what it decided on (planning time only)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    if be is None:
+        backend = "none (a single process)"
+    else:
+        caps = getattr(be, "capabilities", None)
+        shown = "none declared" if caps is None else ", ".join(
+            f"{field}={getattr(caps, field, None)!r}"
+            for field in ("overlap", "execution", "auto_min_slice_bytes", "bidirectional_links"))
+        backend = f"{getattr(be, 'name', type(be).__name__)!r} ({shown})"
+    memo = (f"this signature was not in the call memo (holding {len(_CALLS)}); the decision is remembered until "
+            "commfuse.backends.release()" if remembered else
+            "the call's options cannot be hashed, so nothing is remembered and auto decides on every call")
+    log.debug("auto chose %s for %s: %s [world size %d, ring hop %d bytes, flops per shard %s, backend %s, "
+              "hardware model: %s; %s]", name, collective.value, reason, world_size, slice_bytes,
+              "unknown" if flops is None else f"{flops:g}", backend, model, memo)
 
 
 _CALLS: dict[tuple, Call] = {}
@@ -117,7 +156,7 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
         found, key = None, None
     if found is None:
         found = _resolve(Collective(collective), algorithm, group, backend, device, slice_bytes, flops, timeout,
-                         check)
+                         check, key is not None)
         if key is not None:
             with _CALLS_LOCK:
                 if len(_CALLS) > 4096:
@@ -129,7 +168,8 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     return None if found.be is None else found
 
 
-def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check):
+def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check,
+             remembered: bool):
     spec = parse_algorithm(algorithm, collective)
     if spec.name == "native":
         raise CommfuseValueError(
@@ -143,12 +183,17 @@ def _resolve(collective: Collective, algorithm, group, backend, device, slice_by
     be = backends.resolve(backend, group, device)
     if be is None or be.world_size == 1:  # remembered as a Call without a backend: nothing to communicate
         if spec.name == "auto":
-            return Call(None, parse_algorithm("vanilla"), seconds, mode, "world size 1: nothing to communicate")
+            reason = "world size 1: nothing to communicate"
+            _log_choice(collective, "vanilla", reason, world_size=1, slice_bytes=slice_bytes, flops=flops, be=be,
+                        remembered=remembered)
+            return Call(None, parse_algorithm("vanilla"), seconds, mode, reason)
         return Call(None, spec, seconds, mode)
     reason = "asked for"
     if spec.name == "auto":
-        name, reason = choose_algorithm(collective, be.world_size, slice_bytes,
-                                        getattr(be, "capabilities", None), flops=flops, backend=be)
+        name, reason, model = _decide(collective, be.world_size, slice_bytes, getattr(be, "capabilities", None),
+                                      flops, be)
+        _log_choice(collective, name, reason, world_size=be.world_size, slice_bytes=slice_bytes, flops=flops,
+                    be=be, model=model, remembered=remembered)
         spec = parse_algorithm(name, collective)
     _check_collective(be, collective, spec)
     return Call(be, spec, seconds, mode, reason)

@@ -347,9 +347,6 @@ def header(profile: Profile, link_rate: str | None) -> str:
 
 # -- the shaped namespace -----------------------------------------------------
 
-#: Set in the re-executed calibration: where to write the raw figures.
-RAW_ENV = "COMMFUSE_SIM_CALIBRATE_RAW"
-
 
 def in_namespace(argv: list[str], rate: str) -> int:
     """Run ``python -m commfuse.sim ARGV`` in a new network namespace whose loopback is shaped to ``rate``."""

@@ -59,7 +59,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse simulate profiles\n"
         "see docs/simulator.md"
     )
-    sub = p.add_subparsers(dest="action", metavar="ACTION")
+    sub = p.add_subparsers(dest="action", metavar="ACTION",
+                           help="calibrate or list profiles instead of predicting (optional)")
     cal = sub.add_parser("calibrate", help="measure this machine (2 gloo ranks) and write a profile",
                          description="measure this machine (2 gloo ranks, 1 thread each) and write a profile")
     cal.add_argument("--link-rate", metavar="RATE",

@@ -18,7 +18,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--tier", action="append", choices=TIERS, help="run only this tier (repeatable)")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression to select cases")
-    p.add_argument("--verbose", "-v", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true", help="name every test as pytest runs it (pytest -v)")
 
 
 @command("conformance", "run the conformance suite against a backend (correct, deadlock-free, overlapping)",

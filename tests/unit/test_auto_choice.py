@@ -1,8 +1,9 @@
-"""Tier (a), no processes: what ``algorithm="auto"`` takes without a profile, per the backend's capabilities, and
-how long a choice is remembered (once per call signature, until ``commfuse.backends.release``)."""
+"""Tier (a), no processes: what ``algorithm="auto"`` takes without a profile, per the backend's capabilities, how
+long a choice is remembered (once per call signature, until ``commfuse.backends.release``), and what it logs then."""
 
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
@@ -86,3 +87,69 @@ def test_auto_is_decided_once_per_call_signature_until_release(monkeypatch):
     again = resolve_call(Collective.ALL_GATHER, "auto", backend=backend, slice_bytes=64 << 20, flops=1e12)
     assert again is not first and "model of profile 'h100-sxm'" in again.reason
     backends.release()
+
+
+def test_auto_logs_its_choice_at_debug_on_a_signatures_first_call_only(caplog, monkeypatch):
+    from commfuse import backends
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    backends.release()
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with caplog.at_level(logging.DEBUG, logger="commfuse"):
+        ops.all_gather_matmul(a, b)  # no process group: world size 1
+    said = [r for r in caplog.records if r.name == "commfuse" and r.getMessage().startswith("auto chose")]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert said[0].levelno == logging.DEBUG
+    message = said[0].getMessage()
+    assert message.startswith("auto chose vanilla for all_gather: world size 1"), message
+    assert "ring hop 128 bytes" in message and "flops per shard 192" in message, message  # 4x8 fp32; 2*32*3
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="commfuse"):
+        ops.all_gather_matmul(a, b)  # the same signature: planned already, nothing said
+        ops.all_gather_matmul(a, b)
+    assert not [r for r in caplog.records if r.name == "commfuse"]
+    backends.release()
+
+
+def test_auto_logs_the_inputs_it_decided_on(caplog, monkeypatch):
+    from commfuse import backends
+    from commfuse.runtime.calls import resolve_call
+
+    monkeypatch.delenv("COMMFUSE_PROFILE", raising=False)
+    backends.release()
+    backend = _Backend(name="no-such-backend", device=torch.device("cpu"),
+                       capabilities=Capabilities(overlap=True, auto_min_slice_bytes=4096), rank=0, world_size=8)
+    with caplog.at_level(logging.DEBUG, logger="commfuse"):
+        resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=8192, flops=1e9)
+        resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=1024, flops=1e9)
+        resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=8192, flops=1e9)  # memo hit
+    messages = [r.getMessage() for r in caplog.records if r.name == "commfuse"]
+    assert len(messages) == 2, messages
+    ring, vanilla = messages
+    assert ring.startswith("auto chose ring for reduce_scatter: a ring hop carries 8192 bytes"), ring
+    assert vanilla.startswith("auto chose vanilla for reduce_scatter: a ring hop would carry 1024 bytes, under 4096")
+    for text in (ring, vanilla):
+        assert "world size 8" in text and "'no-such-backend'" in text and "overlap=True" in text, text
+        assert "auto_min_slice_bytes=4096" in text and "flops per shard 1e+09" in text, text
+        assert "hardware model: no profile applies" in text and "not in the call memo" in text, text
+    backends.release()
+
+
+def test_the_library_adds_no_handler_but_a_null_one():
+    import commfuse
+
+    handlers = logging.getLogger(commfuse.__name__).handlers
+    assert handlers and all(type(h) is logging.NullHandler for h in handlers)
+
+
+def test_auto_logs_when_it_takes_a_backends_native_kernel(caplog):
+    caps = Capabilities(overlap=True, native_fused_ops=("all_gather_matmul",))
+    backend = _Backend(name="fused-vendor", capabilities=caps, rank=0, world_size=2,
+                       native_op=lambda op, **signature: (lambda *tensors: tensors, "shapes fit the fused kernel"))
+    said: dict = {}
+    with caplog.at_level(logging.DEBUG, logger="commfuse"):
+        runner, fallback = ops._native(backend, "all_gather_matmul", "auto", said)
+    assert runner is not None and fallback == "auto" and said["algorithm"] == "native"
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "commfuse"]
+    assert message.startswith("auto chose native for all_gather_matmul: shapes fit the fused kernel"), message
+    assert "world size 2" in message and "'fused-vendor'" in message, message
