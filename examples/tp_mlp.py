@@ -29,7 +29,7 @@ mlp = parallelize_module(mlp, mesh["tp"], {
     "w1": ColwiseParallel(input_layouts=Shard(1), algorithm="auto"),   # all-gather(sequence) fused with x @ w1
     "w2": RowwiseParallel(output_layouts=Shard(1), algorithm="auto"),  # h @ w2 fused with reduce-scatter(sequence)
 })
-x = torch.randn(8, 512, 1024, device=device)  # this rank's shard: (batch, sequence / world size, hidden)
+x = torch.randn(4, 256, 1024, device=device)  # this rank's shard: (batch, sequence / world size, hidden)
 y = mlp(x)                                    # the same shape and layout as x
 y.sum().backward()
 print(f"rank {mesh.get_rank()}: y {tuple(y.shape)}")
