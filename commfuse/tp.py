@@ -27,6 +27,12 @@ GEMM, these run commfuse's fused op on the local shards:
 - row-parallel with a sequence-sharded output (``output_layouts=Shard(d)``):
   :func:`commfuse.matmul_reduce_scatter` along d.
 
+Two block styles fuse a whole sub-block each (apply them to the block, not its
+linears): :class:`SwiGLUParallel`, a SwiGLU feed-forward whose two up
+projections share one gather, and :class:`AttentionParallel`, self-attention
+whose Q/K/V projections share one gather, with a hook for rotary embeddings,
+and whose out-projection reduce-scatter is fed by per-query-slice attention.
+
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
 activation through DTensor exactly as torch's style does, and logs why at
@@ -49,7 +55,7 @@ import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn._common import contiguous_stride, replicated
 
-__all__ = ["ColwiseParallel", "RowwiseParallel"]
+__all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
 
 _log = logging.getLogger("commfuse")
 
@@ -114,17 +120,22 @@ class _Style(ParallelStyle):
         self._said: set[tuple] = set()
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        name = type(self).__name__
         if not isinstance(module, nn.Linear):
-            raise CommfuseTypeError(f"commfuse.tp.{name} parallelizes nn.Linear modules, got {type(module).__name__}")
+            raise CommfuseTypeError(f"commfuse.tp.{type(self).__name__} parallelizes nn.Linear modules, got "
+                                    f"{type(module).__name__}")
+        self._check_mesh(device_mesh)
+        self._check_linear(module)
+
+    def _check_mesh(self, device_mesh: DeviceMesh) -> None:
         if device_mesh.ndim != 1:
-            raise CommfuseValueError(
-                f"commfuse.tp.{name} needs a 1-D mesh (the TP axis, e.g. mesh['tp']), got a {device_mesh.ndim}-D mesh"
-            )
+            raise CommfuseValueError(f"commfuse.tp.{type(self).__name__} needs a 1-D mesh (the TP axis, e.g. "
+                                     f"mesh['tp']), got a {device_mesh.ndim}-D mesh")
+
+    def _check_linear(self, module: nn.Linear) -> None:
         if isinstance(module.weight, DTensor):
             raise CommfuseValueError(
-                f"commfuse.tp.{name}: the module's weight is a DTensor already ({module.weight.placements}); "
-                f"apply the TP style before fully_shard, and only once"
+                f"commfuse.tp.{type(self).__name__}: the module's weight is a DTensor already "
+                f"({module.weight.placements}); apply the TP style before fully_shard, and only once"
             )
 
     def _once(self, message: str, *args) -> None:
@@ -153,6 +164,75 @@ class _Style(ParallelStyle):
             out = out.redistribute(placements=[want])
         return out.to_local() if self.use_local_output else out
 
+    def _install(self, module: nn.Module, mesh: DeviceMesh, forward) -> nn.Module:
+        """``module`` with ``forward(module, mesh, *args)`` in place of its own forward."""
+        def fused_forward(*args, **kwargs):
+            return forward(module, mesh, *args, **kwargs)
+
+        module.forward = fused_forward
+        return module
+
+    def _columns(self, mesh: DeviceMesh, x, linears, who: str) -> list[torch.Tensor]:
+        """``x`` (the module input, placed ``input_layouts`` when local) through column-parallel ``linears``:
+        each one's local output, sharded on its features. A sequence-sharded input is gathered once, fused
+        with every GEMM (``all_gather_matmul`` with one weight per linear); any other layout is gathered
+        through DTensor first."""
+        local, have = _local_input(x, self.input_layouts[0], mesh, who)
+        # weights read per call: fully_shard swaps in the unsharded parameters before each forward
+        ws = [lin.weight.to_local().t() for lin in linears]
+        n = mesh.size()
+        feature = local.ndim - 1
+        if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(local, have.dim, n, x):
+            ys = ops.all_gather_matmul(local, ws if len(ws) > 1 else ws[0], group=mesh.get_group(),
+                                       gather_dim=have.dim, algorithm=self.algorithm)
+            ys = list(ys) if len(ws) > 1 else [ys]
+        else:
+            if not isinstance(have, Replicate):
+                self._once(f"{who}: input placed %r on %d ranks has nothing to fuse; gathering it through "
+                           "DTensor first", have, n)
+                local = _redistributed(local, have, Replicate(), mesh, x)
+            elif n > 1:
+                # each rank's input gradient is its output features' part of the whole: summed over the mesh,
+                # as DTensor sums it for torch's style (a Partial gradient, or an all-reduce for a local input)
+                local = (x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor)
+                         else replicated(local, mesh.get_group()))
+            ys = [torch.matmul(local, w) for w in ws]
+        return [y + lin.bias.to_local() if lin.bias is not None else y for y, lin in zip(ys, linears)]
+
+    def _row(self, mesh: DeviceMesh, local: torch.Tensor, linear: nn.Linear, who: str) -> torch.Tensor:
+        """``local`` (sharded on its features) through the row-parallel ``linear``, the sum placed as
+        ``output_layouts`` says: a sequence-sharded output is ``matmul_reduce_scatter``, fused; anything else
+        is reduced through DTensor. Local or a DTensor as ``use_local_output`` says."""
+        feature = local.ndim - 1
+        w = linear.weight.to_local()
+        n = mesh.size()
+        want = _normalized(self.output_layouts[0], local.ndim)
+        bias = linear.bias
+        if isinstance(want, Shard) and want.dim != feature and n > 1 and local.shape[want.dim] % n == 0:
+            z = ops.matmul_reduce_scatter(local, w.t(), group=mesh.get_group(), scatter_dim=want.dim,
+                                          algorithm=self.algorithm)
+            return self._scattered(mesh, z, want, bias)
+        if n > 1:
+            self._once(f"{who}: output placed %r has no reduce-scatter to fuse (a replicated or feature-sharded "
+                       "output, or shards of unequal size); reducing through DTensor", want)
+        z = torch.matmul(local, w.t())
+        full = list(z.shape)
+        partial = DTensor.from_local(z, mesh, [Partial()], run_check=False, shape=torch.Size(full),
+                                     stride=contiguous_stride(full))
+        out = partial.redistribute(placements=[want])
+        if bias is not None:
+            out = out + bias
+        return out.to_local() if self.use_local_output else out
+
+    def _scattered(self, mesh: DeviceMesh, z: torch.Tensor, placed: Shard, bias) -> torch.Tensor:
+        """This rank's reduce-scattered piece ``z`` (placed ``placed``) plus the replicated ``bias``, handed on."""
+        if bias is not None:
+            # every rank adds the bias to its own rows: the gradient of the whole is the sum over the mesh
+            z = z + replicated(bias.to_local(), mesh.get_group())
+        full = list(z.shape)
+        full[placed.dim] *= mesh.size()
+        return self._output(z, placed, mesh, full)
+
     def __repr__(self) -> str:
         return (f"commfuse.tp.{type(self).__name__}(input_layouts={self.input_layouts[0]}, "
                 f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output}, "
@@ -177,42 +257,12 @@ class ColwiseParallel(_Style):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
-        self._distribute(module, "weight", device_mesh, Shard(0))
-        if module.bias is not None:
-            self._distribute(module, "bias", device_mesh, Shard(0))
-        style = self
-
-        def forward(x):
-            return style._forward(module, device_mesh, x)
-
-        module.forward = forward
-        return module
+        _colwise(self, module, device_mesh)
+        return self._install(module, device_mesh, self._forward)
 
     def _forward(self, module: nn.Linear, mesh: DeviceMesh, x) -> torch.Tensor:
-        local, have = _local_input(x, self.input_layouts[0], mesh, "commfuse.tp.ColwiseParallel")
-        weight = module.weight  # read per call: fully_shard swaps in the unsharded parameter before forward
-        w = weight.to_local()
-        n = mesh.size()
-        feature = local.ndim - 1
-        if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(local, have.dim, n, x):
-            y = ops.all_gather_matmul(local, w.t(), group=mesh.get_group(), gather_dim=have.dim,
-                                      algorithm=self.algorithm)
-            lead = list(y.shape[:-1])
-        else:
-            if not isinstance(have, Replicate):
-                self._once("commfuse.tp.ColwiseParallel: input placed %r on %d ranks has nothing to fuse; "
-                           "gathering it through DTensor first", have, n)
-                local = _redistributed(local, have, Replicate(), mesh, x)
-            elif n > 1:
-                # each rank's input gradient is its output features' part of the whole: summed over the mesh,
-                # as DTensor sums it for torch's style (a Partial gradient, or an all-reduce for a local input)
-                local = (x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor)
-                         else replicated(local, mesh.get_group()))
-            y = torch.matmul(local, w.t())
-            lead = list(y.shape[:-1])
-        if module.bias is not None:
-            y = y + module.bias.to_local()
-        return self._output(y, Shard(y.ndim - 1), mesh, lead + [module.out_features])
+        (y,) = self._columns(mesh, x, [module], "commfuse.tp.ColwiseParallel")
+        return self._output(y, Shard(y.ndim - 1), mesh, [*y.shape[:-1], module.out_features])
 
 
 class RowwiseParallel(_Style):
@@ -236,47 +286,160 @@ class RowwiseParallel(_Style):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._check(module, device_mesh)
-        self._distribute(module, "weight", device_mesh, Shard(1))
-        if module.bias is not None:
-            self._distribute(module, "bias", device_mesh, Replicate())
-        style = self
-
-        def forward(x):
-            return style._forward(module, device_mesh, x)
-
-        module.forward = forward
-        return module
+        _rowwise(self, module, device_mesh)
+        return self._install(module, device_mesh, self._forward)
 
     def _forward(self, module: nn.Linear, mesh: DeviceMesh, x) -> torch.Tensor:
-        local, have = _local_input(x, self.input_layouts[0], mesh, "commfuse.tp.RowwiseParallel")
+        who = "commfuse.tp.RowwiseParallel"
+        local, have = _local_input(x, self.input_layouts[0], mesh, who)
         feature = local.ndim - 1
         if have != Shard(feature):
-            self._once("commfuse.tp.RowwiseParallel: input placed %r, not on its features; moving it through "
-                       "DTensor first", have)
+            self._once(f"{who}: input placed %r, not on its features; moving it through DTensor first", have)
             local = _redistributed(local, have, Shard(feature), mesh, x)
-            x = None  # its shape no longer says anything of local's
-        w = module.weight.to_local()
+        return self._row(mesh, local, module, who)
+
+
+def _colwise(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
+    style._distribute(linear, "weight", mesh, Shard(0))
+    if linear.bias is not None:
+        style._distribute(linear, "bias", mesh, Shard(0))
+
+
+def _rowwise(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
+    style._distribute(linear, "weight", mesh, Shard(1))
+    if linear.bias is not None:
+        style._distribute(linear, "bias", mesh, Replicate())
+
+
+def _linears(style: _Style, module: nn.Module, names: dict[str, str], mesh: DeviceMesh) -> dict[str, nn.Linear]:
+    """The named ``nn.Linear`` children of a module a block style parallelizes, checked."""
+    style._check_mesh(mesh)
+    found = {}
+    for role, name in names.items():
+        child = getattr(module, name, None)
+        if not isinstance(child, nn.Linear):
+            raise CommfuseTypeError(
+                f"commfuse.tp.{type(style).__name__}: {type(module).__name__} has no nn.Linear {name!r} (its "
+                f"{role}); name the module's projections with the style's arguments"
+            )
+        style._check_linear(child)
+        found[role] = child
+    return found
+
+
+class SwiGLUParallel(_Style):
+    """A SwiGLU feed-forward block, ``w2(silu(w1(x)) * w3(x))``, its two up projections fed by one gather.
+
+    Apply it to the block (e.g. a Llama ``feed_forward``), not its linears:
+    ``w1`` and ``w3`` become column-parallel and ``w2`` row-parallel, with
+    torch's placements. With a sequence-sharded input (``input_layouts``,
+    default ``Shard(1)``) the forward is one ``all_gather_matmul`` serving both
+    up projections, the gate, and one ``matmul_reduce_scatter`` into
+    ``output_layouts`` (default ``Shard(1)``). ``w1``, ``w2``, ``w3`` name the
+    block's ``nn.Linear`` children.
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True, algorithm: str = "auto", w1: str = "w1", w2: str = "w2",
+                 w3: str = "w3") -> None:
+        super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
+                         use_local_output=use_local_output, algorithm=algorithm)
+        self.names = {"gate projection": w1, "down projection": w2, "up projection": w3}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        lin = _linears(self, module, self.names, device_mesh)
+        _colwise(self, lin["gate projection"], device_mesh)
+        _colwise(self, lin["up projection"], device_mesh)
+        _rowwise(self, lin["down projection"], device_mesh)
+        return self._install(module, device_mesh, self._forward)
+
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, x) -> torch.Tensor:
+        names = self.names
+        who = "commfuse.tp.SwiGLUParallel"
+        gate, up = self._columns(mesh, x, [getattr(module, names["gate projection"]),
+                                           getattr(module, names["up projection"])], who)
+        return self._row(mesh, nn.functional.silu(gate) * up, getattr(module, names["down projection"]), who)
+
+
+class AttentionParallel(_Style):
+    """Self-attention with heads split over the mesh and the queries split over the ring (TPSP, query-split).
+
+    Apply it to the attention block, whose ``wq``, ``wk``, ``wv`` and ``wo``
+    ``nn.Linear`` children (names are arguments) project to and from heads of
+    ``head_dim``: the projections become column-parallel and ``wo``
+    row-parallel, with torch's placements, so each rank holds whole heads
+    (grouped-query attention included). The forward, for a sequence-sharded
+    input (``input_layouts``, default ``Shard(1)``):
+
+    - one ``all_gather_matmul`` of the input serves the Q, K and V projections;
+    - ``rope(q, k, *args, **kwargs) -> (q, k)``, when given, turns the rotary
+      embeddings on with the block's own extra forward arguments (a Llama
+      block's ``freqs_cis``); q and k are (batch, sequence, local heads,
+      head_dim) over the whole sequence;
+    - with a sequence-sharded output (``output_layouts``, default
+      ``Shard(1)``) each query slice's attention and its ``wo`` partial are the
+      producer of a reduce-scatter ring (``produce_reduce_scatter``): the ring
+      carries one slice's partial while the next slice is computed.
+
+    ``causal`` (default True) masks each query to the keys up to its position.
+    """
+
+    def __init__(self, *, head_dim: int, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True, algorithm: str = "auto",
+                 causal: bool = True, rope=None, wq: str = "wq", wk: str = "wk", wv: str = "wv",
+                 wo: str = "wo") -> None:
+        super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
+                         use_local_output=use_local_output, algorithm=algorithm)
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise CommfuseValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if rope is not None and not callable(rope):
+            raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
+        self.head_dim, self.causal, self.rope = head_dim, causal, rope
+        self.names = {"query projection": wq, "key projection": wk, "value projection": wv,
+                      "output projection": wo}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        lin = _linears(self, module, self.names, device_mesh)
+        n, d = device_mesh.size(), self.head_dim
+        for role in ("query projection", "key projection", "value projection"):
+            out = lin[role].out_features
+            if out % d or (out // d) % n:
+                raise CommfuseValueError(
+                    f"commfuse.tp.AttentionParallel: the {role} has {out} features, which is not whole heads of "
+                    f"{d} split evenly over {n} ranks: every rank must hold whole heads"
+                )
+            _colwise(self, lin[role], device_mesh)
+        _rowwise(self, lin["output projection"], device_mesh)
+        return self._install(module, device_mesh, self._forward)
+
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, x, *args, **kwargs) -> torch.Tensor:
+        from commfuse.nn.attention import attend
+
+        who = "commfuse.tp.AttentionParallel"
+        names = self.names
+        q, k, v = self._columns(mesh, x, [getattr(module, names[r]) for r in
+                                          ("query projection", "key projection", "value projection")], who)
+        if q.ndim != 3:
+            raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {q.ndim}-D")
+        b, s, d = q.shape[0], q.shape[1], self.head_dim
+        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
+        if self.rope is not None:
+            q, k = self.rope(q, k, *args, **kwargs)
+        wo = getattr(module, names["output projection"])
         n = mesh.size()
-        want = _normalized(self.output_layouts[0], local.ndim)
-        bias = module.bias
-        if isinstance(want, Shard) and want.dim != feature and n > 1 and local.shape[want.dim] % n == 0:
-            z = ops.matmul_reduce_scatter(local, w.t(), group=mesh.get_group(), scatter_dim=want.dim,
-                                          algorithm=self.algorithm)
-            if bias is not None:
-                # every rank adds the bias to its own rows: the gradient of the whole is the sum over the mesh
-                z = z + replicated(bias.to_local(), mesh.get_group())
-            full = list(z.shape)
-            full[want.dim] *= n
-            return self._output(z, want, mesh, full)
-        if n > 1:
-            self._once("commfuse.tp.RowwiseParallel: output placed %r has no reduce-scatter to fuse (a "
-                       "replicated or feature-sharded output, or shards of unequal size); reducing through "
-                       "DTensor", want)
-        z = torch.matmul(local, w.t())
-        full = list(z.shape)
-        partial = DTensor.from_local(z, mesh, [Partial()], run_check=False, shape=torch.Size(full),
-                                     stride=contiguous_stride(full))
-        out = partial.redistribute(placements=[want])
-        if bias is not None:
-            out = out + bias
-        return out.to_local() if self.use_local_output else out
+        want = _normalized(self.output_layouts[0], 3)
+        causal = self.causal
+        if want == Shard(1) and n > 1 and s % n == 0:
+            rows = s // n
+
+            def producer(dest: int, q, k, v, w):  # query slice `dest`: its attention and out-projection partial
+                queries = slice(dest * rows, (dest + 1) * rows)
+                keys = slice(0, (dest + 1) * rows) if causal else slice(0, s)
+                o = attend(q[:, queries], k[:, keys], v[:, keys], causal=causal, q_offset=dest * rows)
+                return o.reshape(b, rows, -1) @ w.t()
+
+            z = ops.produce_reduce_scatter(producer, inputs=(q, k, v, wo.weight.to_local()),
+                                           group=mesh.get_group(), dim=1, algorithm=self.algorithm)
+            return self._scattered(mesh, z, want, wo.bias)
+        o = attend(q, k, v, causal=causal)
+        return self._row(mesh, o.reshape(b, s, -1), wo, who)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.schedule import offsets, split_sizes
@@ -68,6 +69,50 @@ def mesh_of(group, device) -> "object | None":
     return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type)
 
 
+def is_mesh(group) -> bool:
+    """Whether ``group`` is a DeviceMesh (a layer's group may be one: it is then its parameters' mesh)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        return False
+    return isinstance(group, DeviceMesh)
+
+
+def layer_mesh(group, resolved, world_size: int, device):
+    """The mesh of a layer's DTensor parameters: ``group`` itself when it is a 1-D DeviceMesh, else one over
+    the ``resolved`` process group; None at world size 1 (plain tensors are then the whole)."""
+    if world_size == 1:
+        return None
+    return group if is_mesh(group) else mesh_of(resolved, device)
+
+
+def as_param(t: torch.Tensor, mesh, placement, full_shape) -> nn.Parameter:
+    """``t`` (this rank's piece) as a parameter: a DTensor placed ``placement`` on ``mesh`` with the whole
+    layer's ``full_shape``, so that ``clip_grad_norm_``, ``state_dict``, checkpoints and optimizers see the
+    whole; ``t`` itself when ``mesh`` is None."""
+    return nn.Parameter(as_dtensor(t, mesh, placement, full_shape))
+
+
+def as_dtensor(t: torch.Tensor, mesh, placement, full_shape) -> torch.Tensor:
+    """``t`` (this rank's piece) as a DTensor placed ``placement`` on ``mesh`` (``t`` when ``mesh`` is None)."""
+    if mesh is None:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    full = torch.Size(full_shape)
+    return DTensor.from_local(t, mesh, [placement], run_check=False, shape=full, stride=contiguous_stride(full))
+
+
+def even(what: str, size: int, n: int, name: str) -> None:
+    """Refuse a dim that does not split evenly over the ranks: a DTensor's pieces are ``torch.chunk``'s."""
+    if n > 1 and size % n:
+        raise CommfuseValueError(
+            f"{name}: {what} = {size} does not divide by the group size {n}: its parameters are DTensors, whose "
+            f"shards must all be alike here; pick sizes divisible by {n}, or use commfuse.tp's styles on an "
+            "nn.Linear (DTensor's own uneven layout)"
+        )
+
+
 def gather_dim(t: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
     """The whole tensor from every rank's ``tensor_split`` piece along ``dim`` (exact copy, uneven allowed)."""
     rank, n = world(group)
@@ -121,8 +166,6 @@ def load_row_shard(layer, linear) -> None:
 
 def linear_from_row_shards(layer):
     """The whole ``nn.Linear`` of a layer whose weight and bias rows are sharded over ``layer.group``."""
-    from torch import nn
-
     linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
                        device=local(layer.weight).device, dtype=layer.weight.dtype)
     with torch.no_grad():

@@ -33,8 +33,8 @@ from torch import nn
 import commfuse.ops as ops
 from commfuse import backends
 from commfuse.errors import CommfuseValueError
-from commfuse.nn._common import gather_dim, replicated, resolve_group, world
-from commfuse.nn.linear import _init_linear
+from commfuse.nn._common import as_param, gather_dim, layer_mesh, local, replicated, resolve_group, world
+from commfuse.nn.linear import _init_linear, _placement
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import resolve_call
 
@@ -92,42 +92,54 @@ class ParallelAttention(nn.Module):
         hq = self.num_heads // self.world_size * self.head_dim
         hkv = self.num_kv_heads // self.world_size * self.head_dim
         kw = dict(device=device, dtype=dtype)
-        self.wq = nn.Parameter(torch.empty(hq, hidden_size, **kw))
-        self.wk = nn.Parameter(torch.empty(hkv, hidden_size, **kw))
-        self.wv = nn.Parameter(torch.empty(hkv, hidden_size, **kw))
-        self.wo = nn.Parameter(torch.empty(hidden_size, hq, **kw))
-        self.bq = nn.Parameter(torch.empty(hq, **kw)) if bias else None
-        self.bk = nn.Parameter(torch.empty(hkv, **kw)) if bias else None
-        self.bv = nn.Parameter(torch.empty(hkv, **kw)) if bias else None
-        self.bo = nn.Parameter(torch.empty(hidden_size, **kw)) if bias else None
-        for w, b in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)):
+        wq, wk, wv = (torch.empty(hq, hidden_size, **kw), torch.empty(hkv, hidden_size, **kw),
+                      torch.empty(hkv, hidden_size, **kw))
+        wo = torch.empty(hidden_size, hq, **kw)
+        bq, bk, bv, bo = ((torch.empty(hq, **kw), torch.empty(hkv, **kw), torch.empty(hkv, **kw),
+                           torch.empty(hidden_size, **kw)) if bias else (None,) * 4)
+        for w, b in ((wq, bq), (wk, bk), (wv, bv)):
             _init_linear(w, b, hidden_size)
-        _init_linear(self.wo, self.bo, self.num_heads * self.head_dim)
+        _init_linear(wo, bo, self.num_heads * self.head_dim)
+        # With more than one rank: DTensors on the group's mesh with the placements of torch's styles (the
+        # projections' rows Shard(0), the out-projection's columns Shard(1), its bias replicated), so that
+        # clip_grad_norm_, state_dict and checkpoints see the whole layer; the ops work on the local shards.
+        mesh = self._mesh = layer_mesh(group, self.group, self.world_size, device)
+        from_rows, full_q, full_kv = _placement("shard", 0), self.num_heads * self.head_dim, \
+            self.num_kv_heads * self.head_dim
+        self.wq = as_param(wq, mesh, from_rows, (full_q, hidden_size))
+        self.wk = as_param(wk, mesh, from_rows, (full_kv, hidden_size))
+        self.wv = as_param(wv, mesh, from_rows, (full_kv, hidden_size))
+        self.wo = as_param(wo, mesh, _placement("shard", 1), (hidden_size, full_q))
+        self.bq = as_param(bq, mesh, from_rows, (full_q,)) if bias else None
+        self.bk = as_param(bk, mesh, from_rows, (full_kv,)) if bias else None
+        self.bv = as_param(bv, mesh, from_rows, (full_kv,)) if bias else None
+        self.bo = as_param(bo, mesh, _placement("replicate"), (hidden_size,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, local, _ = x.shape
-        q, k, v = ops.all_gather_matmul(x, [self.wq.t(), self.wk.t(), self.wv.t()], group=self.group, gather_dim=1,
-                                        algorithm=self.algorithm, backend=self.backend)
+        b, rows_here, _ = x.shape
+        q, k, v = ops.all_gather_matmul(x, [local(self.wq).t(), local(self.wk).t(), local(self.wv).t()],
+                                        group=self.group, gather_dim=1, algorithm=self.algorithm,
+                                        backend=self.backend)
         if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
+            q, k, v = q + local(self.bq), k + local(self.bk), v + local(self.bv)
         s, d = q.shape[1], self.head_dim
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
         causal = self.causal
 
         def producer(dest: int, q, k, v, wo):  # query slice `dest`: its attention and out-projection partial
-            rows = slice(dest * local, (dest + 1) * local)
-            keys = slice(0, (dest + 1) * local) if causal else slice(0, s)
-            o = attend(q[:, rows], k[:, keys], v[:, keys], causal=causal, q_offset=dest * local)
-            return o.reshape(b, local, -1) @ wo.t()
+            rows = slice(dest * rows_here, (dest + 1) * rows_here)
+            keys = slice(0, (dest + 1) * rows_here) if causal else slice(0, s)
+            o = attend(q[:, rows], k[:, keys], v[:, keys], causal=causal, q_offset=dest * rows_here)
+            return o.reshape(b, rows_here, -1) @ wo.t()
 
         # auto decided here, on the partials' size (the same on every rank), as for every other op: left to
         # produce_reduce_scatter it would run one attention slice an extra time to learn that size
         call = resolve_call("reduce_scatter", self.algorithm, group=self.group, backend=self.backend,
-                            device=x.device, slice_bytes=b * local * self.hidden_size * x.element_size())
+                            device=x.device, slice_bytes=b * rows_here * self.hidden_size * x.element_size())
         algorithm = "vanilla" if call is None else call.spec.shown
-        out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, self.wo), group=self.group, dim=1,
+        out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, local(self.wo)), group=self.group, dim=1,
                                          algorithm=algorithm, backend=self.backend)
-        return out + replicated(self.bo, self.group) if self.bo is not None else out
+        return out + replicated(local(self.bo), self.group) if self.bo is not None else out
 
     @classmethod
     def from_linears(cls, q_proj: nn.Linear, k_proj: nn.Linear, v_proj: nn.Linear, o_proj: nn.Linear, *,
@@ -139,17 +151,17 @@ class ParallelAttention(nn.Module):
             layer = cls(q_proj.in_features, num_heads, num_kv_heads=num_kv_heads, causal=causal,
                         bias=q_proj.bias is not None, group=group, algorithm=algorithm, device=w.device, dtype=w.dtype)
         r = layer.rank
-        hq, hkv = layer.wq.shape[0], layer.wk.shape[0]
+        hq, hkv = local(layer.wq).shape[0], local(layer.wk).shape[0]
         with torch.no_grad():
-            layer.wq.copy_(q_proj.weight[r * hq : (r + 1) * hq])
-            layer.wk.copy_(k_proj.weight[r * hkv : (r + 1) * hkv])
-            layer.wv.copy_(v_proj.weight[r * hkv : (r + 1) * hkv])
-            layer.wo.copy_(o_proj.weight[:, r * hq : (r + 1) * hq])
+            local(layer.wq).copy_(q_proj.weight[r * hq : (r + 1) * hq])
+            local(layer.wk).copy_(k_proj.weight[r * hkv : (r + 1) * hkv])
+            local(layer.wv).copy_(v_proj.weight[r * hkv : (r + 1) * hkv])
+            local(layer.wo).copy_(o_proj.weight[:, r * hq : (r + 1) * hq])
             if layer.bq is not None:
-                layer.bq.copy_(q_proj.bias[r * hq : (r + 1) * hq])
-                layer.bk.copy_(k_proj.bias[r * hkv : (r + 1) * hkv])
-                layer.bv.copy_(v_proj.bias[r * hkv : (r + 1) * hkv])
-                layer.bo.copy_(o_proj.bias)
+                local(layer.bq).copy_(q_proj.bias[r * hq : (r + 1) * hq])
+                local(layer.bk).copy_(k_proj.bias[r * hkv : (r + 1) * hkv])
+                local(layer.bv).copy_(v_proj.bias[r * hkv : (r + 1) * hkv])
+                local(layer.bo).copy_(o_proj.bias)
         return layer
 
     def to_linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
@@ -158,18 +170,18 @@ class ParallelAttention(nn.Module):
         out = []
         for w, bias, rows in ((self.wq, self.bq, self.num_heads), (self.wk, self.bk, self.num_kv_heads),
                               (self.wv, self.bv, self.num_kv_heads)):
-            lin = nn.Linear(h, rows * self.head_dim, bias=bias is not None, device=w.device, dtype=w.dtype)
+            lin = nn.Linear(h, rows * self.head_dim, bias=bias is not None, device=local(w).device, dtype=w.dtype)
             with torch.no_grad():
                 lin.weight.copy_(gather_dim(w, 0, rows * self.head_dim, g))
                 if bias is not None:
                     lin.bias.copy_(gather_dim(bias, 0, rows * self.head_dim, g))
             out.append(lin)
-        o = nn.Linear(self.num_heads * self.head_dim, h, bias=self.bo is not None, device=self.wo.device,
+        o = nn.Linear(self.num_heads * self.head_dim, h, bias=self.bo is not None, device=local(self.wo).device,
                       dtype=self.wo.dtype)
         with torch.no_grad():
             o.weight.copy_(gather_dim(self.wo, 1, self.num_heads * self.head_dim, g))
             if self.bo is not None:
-                o.bias.copy_(self.bo)
+                o.bias.copy_(local(self.bo))
         out.append(o)
         return tuple(out)
 

@@ -23,9 +23,13 @@ from torch import nn
 import commfuse.ops as ops
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
+    as_param,
+    even,
     gather_dim,
+    layer_mesh,
     linear_from_row_shards,
     load_row_shard,
+    local,
     replicated,
     resolve_group,
     shard_range,
@@ -41,6 +45,13 @@ def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -
         nn.init.uniform_(bias, -bound, bound)
 
 
+def _placement(kind: str, dim: int = 0):
+    """A DTensor placement (imported on first use: a layer at world size 1 needs none)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Shard(dim) if kind == "shard" else Replicate()
+
+
 class _TPLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group, sequence_dim: int,
                  algorithm: str, device=None, dtype=None) -> None:
@@ -51,6 +62,10 @@ class _TPLinear(nn.Module):
         self.sequence_dim = sequence_dim
         self.algorithm = algorithm
         self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
+        # With more than one rank the parameters are DTensors on the group's mesh (a 1-D DeviceMesh given as
+        # the group is that mesh) with torch's TP placements, so that clip_grad_norm_, state_dict, checkpoints
+        # and optimizers see the whole layer; the ops work on the local shards.
+        self._mesh = layer_mesh(group, self.group, self.world_size, device)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -70,18 +85,22 @@ class ColumnParallelLinear(_TPLinear):
                  sequence_dim: int = 1, algorithm: str = "auto", keep_gathered: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_dim=sequence_dim,
-                         algorithm=algorithm)
+                         algorithm=algorithm, device=device, dtype=dtype)
         self.keep_gathered = keep_gathered
+        even("out_features", out_features, self.world_size, "ColumnParallelLinear")
         _, rows = shard_range(out_features, self.rank, self.world_size)
-        self.weight = nn.Parameter(torch.empty(rows, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
-        _init_linear(self.weight, self.bias, in_features)
+        weight = torch.empty(rows, in_features, device=device, dtype=dtype)
+        bias_ = torch.empty(rows, device=device, dtype=dtype) if bias else None
+        _init_linear(weight, bias_, in_features)
+        shard = _placement("shard", 0)
+        self.weight = as_param(weight, self._mesh, shard, (out_features, in_features))
+        self.bias = as_param(bias_, self._mesh, shard, (out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.all_gather_matmul(x, self.weight.t(), group=self.group, gather_dim=self.sequence_dim,
+        y = ops.all_gather_matmul(x, local(self.weight).t(), group=self.group, gather_dim=self.sequence_dim,
                                   algorithm=self.algorithm, keep_gathered=self.keep_gathered,
                                   backend=self.backend)
-        return y + self.bias if self.bias is not None else y
+        return y + local(self.bias) if self.bias is not None else y
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, sequence_dim: int = 1, algorithm: str = "auto",
@@ -111,16 +130,19 @@ class RowParallelLinear(_TPLinear):
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
                  sequence_dim: int = 1, algorithm: str = "auto", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_dim=sequence_dim,
-                         algorithm=algorithm)
+                         algorithm=algorithm, device=device, dtype=dtype)
+        even("in_features", in_features, self.world_size, "RowParallelLinear")
         _, cols = shard_range(in_features, self.rank, self.world_size)
-        self.weight = nn.Parameter(torch.empty(out_features, cols, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        _init_linear(self.weight, self.bias, in_features)
+        weight = torch.empty(out_features, cols, device=device, dtype=dtype)
+        bias_ = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+        _init_linear(weight, bias_, in_features)
+        self.weight = as_param(weight, self._mesh, _placement("shard", 1), (out_features, in_features))
+        self.bias = as_param(bias_, self._mesh, _placement("replicate"), (out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = ops.matmul_reduce_scatter(x, self.weight.t(), group=self.group, scatter_dim=self.sequence_dim,
+        z = ops.matmul_reduce_scatter(x, local(self.weight).t(), group=self.group, scatter_dim=self.sequence_dim,
                                       algorithm=self.algorithm, backend=self.backend)
-        return z + replicated(self.bias, self.group) if self.bias is not None else z
+        return z + replicated(local(self.bias), self.group) if self.bias is not None else z
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, sequence_dim: int = 1,
@@ -132,18 +154,18 @@ class RowParallelLinear(_TPLinear):
                         dtype=linear.weight.dtype)
         start, cols = shard_range(linear.in_features, layer.rank, layer.world_size)
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, start : start + cols])
+            local(layer.weight).copy_(linear.weight[:, start : start + cols])
             if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
+                local(layer.bias).copy_(linear.bias)
         return layer
 
     def to_linear(self) -> nn.Linear:
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                           device=self.weight.device, dtype=self.weight.dtype)
+                           device=local(self.weight).device, dtype=self.weight.dtype)
         with torch.no_grad():
             linear.weight.copy_(gather_dim(self.weight, 1, self.in_features, self.group))
             if self.bias is not None:
-                linear.bias.copy_(self.bias)
+                linear.bias.copy_(local(self.bias))
         return linear
 
 

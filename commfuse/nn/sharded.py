@@ -19,11 +19,11 @@ from torch import nn
 
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
-    contiguous_stride,
+    as_dtensor,
     linear_from_row_shards,
     load_row_shard,
     local,
-    mesh_of,
+    layer_mesh,
     resolve_group,
     shard_range,
     world,
@@ -95,14 +95,6 @@ class _ShardedLinear(torch.autograd.Function):
         return None, None, dx, dw, db
 
 
-def _is_mesh(group) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without device_mesh
-        return False
-    return isinstance(group, DeviceMesh)
-
-
 class ShardedLinear(nn.Module):
     """A linear layer whose weight lives sharded over the data-parallel group (ZeRO-3 / FSDP).
 
@@ -132,7 +124,7 @@ class ShardedLinear(nn.Module):
         # clip_grad_norm_, state_dict, distributed checkpoints and optimizers see the whole layer; the ops work
         # on their local shards. fully_shard must leave them alone (commfuse.fsdp.fully_shard does).
         # a DeviceMesh given as the group is the mesh: give fully_shard the same one
-        self._mesh = (group if _is_mesh(group) else mesh_of(self.group, device)) if self.world_size > 1 else None
+        self._mesh = layer_mesh(group, self.group, self.world_size, device)
         self.weight = nn.Parameter(self._distributed(weight))
         self.bias = nn.Parameter(self._distributed(bias_)) if bias else None
         self._own = (self.weight, self.bias)
@@ -164,12 +156,9 @@ class ShardedLinear(nn.Module):
         self._own = (self.weight, self.bias)
 
     def _distributed(self, t: torch.Tensor) -> torch.Tensor:
-        if self._mesh is None:
-            return t
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
 
-        full = torch.Size([t.shape[0] * self.world_size, *t.shape[1:]])
-        return DTensor.from_local(t, self._mesh, [Shard(0)], run_check=False, shape=full, stride=contiguous_stride(full))
+        return as_dtensor(t, self._mesh, Shard(0), [t.shape[0] * self.world_size, *t.shape[1:]])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

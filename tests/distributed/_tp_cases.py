@@ -74,7 +74,9 @@ def _plans(algorithm="ring"):
 
 
 class _Counted:
-    """The fused ops as commfuse.tp sees them, counted while the block runs."""
+    """The fused ops as commfuse.tp sees them, counted while the block runs (each call goes through to the
+    real op): a style that fell back to DTensor's moves would still match torch, so the tests also check
+    that the fusion happened."""
 
     def __init__(self):
         from commfuse import tp as tp_module
@@ -83,17 +85,18 @@ class _Counted:
         self.calls = {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
 
     def __enter__(self):
-        self.saved = self.module.ops
-        calls, real = self.calls, self.saved
+        self.saved = real = self.module.ops
+        calls = self.calls
 
         class Ops:
-            def all_gather_matmul(self, *args, **kwargs):
-                calls["all_gather_matmul"] += 1
-                return real.all_gather_matmul(*args, **kwargs)
+            def __getattr__(self, name):
+                op = getattr(real, name)
 
-            def matmul_reduce_scatter(self, *args, **kwargs):
-                calls["matmul_reduce_scatter"] += 1
-                return real.matmul_reduce_scatter(*args, **kwargs)
+                def counted(*args, **kwargs):
+                    calls[name] = calls.get(name, 0) + 1
+                    return op(*args, **kwargs)
+
+                return counted
 
         self.module.ops = Ops()
         return self.calls
@@ -334,4 +337,132 @@ def with_fsdp(rank, n):
             _close(po, pt, f"{name} after 4 AdamW steps")
 
     _run(results, "tp-then-fully-shard", train)
+    return results
+
+
+def nn_layers(rank, n):
+    """commfuse.nn's tensor-parallel layers hold DTensor parameters: clip_grad_norm_ is the whole model's on
+    every rank, the state dict has the whole layer's shapes, and sizes that do not split evenly are refused."""
+    from commfuse.nn import ColumnParallelLinear, ParallelAttention, ParallelMLP
+
+    results = {}
+
+    def norms():
+        torch.manual_seed(3)
+        fc1, fc2 = nn.Linear(16, 8 * n), nn.Linear(8 * n, 16)
+        ref_mlp = nn.Sequential(fc1, nn.GELU(), fc2)
+        mlp = ParallelMLP.from_linears(fc1, fc2, algorithm="ring")
+        # attention: 2n heads of 4 over 8n features, n key/value heads (grouped-query)
+        hd = 8 * n
+        q, k, v, o = nn.Linear(hd, hd), nn.Linear(hd, 4 * n), nn.Linear(hd, 4 * n), nn.Linear(hd, hd)
+        attn = ParallelAttention.from_linears(q, k, v, o, num_heads=2 * n, num_kv_heads=n, causal=True)
+        x = torch.randn(2, 3 * n, 16)
+        ref_mlp(x).square().sum().backward()
+        mlp(x.tensor_split(n, dim=1)[rank]).square().sum().backward()
+        got = torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1e9)
+        want = torch.nn.utils.clip_grad_norm_(ref_mlp.parameters(), 1e9)
+        _close(got, want, "ParallelMLP clip_grad_norm_ against the unsharded MLP's")
+        every = [torch.zeros(()) for _ in range(n)]
+        torch.distributed.all_gather(every, _full(got).detach().reshape(()))
+        if len({round(float(v), 5) for v in every}) != 1:
+            raise AssertionError(f"clip_grad_norm_ differs between ranks: {[float(v) for v in every]}")
+        state = mlp.state_dict()
+        for key, want_shape in (("fc1.weight", fc1.weight.shape), ("fc1.bias", fc1.bias.shape),
+                                ("fc2.weight", fc2.weight.shape), ("fc2.bias", fc2.bias.shape)):
+            if state[key].shape != want_shape:
+                raise AssertionError(f"state_dict[{key!r}] has shape {list(state[key].shape)}, the layer's "
+                                     f"{list(want_shape)}")
+            _close(state[key], dict(fc1=fc1, fc2=fc2)[key[:3]].state_dict()[key[4:]], f"state_dict[{key!r}]")
+        attn(torch.randn(2, 3 * n, hd).tensor_split(n, dim=1)[rank]).sum().backward()
+        for name, p in attn.named_parameters():
+            if n > 1 and not isinstance(p, DTensor):
+                raise AssertionError(f"ParallelAttention.{name} is a {type(p).__name__}, not a DTensor")
+        if attn.state_dict()["wq"].shape != q.weight.shape:
+            raise AssertionError(f"ParallelAttention wq in the state dict: {list(attn.state_dict()['wq'].shape)}")
+
+    def uneven():
+        if n == 1:
+            return
+        try:
+            ColumnParallelLinear(16, 8 * n + 1)
+        except cf.errors.CommfuseValueError as e:
+            assert "does not divide" in str(e) and "commfuse.tp" in str(e), e
+        else:
+            raise AssertionError("an out_features that does not split evenly was taken")
+
+    _run(results, "clip-norm-and-state-dict", norms)
+    _run(results, "uneven-refused", uneven)
+    return results
+
+
+def block_styles(rank, n):
+    """The block styles with a replicated (all-reduced) output, where nothing is fused into the reduction,
+    against torch's styles; and the errors they give for blocks they cannot parallelize."""
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import llama_block
+
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    cache = llama_block.rope_cache(8, 4 * n)
+
+    def replicated_out():
+        for which in ("feed_forward", "attention"):
+            torch.manual_seed(4)
+            base = llama_block.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n)
+            ours = llama_block.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n)
+            ours.load_state_dict(base.state_dict())
+            if which == "feed_forward":
+                theirs_plan = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                  desired_input_layouts=(Replicate(),)),
+                               "feed_forward.w1": TorchColwise(), "feed_forward.w3": TorchColwise(),
+                               "feed_forward.w2": TorchRowwise()}
+                ours_plan = {"feed_forward": tp.SwiGLUParallel(output_layouts=Replicate())}
+            else:
+                theirs_plan = {"attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                               desired_input_layouts=(Replicate(), None)),
+                               "attention.wq": TorchColwise(), "attention.wk": TorchColwise(),
+                               "attention.wv": TorchColwise(), "attention.wo": TorchRowwise()}
+                ours_plan = {"attention": tp.AttentionParallel(head_dim=8, rope=llama_block.apply_rope,
+                                                               output_layouts=Replicate())}
+            parallelize_module(base, mesh, theirs_plan)
+            parallelize_module(ours, mesh, ours_plan)
+            x = torch.randn(2, 4 * n, 8 * n).tensor_split(n, dim=1)[rank]
+            outs = []
+            for block in (base, ours):
+                xi = x.clone().requires_grad_()
+                sub = getattr(block, which)
+                y = sub(xi, cache) if which == "attention" else sub(xi)
+                y.square().sum().backward()
+                outs.append((xi, y, sub))
+            (xt, yt, st), (xo, yo, so) = outs
+            _close(yo, yt, f"{which} output (replicated)")
+            _close(xo.grad, xt.grad, f"{which} input grad")
+            for (name, pt), (_, po) in zip(st.named_parameters(), so.named_parameters()):
+                _close(po.grad, pt.grad, f"{which}.{name} grad")
+
+    def errors():
+        for make, kind, words in ((lambda: tp.AttentionParallel(head_dim=0), cf.errors.CommfuseValueError,
+                                   "head_dim"),
+                                  (lambda: tp.AttentionParallel(head_dim=8, rope=3), cf.errors.CommfuseTypeError,
+                                   "rope"),
+                                  (lambda: parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh,
+                                                              tp.SwiGLUParallel()), cf.errors.CommfuseTypeError,
+                                   "'w1'"),
+                                  (lambda: parallelize_module(llama_block.Attention(8 * n, 2 * n + 1, 1), mesh,
+                                                              tp.AttentionParallel(head_dim=1)),
+                                   cf.errors.CommfuseValueError, "whole heads")):
+            try:
+                make()
+            except kind as e:
+                assert words in str(e), e
+            else:
+                raise AssertionError(f"no {kind.__name__} naming {words}")
+
+    _run(results, "block-styles-replicated-out", replicated_out)
+    _run(results, "block-styles-errors", errors)
     return results

@@ -48,3 +48,14 @@ def test_errors_and_log(name):
 
 def test_tp_then_fully_shard_on_a_2x2_mesh():
     _check("with_fsdp", 4, "tp-then-fully-shard")
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("name", ("clip-norm-and-state-dict", "uneven-refused"))
+def test_nn_layers_hold_dtensor_parameters(n, name):
+    _check("nn_layers", n, name)
+
+
+@pytest.mark.parametrize("name", ("block-styles-replicated-out", "block-styles-errors"))
+def test_block_styles(name):
+    _check("block_styles", 2, name)
