@@ -51,26 +51,29 @@ class _ShardedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call, average: bool, x: torch.Tensor, weight: torch.Tensor, bias):
+    def forward(ctx, call, layer: "ShardedLinear", x: torch.Tensor, weight: torch.Tensor, bias):
         n = call.world_size
         rows = weight.shape[0]
         y = x.new_empty(*x.shape[:-1], rows * n)
+        compute = x.dtype  # the layer's param_dtype when it has one (the module cast x)
 
         def consume(w_s: torch.Tensor, s: int) -> None:
             y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
 
-        pipelined.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.forward")
+        # a mixed-precision layer gathers its shards already cast: half the bytes on the ring
+        pipelined.all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
+                                          label="sharded_linear.forward")
         if bias is not None:
-            y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach(), pipelined.collect, 0,
-                                                       label="sharded_linear.bias"))
-        ctx.call, ctx.average, ctx.has_bias = call, average, bias is not None
+            y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach().to(compute), pipelined.collect, 0,
+                                                             label="sharded_linear.bias"))
+        ctx.call, ctx.layer, ctx.has_bias = call, layer, bias is not None
         ctx.save_for_backward(x, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        call = ctx.call
+        call, layer = ctx.call, ctx.layer
         n, rows = call.world_size, weight.shape[0]
         need_x, need_w, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dx = dw = db = None
@@ -80,19 +83,31 @@ class _ShardedLinear(torch.autograd.Function):
             def consume(w_s: torch.Tensor, s: int) -> None:
                 dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
 
-            pipelined.all_gather_consume_core(call, weight.detach(), consume, 0, keep=False, label="sharded_linear.dgrad")
+            pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
+                                              label="sharded_linear.dgrad")
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_w:
-            x2 = x.reshape(-1, x.shape[-1])
-            dw = pipelined.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].t() @ x2, 0,
-                                                 label="sharded_linear.wgrad", inplace=True)
-        if ctx.has_bias and need_b:
-            db = pipelined.produce_reduce_scatter_core(call, lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0), 0,
-                                                 label="sharded_linear.bgrad", inplace=True)
-        if ctx.average:
+        reduce = layer.reduce_dtype or weight.dtype  # the gradients travel and sum in this dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        wgrad = (lambda d: (dy2[:, d * rows : (d + 1) * rows].t() @ x2).to(reduce)) if need_w else None
+        bgrad = (lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0).to(reduce)) if ctx.has_bias and need_b else None
+        if not layer.requires_gradient_sync:
+            # accumulate this rank's whole gradient without reducing it; the next synced backward reduces the sum
+            layer._hold("weight", [wgrad(d) for d in range(n)] if wgrad else None)
+            layer._hold("bias", [bgrad(d) for d in range(n)] if bgrad else None)
+            return None, None, dx, None, None
+        if wgrad is not None:
+            wgrad = layer._with_held("weight", wgrad)
+            dw = pipelined.produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
+        if bgrad is not None:
+            bgrad = layer._with_held("bias", bgrad)
+            db = pipelined.produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
+        layer._held.clear()
+        if layer.reduce == "avg":
             dw = dw / n if dw is not None else None
             db = db / n if db is not None else None
-        return None, None, dx, dw, db
+        # the parameters' own dtype (a mixed-precision layer keeps full-precision shards)
+        return (None, None, dx, dw.to(weight.dtype) if dw is not None else None,
+                db.to(weight.dtype) if db is not None else None)
 
 
 class ShardedLinear(nn.Module):
@@ -104,7 +119,8 @@ class ShardedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
-                 algorithm: str = "auto", reduce: str = "avg", device=None, dtype=None) -> None:
+                 algorithm: str = "auto", reduce: str = "avg", param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, device=None, dtype=None) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.rank, self.world_size = world(self.group)
@@ -115,6 +131,16 @@ class ShardedLinear(nn.Module):
         if reduce not in ("avg", "sum"):
             raise CommfuseValueError(f"reduce must be 'avg' or 'sum', got {reduce!r}")
         self.in_features, self.out_features, self.algorithm, self.reduce = in_features, out_features, algorithm, reduce
+        for name, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise CommfuseValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
+        #: mixed precision, as FSDP2's MixedPrecisionPolicy: the dtype the shards are gathered and computed in,
+        #: and the one the gradients are reduced in (None: the parameters' own)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        #: False: backward passes accumulate this rank's whole gradient unreduced (gradient accumulation); the
+        #: next backward with True reduce-scatters the sum (see commfuse.fsdp.no_sync)
+        self.requires_gradient_sync = True
+        self._held: dict[str, list[torch.Tensor]] = {}
         self.backend = None  # a backend name or object for the ops; None: the one that fits the tensors
         _, rows = shard_range(out_features, self.rank, self.world_size)
         weight = torch.empty(rows, in_features, device=device, dtype=dtype)
@@ -155,6 +181,29 @@ class ShardedLinear(nn.Module):
             setattr(self, name, new)
         self._own = (self.weight, self.bias)
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether backward reduces the gradients (True) or accumulates them unreduced (False), as FSDP2's
+        method of the same name."""
+        self.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def _hold(self, name: str, parts: list[torch.Tensor] | None) -> None:
+        """Add an unreduced gradient (its row blocks, one per rank) to what the next synced backward reduces."""
+        if parts is None:
+            return
+        held = self._held.get(name)
+        if held is None:
+            self._held[name] = parts
+        else:
+            for mine, more in zip(held, parts):
+                mine.add_(more)
+
+    def _with_held(self, name: str, produce):
+        """``produce`` plus the gradient accumulated since the last reduction, block by block."""
+        held = self._held.get(name)
+        if held is None:
+            return produce
+        return lambda d: produce(d).add_(held[d])
+
     def _distributed(self, t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Shard
 
@@ -174,15 +223,21 @@ class ShardedLinear(nn.Module):
                 "commfuse.fsdp.fully_shard(model, mesh=...), or pass "
                 "ignored_params=commfuse.fsdp.sharded_params(model) to torch's fully_shard"
             )
+        compute = self.param_dtype
+        if compute is not None and x.is_floating_point():
+            x = x.to(compute)
         if self.world_size == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
+            w, b = self.weight, self.bias
+            if compute is not None:
+                w, b = w.to(compute), (b.to(compute) if b is not None else None)
+            return nn.functional.linear(x, w, b)
         # auto decides on the largest shard (tensor_split puts it first), the same on every rank
         rows = -(-self.out_features // self.world_size)
+        size = compute.itemsize if compute is not None else self.weight.element_size()
         call = resolve_call("all_gather", self.algorithm, group=self.group, backend=self.backend, device=x.device,
-                            slice_bytes=rows * self.in_features * self.weight.element_size())
+                            slice_bytes=rows * self.in_features * size)
         bias = self.bias
-        return _ShardedLinear.apply(call, self.reduce == "avg", x, local(self.weight),
-                                    local(bias) if bias is not None else None)
+        return _ShardedLinear.apply(call, self, x, local(self.weight), local(bias) if bias is not None else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, algorithm: str = "auto",

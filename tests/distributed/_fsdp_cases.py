@@ -112,7 +112,63 @@ def with_fully_shard(rank, n):
         else:
             raise AssertionError("a ShardedLinear ran with a weight it did not make")
 
+    def gradient_accumulation():
+        ref, mine = _models(n)
+        cf.fsdp.fully_shard(mine, mesh=mesh)
+        g = torch.Generator().manual_seed(8)
+        batches = [torch.randn(2 * n, 3, 8, generator=g) for _ in range(3)]
+        for x in batches:
+            (ref(x).square().sum() / n).backward()  # the reference accumulates the three micro-batches
+        with cf.fsdp.no_sync(mine):
+            for x in batches[:2]:
+                mine(x.tensor_split(n)[rank]).square().sum().backward()
+            if mine[0].weight.grad is not None:
+                raise AssertionError("ShardedLinear reduced a gradient inside no_sync")
+            if mine[0].requires_gradient_sync:
+                raise AssertionError("no_sync left ShardedLinear's gradient sync on")
+        mine(batches[2].tensor_split(n)[rank]).square().sum().backward()  # synced: reduces all three
+        for (name, pr), (_, pm) in zip(ref.named_parameters(), mine.named_parameters()):
+            _close(pm.grad, pr.grad, f"{name} grad after 2 unsynced and 1 synced micro-batches")
+        # the held sums were used once: another synced backward reduces only its own micro-batch
+        for p in (*ref.parameters(), *mine.parameters()):
+            p.grad = None
+        x = batches[0]
+        (ref(x).square().sum() / n).backward()
+        mine(x.tensor_split(n)[rank]).square().sum().backward()
+        _close(mine[0].weight.grad, ref[0].weight.grad, "ShardedLinear grad of a lone synced micro-batch")
+
+    def mixed_precision():
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(31)
+        lin = nn.Linear(8, 4 * n)
+        mine = nn.Sequential(ShardedLinear.from_linear(lin, algorithm="ring"))
+        theirs = nn.Sequential(nn.Linear(8, 4 * n))  # FSDP2's own sharding with the same policy
+        theirs[0].load_state_dict(lin.state_dict())
+        cf.fsdp.fully_shard(mine, mesh=mesh, mp_policy=policy)
+        fully_shard(theirs, mesh=mesh, mp_policy=policy)
+        layer = mine[0]
+        if (layer.param_dtype, layer.reduce_dtype) != (torch.bfloat16, torch.float32):
+            raise AssertionError(f"the policy did not reach ShardedLinear: {layer.param_dtype}, {layer.reduce_dtype}")
+        x = torch.randn(2, 3, 8)
+        ym, yt = mine(x), theirs(x)
+        if ym.dtype != torch.bfloat16 or yt.dtype != torch.bfloat16:
+            raise AssertionError(f"outputs are {ym.dtype} (commfuse) and {yt.dtype} (FSDP2), not bfloat16")
+        if not torch.allclose(ym.float(), yt.float(), rtol=1e-2, atol=1e-2):
+            raise AssertionError(f"bf16 outputs differ by {(ym.float() - yt.float()).abs().max().item():.3g}")
+        ym.float().square().sum().backward()
+        yt.float().square().sum().backward()
+        for (name, pm), (_, pt) in zip(mine.named_parameters(), theirs.named_parameters()):
+            if pm.dtype != torch.float32 or pm.grad.dtype != torch.float32:
+                raise AssertionError(f"{name}: parameter {pm.dtype}, gradient {pm.grad.dtype}: not float32")
+            got, want = _full(pm.grad), _full(pt.grad)
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+                raise AssertionError(f"{name} grad differs from FSDP2's by {(got - want).abs().max().item():.3g}")
+
     _run(results, "commfuse-fully-shard", helper_trains_like_the_unsharded_model)
+    _run(results, "gradient-accumulation", gradient_accumulation)
+    _run(results, "mixed-precision", mixed_precision)
     _run(results, "torch-fully-shard", torch_fully_shard_never_gives_wrong_gradients)
     _run(results, "reregistered", reregistered_parameters_raise)
     return results
