@@ -1,168 +1,48 @@
-"""A Llama-style transformer block, parallelized with torch's styles or with commfuse's.
+"""Train a Llama-style block for a few steps on a dp x tp mesh, with torch's styles or commfuse's, under FSDP2.
 
-The block: RMSNorm, causal self-attention with rotary embeddings (RoPE) and
-grouped-query attention (GQA), RMSNorm, a SwiGLU feed-forward, two residuals.
-Written as torchtitan writes it, so that both plans below apply unchanged:
-
-- ``torch_plan()``: torch's ``ColwiseParallel`` / ``RowwiseParallel`` with
-  ``SequenceParallel`` norms; the activations are gathered and scattered by
-  separate collectives;
-- ``commfuse_plan()``: the same layouts through ``commfuse.tp``: one gather
-  feeds Q, K and V, one gather feeds the two up projections, and the
-  reduce-scatters are fused with the attention slices and the down projection.
-
-Run under torchrun on a 2-D mesh (data parallel x tensor parallel) with FSDP2::
+The block and both plans are in commfuse/models/llama.py: RMSNorm, attention
+with RoPE and grouped-query heads, a SwiGLU feed-forward. With
+``--plan commfuse`` the Q/K/V projections share one fused all-gather, each
+query slice's attention feeds the out-projection's reduce-scatter, and the
+SwiGLU's up projections share one gather. Run with torchrun::
 
     torchrun --nproc-per-node 4 examples/llama_block.py --tp 2 --plan commfuse
 """
-
-from __future__ import annotations
 
 import argparse
 import os
 
 import torch
-from torch import nn
-from torch.nn import functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
+from commfuse.models.llama import Block, commfuse_plan, rope_cache, torch_plan
 
-def rope_cache(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of the rotary angles, each (seq_len, head_dim / 2)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
-    return angles.cos(), angles.sin()
+p = argparse.ArgumentParser(description="train a Llama-style block for a few steps under dp x tp")
+p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest are data parallel)")
+p.add_argument("--plan", choices=("torch", "commfuse"), default="commfuse", help="whose styles to use")
+p.add_argument("--steps", type=int, default=5, help="AdamW steps")
+args = p.parse_args()
 
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k (batch, seq, heads, head_dim) rotated by position: each half of a head's features pairs with the
-    other half (the rotate-half form)."""
-    cos, sin = cache
-    cos, sin = cos[None, : q.shape[1], None, :], sin[None, : q.shape[1], None, :]
-
-    def rotate(t):
-        a, b = t.chunk(2, dim=-1)
-        return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-
-    return rotate(q), rotate(k)
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
-        b, s, _ = x.shape
-        d = self.head_dim
-        q, k, v = self.wq(x).view(b, s, -1, d), self.wk(x).view(b, s, -1, d), self.wv(x).view(b, s, -1, d)
-        q, k = apply_rope(q, k, cache)
-        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # grouped-query: heads share keys and values
-        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, ffn: int = 64) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, n_heads, n_kv_heads)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.feed_forward = FeedForward(dim, ffn)
-
-    def forward(self, x: torch.Tensor, cache) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-def torch_plan() -> dict:
-    """torchtitan's plan for the block: sequence-parallel norms, the activations gathered before attention and
-    the feed-forward, reduce-scattered after them."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
-
-
-def commfuse_plan(head_dim: int = 8, algorithm: str = "auto") -> dict:
-    """The same layouts with commfuse's block styles: every collective fused with the compute that needs it."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    from commfuse.tp import AttentionParallel, SwiGLUParallel
-
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": AttentionParallel(head_dim=head_dim, rope=apply_rope, algorithm=algorithm),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": SwiGLUParallel(algorithm=algorithm),
-    }
-
-
-def main() -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    p = argparse.ArgumentParser(description="train a Llama-style block for a few steps under dp x tp")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest are data parallel)")
-    p.add_argument("--plan", choices=("torch", "commfuse"), default="commfuse", help="whose styles to use")
-    p.add_argument("--steps", type=int, default=5, help="AdamW steps")
-    args = p.parse_args()
-    world = int(os.environ["WORLD_SIZE"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    block = Block().to(device)
-    plan = torch_plan() if args.plan == "torch" else commfuse_plan()
-    parallelize_module(block, mesh["tp"], plan)
-    fully_shard(block, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(block.parameters(), lr=1e-3)
-    cache = tuple(t.to(device) for t in rope_cache(8, 16))
-    for step in range(args.steps):
-        torch.manual_seed(100 + step)
-        x = torch.randn(mesh["dp"].size() * 2, 16, 32, device=device)
-        mine = x.tensor_split(mesh["dp"].size())[mesh["dp"].get_local_rank()]
-        mine = mine.tensor_split(args.tp, dim=1)[mesh["tp"].get_local_rank()]  # this rank's sequence shard
-        loss = block(mine, cache).square().mean()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        if mesh.get_rank() == 0:
-            print(f"step {step}: loss {loss.item():.5f} grad norm {norm.full_tensor().item():.5f}")
-
-
-if __name__ == "__main__":
-    main()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+world = int(os.environ["WORLD_SIZE"])
+mesh = init_device_mesh(device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+dp, tp = mesh["dp"], mesh["tp"]
+torch.manual_seed(0)
+block = Block(dim=32, n_heads=4, n_kv_heads=2, ffn=64).to(device)
+parallelize_module(block, tp, torch_plan() if args.plan == "torch" else commfuse_plan(head_dim=8))
+fully_shard(block, mesh=dp)
+opt = torch.optim.AdamW(block.parameters(), lr=1e-3)
+cache = tuple(t.to(device) for t in rope_cache(8, 16))
+for step in range(args.steps):
+    torch.manual_seed(100 + step)  # the same batch on every rank; each takes its rows and sequence shard
+    x = torch.randn(dp.size() * 2, 16, 32, device=device)
+    mine = x.tensor_split(dp.size())[dp.get_local_rank()].tensor_split(args.tp, dim=1)[tp.get_local_rank()]
+    loss = block(mine, cache).square().mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    if mesh.get_rank() == 0:
+        print(f"step {step}: loss {loss.item():.5f} grad norm {norm.full_tensor().item():.5f}")

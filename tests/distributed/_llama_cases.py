@@ -1,4 +1,4 @@
-"""Rank-side body of the Llama-block test: examples/llama_block.py's block parallelized twice over a dp x tp
+"""Rank-side body of the Llama-block test: commfuse.models.llama's block parallelized twice over a dp x tp
 mesh (torch's styles and commfuse's, FSDP2 on dp both times), trained side by side, then checkpointed."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import llama_block  # noqa: E402
+from commfuse.models import llama as llama_block  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tp_cases import _Counted  # noqa: E402

@@ -398,13 +398,9 @@ def nn_layers(rank, n):
 def block_styles(rank, n):
     """The block styles with a replicated (all-reduced) output, where nothing is fused into the reduction,
     against torch's styles; and the errors they give for blocks they cannot parallelize."""
-    import sys
-    from pathlib import Path
-
     from torch.distributed.tensor.parallel import PrepareModuleInput
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    import llama_block
+    from commfuse.models import llama as llama_block
 
     results = {}
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
