@@ -50,6 +50,10 @@ WORKLOADS = {
         WorkloadInfo("fsdp_linear", "ShardedLinear(h, ffn) forward + backward on (b, s/N, h): the weight "
                      "all-gather fused into the forward GEMM, the gradient reduce-scatter into the wgrad GEMM",
                      "mixed", "ShardedLinear", True),
+        WorkloadInfo("llama_block", "a Llama-style block (RMSNorm, attention with RoPE and GQA, SwiGLU; "
+                     "commfuse.models.llama) forward + backward on (b, s/N, h): vanilla is torch's own styles "
+                     "(DTensor's collectives, then the GEMMs), every other algorithm commfuse.tp's block styles",
+                     "mixed", None, True),
     )
 }
 
@@ -183,9 +187,9 @@ class BenchConfig:
                 needs.append(("ffn", s.ffn))
             else:
                 needs.append(("seq", s.seq))
-            if w in ("mlp",):
+            if w in ("mlp", "llama_block"):
                 needs.append(("ffn", s.ffn))
-            if w in ("attention", "ulysses"):
+            if w in ("attention", "ulysses", "llama_block"):
                 needs.append(("heads", s.heads))
                 if s.hidden % s.heads:
                     raise CommfuseValueError(

@@ -243,6 +243,14 @@ def targets(recs: list[dict]) -> list[str]:
     by = {(r["workload"], r["algorithm"]): r for r in recs}
     for workload in dict.fromkeys(r["workload"] for r in recs):
         van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
+        if workload == "llama_block":  # vanilla is torch's own plan here: a comparison of plans, no target set
+            lines.append("llama_block: commfuse.tp's block styles against torch's styles (vanilla), forward + "
+                         "backward, side by side (no target set):")
+            for r in recs:
+                if r["workload"] == workload and r["algorithm"] != "vanilla" and r["speedup_vs_vanilla"]:
+                    lines.append(f"  {r['algorithm']}{' (' + r['taken'] + ')' if r['algorithm'] == 'auto' else ''}:"
+                                 f" {r['speedup_vs_vanilla']:.2f}x torch's speed")
+            continue
         sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
         ratios = [f"{r['algorithm']} {r['comm_only_ms'] / r['compute_only_ms']:.2f}" for r in (van, ring)
                   if r and r["compute_only_ms"] and r["comm_only_ms"] is not None]

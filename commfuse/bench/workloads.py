@@ -116,7 +116,7 @@ class LayerWorkload(Workload):
             p.grad = None
         y = self.module(self.x)
         y.backward(self.dy)
-        return [y.detach(), self.x.grad] + [p.grad for p in self.params]
+        return [y.detach(), self.x.grad] + [_local(p.grad) for p in self.params]
 
 
 class MLP(LayerWorkload):
@@ -147,7 +147,73 @@ class FSDPLinear(LayerWorkload):
         return cls(s.hidden, s.ffn, algorithm="vanilla")
 
 
-CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear)}
+class LlamaBlock(Workload):
+    """commfuse.models.llama's block on a tensor-parallel mesh over every rank, built twice from one seed:
+    with torch's styles (the ``vanilla`` run: DTensor's collectives, then the GEMMs) and with commfuse.tp's
+    block styles (every other algorithm, set on the styles). Forward + backward on (b, s/N, h).
+
+    ``compute_only`` and ``comm_only`` cannot take torch's plan apart (its collectives are DTensor's, which
+    commfuse's measure modes do not reach): its runs refuse them, and the bench reports normal times only,
+    side by side."""
+
+    name = "llama_block"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from commfuse.models import llama
+
+        s = self.config.shape
+        if s.hidden % s.heads:
+            raise CommfuseValueError(f"workload llama_block: hidden {s.hidden} is not divisible by heads {s.heads}")
+        head_dim = s.hidden // s.heads
+        mesh = init_device_mesh(self.device.type, (self.n,), mesh_dim_names=("tp",))
+        ours = llama.commfuse_plan(head_dim=head_dim, algorithm="vanilla")
+        self.styles = [style for style in ours.values() if hasattr(style, "algorithm")]  # commfuse.tp's
+        blocks = []
+        for plan in (llama.torch_plan(), ours):
+            torch.manual_seed(self.config.seed)  # the same parameters in both blocks and on every rank
+            block = llama.Block(dim=s.hidden, n_heads=s.heads, n_kv_heads=s.kv_heads or s.heads, ffn=s.ffn)
+            blocks.append(parallelize_module(block.to(device=self.device, dtype=self.dtype), mesh, plan))
+        self.theirs, self.ours = blocks
+        self.cache = tuple(t.to(device=self.device, dtype=self.dtype) for t in llama.rope_cache(head_dim, s.seq))
+        self.backward = self.config.backward
+        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
+        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        from commfuse.runtime.executor import measuring
+
+        if algorithm == "vanilla":
+            if measuring() is not None:
+                raise CommfuseValueError("torch's styles run DTensor's collectives, which compute_only and "
+                                         "comm_only cannot remove")
+            block = self.theirs
+        else:
+            block = self.ours
+            for style in self.styles:
+                style.algorithm = algorithm
+        if not self.backward:
+            with torch.no_grad():
+                return [block(self.x, self.cache)]
+        self.x.grad = None
+        params = list(block.parameters())
+        for p in params:
+            p.grad = None
+        y = block(self.x, self.cache)
+        y.backward(self.dy)
+        return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's piece of a DTensor gradient (the blocks' parameters are DTensors); a tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear,
+                               LlamaBlock)}
 
 
 def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:

@@ -335,6 +335,11 @@ _mode = threading.local()
 _observers = [0]
 
 
+def measuring() -> str | None:
+    """The :func:`measure` mode this thread runs ops in (None: normally)."""
+    return getattr(_mode, "value", None) if _observers[0] else None
+
+
 @contextlib.contextmanager
 def measure(mode: str | None):
     """Run ops with their transfers removed (``"compute_only"``) or their compute removed (``"comm_only"``).

@@ -107,6 +107,22 @@ def test_layer_workloads_three_ranks(tmp_path, capsys):
         assert r["comm_only_ms"] is not None and r["comm_only_ms"] > 0 and not r["unmeasured"], r
 
 
+def test_llama_block_workload_times_both_plans(tmp_path, capsys):
+    """The Llama block under torch's styles (vanilla) and commfuse's (ring), forward + backward, checked against
+    each other; its measure modes are refused by name (DTensor's collectives cannot be removed)."""
+    out = tmp_path / "records.json"
+    rc = main(["bench", *TINY, "--repeats", "1", "-n", "2", "--seq", "16", "--heads", "4", "--hidden", "32",
+               "--ffn", "64", "-w", "llama_block", "-a", "vanilla", "ring", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    recs = {r["algorithm"]: r for r in json.loads(out.read_text())}
+    assert set(recs) == {"vanilla", "ring"} and all(r["correct"] for r in recs.values()), recs
+    assert all(r["median_ms"] > 0 for r in recs.values())
+    assert recs["ring"]["taken"] == "ring", recs["ring"]
+    assert all(r["comm_only_ms"] is None and r["compute_only_ms"] is None for r in recs.values()), recs
+    assert "commfuse.tp's block styles against torch's styles" in printed.out + printed.err
+
+
 def test_json_to_stdout_is_only_json(capsys):
     rc = main(["bench", *TINY, "-w", "ag_matmul", "-a", "vanilla", "ring", "--json"])
     printed = capsys.readouterr()

@@ -45,7 +45,7 @@ def test_flags_reach_the_config():
 
 def test_all_workloads():
     cfg = command.config_from_args(_args("-w", "all"))
-    assert cfg.workloads == ("ag_matmul", "matmul_rs", "mlp", "attention", "ulysses", "fsdp_linear")
+    assert cfg.workloads == ("ag_matmul", "matmul_rs", "mlp", "attention", "ulysses", "fsdp_linear", "llama_block")
 
 
 def test_scale_keeps_head_dim_at_least_16():
