@@ -3,6 +3,12 @@
 Every layer takes ``group`` (a process group, a 1-D ``DeviceMesh`` such as
 ``mesh["tp"]``, or None for the default group) and ``algorithm``, and wraps
 ``nn.Linear`` weights both ways (``from_linear(s)`` / ``to_linear(s)``).
+
+With more than one rank the parameters are DTensors on the group's mesh, with
+the placements torch's styles give (``clip_grad_norm_``, ``state_dict``,
+checkpoints and optimizers see the whole layer). To combine a TP layer with
+``fully_shard`` on ``mesh["dp"]``, give it ``group=mesh["tp"]`` (the sub-mesh,
+not its process group): FSDP2 composes DTensors of sub-meshes of one mesh only.
 """
 
 from commfuse.nn.attention import ParallelAttention, UlyssesAttention, attend, ulysses_attention

@@ -336,7 +336,27 @@ def with_fsdp(rank, n):
         for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
             _close(po, pt, f"{name} after 4 AdamW steps")
 
+    def nn_mlp():
+        """commfuse.nn's ParallelMLP built on mesh['tp'] under fully_shard on mesh['dp'] (2-D, as with torch's
+        styles): against the unsharded MLP with the whole batch."""
+        from commfuse.nn import ParallelMLP
+
+        torch.manual_seed(17)
+        fc1, fc2 = nn.Linear(16, 8 * t), nn.Linear(8 * t, 16)
+        ref = nn.Sequential(fc1, nn.GELU(), fc2)
+        mlp = ParallelMLP.from_linears(fc1, fc2, group=tp_mesh, algorithm="ring")
+        fully_shard(mlp, mesh=dp_mesh)
+        x = torch.randn(2, 2, 4 * t, 16)  # dp replica r's batch is x[r]
+        (ref(x.flatten(0, 1)).square().sum() / 2).backward()  # FSDP averages the replicas' gradients
+        local = x[dp_rank].tensor_split(t, dim=1)[tp_rank].clone()
+        mlp(local).square().sum().backward()
+        for (name, pr), (_, pm) in zip(ref.named_parameters(), mlp.named_parameters()):
+            _close(pm.grad, pr.grad, f"ParallelMLP under fully_shard: {name} grad")
+        _close(torch.nn.utils.clip_grad_norm_(mlp.parameters(), 1e9),
+               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), "clip_grad_norm_")
+
     _run(results, "tp-then-fully-shard", train)
+    _run(results, "nn-mlp-under-fully-shard", nn_mlp)
     return results
 
 

@@ -46,8 +46,9 @@ def test_errors_and_log(name):
     _check("errors_and_log", 2, name)
 
 
-def test_tp_then_fully_shard_on_a_2x2_mesh():
-    _check("with_fsdp", 4, "tp-then-fully-shard")
+@pytest.mark.parametrize("name", ("tp-then-fully-shard", "nn-mlp-under-fully-shard"))
+def test_tp_then_fully_shard_on_a_2x2_mesh(name):
+    _check("with_fsdp", 4, name)
 
 
 @pytest.mark.parametrize("n", (2, 3))
