@@ -3,7 +3,8 @@ shards, against the unsharded model trained on the whole batch."""
 
 from __future__ import annotations
 
-import traceback
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,27 +14,8 @@ from torch.distributed.tensor import DTensor
 import commfuse as cf
 from commfuse.nn import ShardedLinear
 
-TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-def _run(results, name, fn):
-    try:
-        fn()
-        results[name] = None
-    except Exception as e:
-        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _close(got, want, what):
-    got, want = _full(got).detach(), _full(want).detach()
-    if got.shape != want.shape:
-        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
-    if not torch.allclose(got, want, **TOL):
-        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_cases import _close, _full, _run  # noqa: E402  (the shared checks of the DTensor tests)
 
 
 def _models(n):

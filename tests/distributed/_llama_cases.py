@@ -12,24 +12,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from commfuse.models import llama as llama_block  # noqa: E402
+from commfuse.models import llama as llama_block
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tp_cases import _Counted  # noqa: E402
-
-TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _close(got, want, what):
-    got, want = _full(got).detach(), _full(want).detach()
-    if got.shape != want.shape:
-        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
-    if not torch.allclose(got, want, **TOL):
-        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+from _tp_cases import _close, _Counted, _full  # noqa: E402  (the shared checks of the DTensor tests)
 
 
 def train_and_checkpoint(rank, n, checkpoint_dir, tp=2, steps=20):
