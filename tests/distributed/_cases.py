@@ -104,10 +104,18 @@ def ag_case(rank, n, alg, dtype, dim, exact, group=None):
     # torch's own definition, through its collectives
     from torch.distributed._symmetric_memory import _fused_all_gather_matmul_fallback
 
-    a_torch, (y_torch,) = _fused_all_gather_matmul_fallback(shard.contiguous(), [B], dim, _group_name(group))
-    if not torch.equal(gathered, a_torch.contiguous()):
-        raise AssertionError("gathered a differs from torch's all_gather")
-    _close(y, y_torch.float(), dtype, exact, "result vs torch fused_all_gather_matmul fallback")
+    try:
+        a_torch, (y_torch,) = _fused_all_gather_matmul_fallback(shard.contiguous(), [B], dim, _group_name(group))
+    except RuntimeError as e:
+        # torch 2.9's fallback has no case for a gather along the last (contraction) dim, which pytorch PR
+        # 163068 added later: it multiplies shapes that do not fit. There is no torch definition to compare
+        # with there; the single-process reference above still holds the result.
+        if dim != 2 or "cannot be multiplied" not in str(e):
+            raise
+    else:
+        if not torch.equal(gathered, a_torch.contiguous()):
+            raise AssertionError("gathered a differs from torch's all_gather")
+        _close(y, y_torch.float(), dtype, exact, "result vs torch fused_all_gather_matmul fallback")
     if alg != "auto" and rep["algorithm"] != alg.replace("sliced:2", "sliced"):
         raise AssertionError(f"report says {rep['algorithm']}, asked for {alg}")
 
