@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up (ci/setup.sh), run the whole test suite, then the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
-# (ci/test_backends.sh) and the XLA stage in its own environment
-# (ci/test_xla.sh). Extra arguments go to the main pytest run.
+# (ci/test_backends.sh), the XLA stage in its own environment
+# (ci/test_xla.sh), and the CPU tests again on the torch floor in that
+# environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,5 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
 PY
 bash ci/test_backends.sh || status=1
 bash ci/test_xla.sh || status=1
+bash ci/test_torch_floor.sh || status=1
 exit $status

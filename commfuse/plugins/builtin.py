@@ -45,7 +45,7 @@ def _accelerator_check() -> Availability:
     if not hasattr(torch, "accelerator"):
         return Availability.no(
             f"torch {torch.__version__} has no torch.accelerator (it appeared in torch 2.6)",
-            "upgrade to torch 2.6 or newer, built for your device",
+            "upgrade to torch 2.9 or newer (the oldest commfuse is tested on), built for your device",
         )
     if not torch.accelerator.is_available():
         return Availability.no(

@@ -20,6 +20,14 @@ tag carries (``channel + TAG_STRIDE * seq``), so on gloo, which matches
 messages by tag, a call can only pair with the same call on its peers. NCCL
 ignores tags; there the fingerprint check after a failed call does that work.
 
+Where the transport lacks a whole all-to-all (gloo's ``dist.all_to_all`` of
+tensor lists raises "Backend gloo does not support alltoall" on torch 2.9 and
+2.11; 2.13 has it), :meth:`C10dBackend.collective` remembers that for the
+group and runs it as pairwise point-to-point steps instead, without overlap,
+and says so once on the ``commfuse`` logger (:class:`_PairwiseHandle`).
+``COMMFUSE_PAIRWISE_ALL_TO_ALL=1`` takes that path on every group, so that it
+can be tested where the transport has the collective.
+
 The NCCL path was run on an H100 through ``commfuse-cuda`` (which adds a
 high-priority communication stream and native fused kernels): see
 docs/benchmarks.md and docs/reliability.md. HCCL and other accelerators are
@@ -29,6 +37,9 @@ unverified: no such device has been lent to this project.
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -36,15 +47,40 @@ import torch
 import torch.distributed as dist
 
 from commfuse.errors import BackendUnavailableError
-from commfuse.runtime.executor import DEFAULT_TIMEOUT_S, TAG_STRIDE, describe_stall, group_state
+from commfuse.runtime.executor import (
+    DEFAULT_TIMEOUT_S,
+    MIN_TIMEOUT_S,
+    PAIRWISE_CHANNEL,
+    TAG_STRIDE,
+    describe_stall,
+    group_state,
+)
 from commfuse.runtime.watchdog import Posting, watchdog
-from commfuse.schedule import Collective, Transfer
+from commfuse.schedule import Collective, Ring, Transfer
+
+log = logging.getLogger("commfuse")
 
 _LAST_DELTA = (0.0, datetime.timedelta(0))
 _SUM = dist.ReduceScatterOptions()  # the default reduction, a sum; made once
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older torch has only the old ones
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+#: What c10d raises where a backend lacks the all-to-all of tensor lists: torch's ``Backend::alltoall``
+#: default, "Backend gloo does not support alltoall" ("ProcessGroup gloo ..." in older torch). gloo on
+#: torch 2.9 and 2.11 has only the one-tensor form (``all_to_all_single``); 2.13 has both.
+_NO_ALL_TO_ALL = re.compile(r"does not support alltoall\b")  # not "alltoall_base", all_to_all_single's
+_told: set[tuple[str, Collective]] = set()  # (backend, collective) whose fallback this process has logged
+
+
+def lacks_all_to_all(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's refusal of ``dist.all_to_all`` (it lacks the collective)."""
+    return isinstance(error, RuntimeError) and _NO_ALL_TO_ALL.search(str(error)) is not None
+
+
+def _timed_out(error: RuntimeError) -> bool:
+    """Whether a transport's error is its timeout (gloo reports one as a RuntimeError)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _delta(timeout: float) -> datetime.timedelta:
@@ -75,8 +111,8 @@ class _Handle:
         try:
             for work in self.works:
                 work.wait(delta)
-        except RuntimeError as e:  # gloo reports a timeout as a RuntimeError
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+        except RuntimeError as e:
+            if _timed_out(e):
                 raise TimeoutError(str(e)) from e
             raise
         self.inflight = None
@@ -124,6 +160,65 @@ class _StreamHandle(_Handle):
             detail = f"the transport failed them (commfuse's watchdog saw it): {cause}"
         return self.backend._describe_post(self.plan, self.checking, self.seq, self.post_no, self.what, detail,
                                            failed=cause is not None)
+
+
+class _PairwiseHandle:
+    """A whole all-to-all as ``n - 1`` pairwise steps of point-to-point transfers, run when waited: for a
+    group whose transport lacks the collective (:meth:`C10dBackend.collective`). No overlap: nothing
+    moves before ``wait``, and the steps run one after the other.
+
+    At step ``k`` (1 .. n - 1) rank ``r`` sends its block for rank ``r + k`` there and receives the block
+    of rank ``r - k`` (``Ring(n).next(r, k)`` and ``.prev(r, k)``); its own block is copied. Each step's
+    send and receive are posted together (one coalesced group where the transport coalesces) and waited
+    before the next step's: every rank's step ``k`` pairs with its two peers' step ``k``, so a step never
+    waits for one that is not yet posted, whatever the transport's ordering. ``wait(timeout)`` bounds the
+    whole exchange; a step still unfinished at the deadline raises ``TimeoutError`` naming the rank, the
+    step and both peers. Messages carry ``PAIRWISE_CHANNEL`` on the call's tag base; consecutive
+    exchanges of one call reuse it, which is safe because each finishes on a rank before the next starts
+    and a pair's messages of one tag arrive in the order they were sent.
+    """
+
+    __slots__ = ("backend", "inputs", "outputs", "tag")
+
+    def __init__(self, backend: "C10dBackend", inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                 tag: int) -> None:
+        self.backend, self.inputs, self.outputs, self.tag = backend, inputs, list(outputs), tag
+
+    def wait(self, timeout: float) -> list[torch.Tensor]:
+        be, outputs = self.backend, self.outputs
+        if be is None:  # waited before (the executor drains a failed step's handles)
+            return outputs
+        self.backend = None
+        g, r, n, tag = be.group, be.rank, be.world_size, self.tag
+        ring = Ring(n)
+        deadline = time.monotonic() + timeout
+        outputs[r].copy_(self.inputs[r])
+        for k in range(1, n):
+            to, source = ring.next(r, k), ring.prev(r, k)
+            send, recv = self.inputs[to], outputs[source]
+            if be._coalesce and be._coalescing_group():
+                g._start_coalescing(be.device)
+                try:
+                    g.send([send], to, tag)
+                    g.recv([recv], source, tag)
+                finally:
+                    work = g._end_coalescing(be.device)
+                works = [work] if work is not None else []
+            else:
+                works = [g.send([send], to, tag), g.recv([recv], source, tag)]
+            try:
+                for work in works:
+                    left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
+                    work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                if _timed_out(e):
+                    raise TimeoutError(
+                        f"rank {r}: step {k} of {n - 1} of the pairwise all_to_all (the {be.name} backend lacks "
+                        f"all_to_all), sending to rank {to} and receiving from rank {source}, was not done "
+                        f"{timeout:g} s after the exchange began: {e}"
+                    ) from e
+                raise
+        return outputs
 
 
 def _send_recv(group, sends, recvs, base: int) -> list:
@@ -185,6 +280,8 @@ class C10dBackend:
         self._coalesce = self.device.type != "cpu"
         self._stream_ordered: bool | None = None  # from capabilities.streams, on the first post
         self._held: Posting | None = None  # a stream-ordered backend's post in progress, for the watchdog
+        if os.environ.get("COMMFUSE_PAIRWISE_ALL_TO_ALL", "").strip() not in ("", "0"):
+            group_state(self).lacking.setdefault(Collective.ALL_TO_ALL, "COMMFUSE_PAIRWISE_ALL_TO_ALL is set")
 
     def begin_call(self, seq: int | None, plan=None) -> None:
         """The executor's call number for the messages that follow (None: untagged, the fingerprint check),
@@ -306,8 +403,37 @@ class C10dBackend:
         elif kind is Collective.REDUCE_SCATTER:
             work = self._issue(dist.reduce_scatter, outputs[0], list(inputs), group=g, async_op=True)
         else:
-            work = self._issue(dist.all_to_all, list(outputs), list(inputs), group=g, async_op=True)
+            lacking = group_state(self).lacking
+            if kind in lacking:
+                return self._pairwise(kind, inputs, outputs, lacking[kind])
+            try:
+                work = self._issue(dist.all_to_all, list(outputs), list(inputs), group=g, async_op=True)
+            except RuntimeError as e:
+                if not lacks_all_to_all(e):
+                    raise
+                # the refusal comes before anything is sent, on every rank alike: the group is as it was
+                why = lacking[kind] = f"torch {torch.__version__} refused it: {str(e).splitlines()[0]}"
+                return self._pairwise(kind, inputs, outputs, why)
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
+
+    def _pairwise(self, kind: Collective, inputs, outputs, why: str) -> _PairwiseHandle:
+        """The all-to-all the group's transport lacks, as pairwise steps (:class:`_PairwiseHandle`); the first
+        time in this process for this backend, a WARNING on the ``commfuse`` logger says so and why."""
+        if (self.name, kind) not in _told:
+            _told.add((self.name, kind))
+            log.warning(
+                "commfuse: the %s backend lacks %s on %s (%s); commfuse runs it as pairwise send/receive "
+                "steps instead, one per peer, without overlap (logged once per process)",
+                self.name, kind.value, group_state(self).name, why,
+            )
+        return _PairwiseHandle(self, inputs, outputs, self._tag_base + PAIRWISE_CHANNEL)
+
+    def _coalescing_group(self) -> bool:
+        """Whether the group coalesces point-to-point calls on the device (asked once)."""
+        coalescing = self._coalescing
+        if coalescing is None:
+            coalescing = self._coalescing = _coalesces(self.group, self.device)
+        return coalescing
 
     def collective_into(self, kind: Collective, input: torch.Tensor, output: torch.Tensor) -> _Handle:
         """One whole all-gather or reduce-scatter over single tensors, rank by rank along dim 0 of the bigger

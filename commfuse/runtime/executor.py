@@ -77,6 +77,9 @@ MAX_TIMEOUT_S = 1e6
 TAG_STRIDE = 2048
 SEQUENCE_WRAP = 1 << 19
 FINGERPRINT_CHANNEL = 1_000
+#: The channel of a whole all-to-all run as pairwise point-to-point steps where the transport lacks it
+#: (``commfuse.runtime.c10d``), tagged with the call's sequence like a schedule's transfers.
+PAIRWISE_CHANNEL = 1_001
 FINGERPRINT_LEN = 48
 _MAGIC = 0xC0F5
 
@@ -139,10 +142,10 @@ def cached_schedule(collective: str, world_size: int, algorithm: str, parts: int
 
 
 class GroupState:
-    """What every call on one process group shares: its sequence number, its one-op-at-a-time lock, and
-    whether the last call failed (the next one is checked)."""
+    """What every call on one process group shares: its sequence number, its one-op-at-a-time lock,
+    whether the last call failed (the next one is checked), and the whole collectives its transport lacks."""
 
-    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "__weakref__")
+    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "__weakref__")
 
     def __init__(self, name: str) -> None:
         self.seq = 0
@@ -155,6 +158,9 @@ class GroupState:
         self.dirty = False
         self.error: BaseException | None = None  # set by the watchdog: every later call raises it
         self.name = name
+        #: the whole collectives the group's transport lacks, each with why it is taken to (its refusal):
+        #: the backend runs them another way from then on, without asking the transport again
+        self.lacking: dict[Collective, str] = {}
 
 
 _STATES: dict[object, GroupState] = {}

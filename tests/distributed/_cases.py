@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import commfuse as cf
 from commfuse.errors import CommfuseError, CommfuseTimeoutError, MismatchError
+from commfuse.runtime.c10d import lacks_all_to_all
 
 ALGORITHMS = ["ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "vanilla", "auto"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,6 +56,25 @@ def _run(results, name, fn):
         results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
 
 
+def torch_all_to_all(outputs, inputs, group=None):
+    """torch's all-to-all of tensor lists into ``outputs``, the tests' reference. Where the backend lacks it
+    (gloo on torch 2.9 and 2.11 refuses ``dist.all_to_all``), torch's one-tensor form over the blocks laid
+    end to end, ``dist.all_to_all_single``, which gloo has there: a reference that is still torch's own
+    collective, not commfuse's pairwise fallback."""
+    try:
+        dist.all_to_all(outputs, [x.contiguous() for x in inputs], group=group)
+        return
+    except RuntimeError as e:
+        if not lacks_all_to_all(e):
+            raise
+    sizes = [x.numel() for x in inputs]
+    into = [o.numel() for o in outputs]
+    flat = torch.empty(sum(into), dtype=outputs[0].dtype, device=outputs[0].device)
+    dist.all_to_all_single(flat, torch.cat([x.reshape(-1) for x in inputs]), into, sizes, group=group)
+    for o, piece in zip(outputs, flat.split(into)):
+        o.copy_(piece.view_as(o))
+
+
 def _group_name(group):
     return group.group_name if group is not None else dist.group.WORLD.group_name
 
@@ -84,10 +104,18 @@ def ag_case(rank, n, alg, dtype, dim, exact, group=None):
     # torch's own definition, through its collectives
     from torch.distributed._symmetric_memory import _fused_all_gather_matmul_fallback
 
-    a_torch, (y_torch,) = _fused_all_gather_matmul_fallback(shard.contiguous(), [B], dim, _group_name(group))
-    if not torch.equal(gathered, a_torch.contiguous()):
-        raise AssertionError("gathered a differs from torch's all_gather")
-    _close(y, y_torch.float(), dtype, exact, "result vs torch fused_all_gather_matmul fallback")
+    try:
+        a_torch, (y_torch,) = _fused_all_gather_matmul_fallback(shard.contiguous(), [B], dim, _group_name(group))
+    except RuntimeError as e:
+        # torch 2.9's fallback has no case for a gather along the last (contraction) dim, which pytorch PR
+        # 163068 added later: it multiplies shapes that do not fit. There is no torch definition to compare
+        # with there; the single-process reference above still holds the result.
+        if dim != 2 or "cannot be multiplied" not in str(e):
+            raise
+    else:
+        if not torch.equal(gathered, a_torch.contiguous()):
+            raise AssertionError("gathered a differs from torch's all_gather")
+        _close(y, y_torch.float(), dtype, exact, "result vs torch fused_all_gather_matmul fallback")
     if alg != "auto" and rep["algorithm"] != alg.replace("sliced:2", "sliced"):
         raise AssertionError(f"report says {rep['algorithm']}, asked for {alg}")
 
@@ -163,7 +191,7 @@ def a2a_case(rank, n, alg, dtype, exact):
     if sorted(seen) != list(range(n)):
         raise AssertionError(f"consumer saw sources {seen}")
     torch_out = [torch.empty_like(chunks[0]) for _ in range(n)]
-    dist.all_to_all(torch_out, [c.contiguous() for c in chunks])
+    torch_all_to_all(torch_out, chunks)
     for s in range(n):
         want = _data([3, 8], dtype, 100 * s + rank, exact)
         if not torch.equal(results[s], want) or not torch.equal(results[s], torch_out[s]):
