@@ -42,7 +42,8 @@ for step in range(args.steps):
     loss = block(mine, cache).square().mean()
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(block.parameters(), 1.0)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # on every rank: it may communicate
     opt.step()
     opt.zero_grad()
     if mesh.get_rank() == 0:
-        print(f"step {step}: loss {loss.item():.5f} grad norm {norm.full_tensor().item():.5f}")
+        print(f"step {step}: loss {loss.item():.5f} grad norm {norm.item():.5f}")

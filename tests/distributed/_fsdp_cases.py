@@ -104,7 +104,8 @@ def with_fully_shard(rank, n):
         with cf.fsdp.no_sync(mine):
             for x in batches[:2]:
                 mine(x.tensor_split(n)[rank]).square().sum().backward()
-            if mine[0].weight.grad is not None:
+            held = mine[0].weight.grad  # None, or zeros where torch materializes a missing gradient (2.9)
+            if held is not None and _full(held).abs().max().item() != 0:
                 raise AssertionError("ShardedLinear reduced a gradient inside no_sync")
             if mine[0].requires_gradient_sync:
                 raise AssertionError("no_sync left ShardedLinear's gradient sync on")
