@@ -153,8 +153,9 @@ def _namespace(pid: int | str = "self") -> str:
         raise LinkRateError(f"cannot tell which network namespace {who} is in ({e})") from e
 
 
-def reexec(argv: list[str], rate: str) -> int:
-    """Run ``python -m commfuse.bench ARGV`` in a new network namespace shaped to ``rate``; its exit status.
+def reexec(argv: list[str], rate: str, module: str = "commfuse.bench") -> int:
+    """Run ``python -m MODULE ARGV`` (the benchmark, or ``commfuse.sim``'s calibration) in a new network
+    namespace shaped to ``rate``; its exit status.
 
     SIGTERM, SIGHUP and SIGINT sent to this process are passed on (see
     :func:`run_forwarding_signals`).
@@ -169,7 +170,7 @@ def reexec(argv: list[str], rate: str) -> int:
             "another; run without --link-rate (plain loopback)."
         )
     env = dict(os.environ, **{ENV: rate, PARENT_ENV: _namespace(), PID_ENV: str(os.getpid())})
-    cmd = ["unshare", "--net", "--", sys.executable, "-m", "commfuse.bench", *argv]
+    cmd = ["unshare", "--net", "--", sys.executable, "-m", module, *argv]
     try:
         return run_forwarding_signals(cmd, env)
     except OSError as e:

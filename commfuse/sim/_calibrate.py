@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 
 from commfuse.errors import CommfuseError
@@ -349,21 +346,15 @@ def header(profile: Profile, link_rate: str | None) -> str:
 
 
 def in_namespace(argv: list[str], rate: str) -> int:
-    """Run ``python -m commfuse.sim ARGV`` in a new network namespace whose loopback is shaped to ``rate``."""
+    """Run ``python -m commfuse.sim ARGV`` in a new network namespace whose loopback is shaped to ``rate``: the
+    benchmark's own re-execution (:func:`commfuse.bench.netns.reexec`), so the child can tell it is inside
+    (it checks its parent's pid and namespace) and a child that cannot tell refuses to nest another."""
     from commfuse.bench import netns
 
-    netns.parse_rate(rate)
-    missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
-    if missing:
-        raise CalibrationError(f"--link-rate needs {', '.join(missing)} on PATH (util-linux, iproute2)")
-    if os.geteuid() != 0:
-        raise CalibrationError(f"--link-rate needs root to create a network namespace (uid {os.geteuid()})")
-    env = dict(os.environ, **{netns.ENV: rate, netns.PARENT_ENV: os.readlink("/proc/self/ns/net")})
-    cmd = ["unshare", "--net", "--", sys.executable, "-m", "commfuse.sim", *argv]
     try:
-        return subprocess.call(cmd, env=env)
-    except OSError as e:
-        raise CalibrationError(f"could not start {' '.join(cmd[:3])}: {e}") from e
+        return netns.reexec(argv, rate, module="commfuse.sim")
+    except netns.LinkRateError as e:
+        raise CalibrationError(str(e)) from e
 
 
 def shape_here(rate: str) -> str:

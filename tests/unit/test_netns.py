@@ -232,3 +232,16 @@ def test_sigterm_to_the_bench_stops_the_benchmark_in_the_namespace(tmp_path):
         for p in seen:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not ROOT_AND_UNSHARE or not shutil.which("tc") or not shutil.which("ip"),
+                    reason="needs root, unshare, ip and tc to create and shape a network namespace")
+def test_calibrate_link_rate_measures_once_inside_its_namespace(tmp_path):
+    # the calibration re-executes itself in a shaped namespace the way the benchmark does; its child must know
+    # it is inside (before, the child was never told its parent's pid, and nested namespaces until killed)
+    out = tmp_path / "profile.toml"
+    done = subprocess.run([sys.executable, "-m", "commfuse", "simulate", "calibrate", "--link-rate", "800mbit",
+                           "--quick", "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("private network namespace") == 1, done.stderr[-3000:]
+    assert out.exists() and "800mbit" in out.read_text()

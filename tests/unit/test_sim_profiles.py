@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the same parser, as the package's tomli dependency
+    import tomli as tomllib
 
 import pytest
 
