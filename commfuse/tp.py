@@ -53,7 +53,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.nn._common import contiguous_stride, replicated
+from commfuse.nn._common import as_dtensor, replicated
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
 
@@ -90,7 +90,7 @@ def _local_input(x, layout: Placement, mesh: DeviceMesh, style: str) -> tuple[to
     return x, _normalized(layout, x.ndim)
 
 
-def _even(local: torch.Tensor, dim: int, n: int, x) -> bool:
+def _even(dim: int, n: int, x) -> bool:
     """Whether the shards along ``dim`` are all alike, as the fused ops need: a local input is, by DTensor's
     own rule for ``from_local``; a DTensor's are when its size divides by ``n`` (``torch.chunk`` pieces)."""
     return not isinstance(x, DTensor) or x.shape[dim] % n == 0
@@ -158,8 +158,7 @@ class _Style(ParallelStyle):
         want = _normalized(self.output_layouts[0], y.ndim)
         if want == have and self.use_local_output:
             return y
-        out = DTensor.from_local(y, mesh, [have], run_check=False, shape=torch.Size(full_shape),
-                                 stride=contiguous_stride(full_shape))
+        out = as_dtensor(y, mesh, have, full_shape)
         if want != have:
             out = out.redistribute(placements=[want])
         return out.to_local() if self.use_local_output else out
@@ -182,7 +181,7 @@ class _Style(ParallelStyle):
         ws = [lin.weight.to_local().t() for lin in linears]
         n = mesh.size()
         feature = local.ndim - 1
-        if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(local, have.dim, n, x):
+        if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(have.dim, n, x):
             ys = ops.all_gather_matmul(local, ws if len(ws) > 1 else ws[0], group=mesh.get_group(),
                                        gather_dim=have.dim, algorithm=self.algorithm)
             ys = list(ys) if len(ws) > 1 else [ys]
@@ -216,10 +215,7 @@ class _Style(ParallelStyle):
             self._once(f"{who}: output placed %r has no reduce-scatter to fuse (a replicated or feature-sharded "
                        "output, or shards of unequal size); reducing through DTensor", want)
         z = torch.matmul(local, w.t())
-        full = list(z.shape)
-        partial = DTensor.from_local(z, mesh, [Partial()], run_check=False, shape=torch.Size(full),
-                                     stride=contiguous_stride(full))
-        out = partial.redistribute(placements=[want])
+        out = as_dtensor(z, mesh, Partial(), z.shape).redistribute(placements=[want])
         if bias is not None:
             out = out + bias
         return out.to_local() if self.use_local_output else out
