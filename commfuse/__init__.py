@@ -32,6 +32,7 @@ _LAZY = {
     "tp": None,
     "fsdp": None,
     "autograd": None,
+    "library": None,
 }
 
 __all__ = ["CommfuseError", "__version__", "schedule", *_LAZY]

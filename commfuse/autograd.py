@@ -40,8 +40,9 @@ from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
 __all__ = [
-    "all_gather_matmul_fn", "all_gather_matmul_forward", "all_gather_matmul_planned", "matmul_reduce_scatter_fn",
-    "matmul_reduce_scatter_forward", "matmul_reduce_scatter_planned", "produce_reduce_scatter_fn",
+    "all_gather_matmul_backward", "all_gather_matmul_fn", "all_gather_matmul_forward", "all_gather_matmul_planned",
+    "matmul_reduce_scatter_backward", "matmul_reduce_scatter_fn", "matmul_reduce_scatter_forward",
+    "matmul_reduce_scatter_planned", "produce_reduce_scatter_fn",
 ]
 
 
@@ -239,41 +240,47 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _dgathered, *douts):
         x, *bs = ctx.saved_tensors
-        call, gd, sizes = ctx.call, ctx.gd, ctx.sizes
-        need_a = ctx.needs_input_grad[4]
-        need_b = ctx.needs_input_grad[5:]
-        pairs = [(b, d) for b, d in zip(bs, douts) if d is not None]
-        dbs = [torch.zeros_like(b) if need and d is not None else None for b, d, need in zip(bs, douts, need_b)]
-        k = bs[0].shape[0]
-
-        def wgrad(x_rows, spans_rows_of_dy):
-            for db, d in zip(dbs, douts):
-                if db is not None:
-                    db.add_(_flat(x_rows).t() @ _flat(spans_rows_of_dy(d)))
-
-        da = None
-        full = list(x.shape) if ctx.keep else list(x.shape[:gd]) + [sum(sizes)] + list(x.shape[gd + 1:])
-        if not ctx.keep and any(db is not None for db in dbs):
-            # gather a again; every arriving shard's wgrad GEMM hides the next hop
-            gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
-                         label="all_gather_matmul.wgrad", meta=_ag_meta(x, bs, gd, sum(sizes)))
-        if need_a and pairs:
-            def produce(spans):
-                part = None
-                for b, d in pairs:
-                    t = rows_of(d, spans, gd) @ b.t()
-                    part = t if part is None else part.add_(t)
-                if ctx.keep:
-                    wgrad(rows_of(x, spans, gd), lambda d: rows_of(d, spans, gd))
-                lens = [size for _, size in spans]
-                return [part] if len(spans) == 1 else list(torch.split(part, lens, dim=gd))
-
-            full[-1] = k
-            da = scatter_spans(call, full, gd, x.dtype, produce, label="all_gather_matmul.dgrad",
-                               meta=lambda: [dtype_code(x.dtype), gd, *full])
-        elif ctx.keep and any(db is not None for db in dbs):
-            wgrad(x, lambda d: d)
+        da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
+                                             ctx.needs_input_grad[4], ctx.needs_input_grad[5:])
         return (None, None, None, None, da, *dbs)
+
+
+def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.Tensor], douts, gd: int, sizes,
+                               keep: bool, need_a: bool, need_b: Sequence[bool]):
+    """The gradients ``(da or None, [db_i or None])`` of :func:`commfuse.all_gather_matmul` (see
+    :class:`_AllGatherMatmul`): ``x`` is the gathered input when ``keep``, else this rank's shard."""
+    pairs = [(b, d) for b, d in zip(bs, douts) if d is not None]
+    dbs = [torch.zeros_like(b) if need and d is not None else None for b, d, need in zip(bs, douts, need_b)]
+    k = bs[0].shape[0]
+
+    def wgrad(x_rows, spans_rows_of_dy):
+        for db, d in zip(dbs, douts):
+            if db is not None:
+                db.add_(_flat(x_rows).t() @ _flat(spans_rows_of_dy(d)))
+
+    da = None
+    full = list(x.shape) if keep else list(x.shape[:gd]) + [sum(sizes)] + list(x.shape[gd + 1:])
+    if not keep and any(db is not None for db in dbs):
+        # gather a again; every arriving shard's wgrad GEMM hides the next hop
+        gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
+                     label="all_gather_matmul.wgrad", meta=_ag_meta(x, bs, gd, sum(sizes)))
+    if need_a and pairs:
+        def produce(spans):
+            part = None
+            for b, d in pairs:
+                t = rows_of(d, spans, gd) @ b.t()
+                part = t if part is None else part.add_(t)
+            if keep:
+                wgrad(rows_of(x, spans, gd), lambda d: rows_of(d, spans, gd))
+            lens = [size for _, size in spans]
+            return [part] if len(spans) == 1 else list(torch.split(part, lens, dim=gd))
+
+        full[-1] = k
+        da = scatter_spans(call, full, gd, x.dtype, produce, label="all_gather_matmul.dgrad",
+                           meta=lambda: [dtype_code(x.dtype), gd, *full])
+    elif keep and any(db is not None for db in dbs):
+        wgrad(x, lambda d: d)
+    return da, dbs
 
 
 def all_gather_matmul_fn(call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes, keep: bool):
@@ -309,26 +316,33 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dz):
         a, b = ctx.saved_tensors
-        call, sd = ctx.call, ctx.sd
-        if ctx.avg:
-            dz = dz / call.world_size
-        need_a, need_b = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
-        db = torch.zeros_like(b) if need_b else None
-        sizes = split_sizes(a.shape[sd], call.world_size)
-        bt = b.t()
-
-        def consume(spans):
-            piece = join(spans, sd)
-            if da is not None:
-                matmul_rows(da, spans, sd, piece, bt)
-            if db is not None:
-                db.add_(_flat(rows_of(a, spans, sd)).t() @ _flat(piece))
-
-        if need_a or need_b:
-            gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
-                         meta=_ag_meta(dz, [bt], sd, a.shape[sd]))
+        da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[3],
+                                                ctx.needs_input_grad[4])
         return None, None, None, da, db
+
+
+def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor, dz: torch.Tensor, sd: int,
+                                   avg: bool, need_a: bool, need_b: bool):
+    """The gradients ``(da or None, db or None)`` of :func:`commfuse.matmul_reduce_scatter` (see
+    :class:`_MatmulReduceScatter`)."""
+    if avg:
+        dz = dz / call.world_size
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
+    db = torch.zeros_like(b) if need_b else None
+    sizes = split_sizes(a.shape[sd], call.world_size)
+    bt = b.t()
+
+    def consume(spans):
+        piece = join(spans, sd)
+        if da is not None:
+            matmul_rows(da, spans, sd, piece, bt)
+        if db is not None:
+            db.add_(_flat(rows_of(a, spans, sd)).t() @ _flat(piece))
+
+    if need_a or need_b:
+        gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
+                     meta=_ag_meta(dz, [bt], sd, a.shape[sd]))
+    return da, db
 
 
 def matmul_reduce_scatter_fn(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int, reduce_op: str) -> torch.Tensor:

@@ -168,6 +168,11 @@ def _forget() -> None:
 backends.on_release(_forget)
 
 
+def _library():
+    """``commfuse.library``, the custom ops (registered when this module is imported: see its end)."""
+    return sys.modules["commfuse.library"]
+
+
 # -- all_gather_matmul -------------------------------------------------------
 
 
@@ -206,7 +211,15 @@ def all_gather_matmul(
 
     Shapes: ``a_shard`` (..., L, ..., K) with L at ``gather_dim``; each ``b``
     (K, N) (``(N*L, N)`` when gathering the last dim); result (..., N*L, ..., N).
+
+    Under ``torch.compile`` this is ``torch.ops.commfuse.all_gather_matmul``
+    (``commfuse.library``), one op in the graph.
     """
+    if torch.compiler.is_compiling():
+        return _library().all_gather_matmul(a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                                            return_gathered=return_gathered, gathered_size=gathered_size,
+                                            keep_gathered=keep_gathered, timeout=timeout, check=check,
+                                            backend=backend, report=report)
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
             key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape, b.dtype, b.device,
@@ -311,6 +324,7 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
             return (gathered, results) if return_gathered else results
 
     run.report = said
+    run.call, run.sizes, run.gd = call, sizes, gd  # for the compiled op's backward (commfuse.library)
     # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
     run.lean = forward.single if call is not None and single and native is None else None
     return run
@@ -393,7 +407,13 @@ def matmul_reduce_scatter(
 
     Shapes: ``a`` (..., K); ``b`` (K, N); result: ``(..., N)`` with the dim at
     ``scatter_dim`` cut to this rank's shard.
+
+    Under ``torch.compile`` this is ``torch.ops.commfuse.matmul_reduce_scatter``.
     """
+    if torch.compiler.is_compiling():
+        return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
+                                                algorithm=algorithm, timeout=timeout, check=check, backend=backend,
+                                                report=report)
     try:
         key = (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
                algorithm, timeout, check, backend)
@@ -461,6 +481,7 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
             return out.div_(n) if avg else out
 
     run.report = said
+    run.call = call  # for the compiled op's backward (commfuse.library)
     return run
 
 
@@ -624,3 +645,7 @@ def all_to_all_consume(
     if call is None:
         return [consumer(chunks[0], 0)]
     return all_to_all_consume_core(call, chunks, consumer, d)
+
+
+# torch.ops.commfuse.* exist once the functional ops do
+import commfuse.library  # noqa: E402,F401

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,8 +47,9 @@ def shard_range(size: int, rank: int, n: int) -> tuple[int, int]:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a parameter: a DTensor's local tensor (a view that shares its storage), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    # isinstance, not getattr(t, "to_local"): torch.compile resolves the former on a DTensor, not the latter
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:
@@ -152,7 +155,13 @@ class ReplicatedGrad(torch.autograd.Function):
 
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     _, n = world(group)
-    return t if n == 1 or not torch.is_grad_enabled() or not t.requires_grad else ReplicatedGrad.apply(t, group)
+    if n == 1 or not torch.is_grad_enabled() or not t.requires_grad:
+        return t
+    if torch.compiler.is_compiling():
+        from commfuse import library
+
+        return library.replicated(t, group)
+    return ReplicatedGrad.apply(t, group)
 
 
 def load_row_shard(layer, linear) -> None:

@@ -125,6 +125,15 @@ class ParallelAttention(nn.Module):
         s, d = q.shape[1], self.head_dim
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
         causal = self.causal
+        if torch.compiler.is_compiling():  # one op in the graph (commfuse.library)
+            from commfuse import library
+
+            if self.backend is not None:
+                raise CommfuseValueError(f"ParallelAttention under torch.compile takes its group's backend; "
+                                         f"backend={self.backend!r} cannot be given")
+            out = library.attention_reduce_scatter(q, k, v, local(self.wo), causal=causal, group=self.group,
+                                                   algorithm=self.algorithm)
+            return out + replicated(local(self.bo), self.group) if self.bo is not None else out
 
         def producer(dest: int, q, k, v, wo):  # query slice `dest`: its attention and out-projection partial
             rows = slice(dest * rows_here, (dest + 1) * rows_here)

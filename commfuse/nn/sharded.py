@@ -52,20 +52,7 @@ class _ShardedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, layer: "ShardedLinear", x: torch.Tensor, weight: torch.Tensor, bias):
-        n = call.world_size
-        rows = weight.shape[0]
-        y = x.new_empty(*x.shape[:-1], rows * n)
-        compute = x.dtype  # the layer's param_dtype when it has one (the module cast x)
-
-        def consume(w_s: torch.Tensor, s: int) -> None:
-            y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
-
-        # a mixed-precision layer gathers its shards already cast: half the bytes on the ring
-        pipelined.all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
-                                          label="sharded_linear.forward")
-        if bias is not None:
-            y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach().to(compute), pipelined.collect, 0,
-                                                             label="sharded_linear.bias"))
+        y = sharded_linear_forward(call, x, weight, bias)
         ctx.call, ctx.layer, ctx.has_bias = call, layer, bias is not None
         ctx.save_for_backward(x, weight)
         return y
@@ -74,22 +61,10 @@ class _ShardedLinear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
         call, layer = ctx.call, ctx.layer
-        n, rows = call.world_size, weight.shape[0]
+        n = call.world_size
         need_x, need_w, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx = dw = db = None
-        if need_x:
-            dx = torch.zeros_like(x)
-
-            def consume(w_s: torch.Tensor, s: int) -> None:
-                dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
-
-            pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
-                                              label="sharded_linear.dgrad")
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        reduce = layer.reduce_dtype or weight.dtype  # the gradients travel and sum in this dtype
-        x2 = x.reshape(-1, x.shape[-1])
-        wgrad = (lambda d: (dy2[:, d * rows : (d + 1) * rows].t() @ x2).to(reduce)) if need_w else None
-        bgrad = (lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0).to(reduce)) if ctx.has_bias and need_b else None
+        dx = sharded_linear_dgrad(call, x, weight, dy) if need_x else None
+        wgrad, bgrad = _grad_parts(x, weight, dy, need_w, ctx.has_bias and need_b, layer.reduce_dtype)
         if not layer.requires_gradient_sync:
             # accumulate this rank's whole gradient without reducing it; the next synced backward reduces the sum
             layer._hold("weight", [wgrad(d) for d in range(n)] if wgrad else None)
@@ -97,17 +72,80 @@ class _ShardedLinear(torch.autograd.Function):
             return None, None, dx, None, None
         if wgrad is not None:
             wgrad = layer._with_held("weight", wgrad)
-            dw = pipelined.produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
         if bgrad is not None:
             bgrad = layer._with_held("bias", bgrad)
-            db = pipelined.produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
+        dw, db = _reduce_grads(call, weight, wgrad, bgrad, layer.reduce)
         layer._held.clear()
-        if layer.reduce == "avg":
-            dw = dw / n if dw is not None else None
-            db = db / n if db is not None else None
-        # the parameters' own dtype (a mixed-precision layer keeps full-precision shards)
-        return (None, None, dx, dw.to(weight.dtype) if dw is not None else None,
-                db.to(weight.dtype) if db is not None else None)
+        return None, None, dx, dw, db
+
+
+def sharded_linear_forward(call, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """``x @ W^T + b`` from this rank's row shard of W (and b): the weight's all-gather ring, one output block
+    per arriving shard (see :class:`_ShardedLinear`)."""
+    rows = weight.shape[0]
+    y = x.new_empty(*x.shape[:-1], rows * call.world_size)
+    compute = x.dtype  # the layer's param_dtype when it has one (the module cast x)
+
+    def consume(w_s: torch.Tensor, s: int) -> None:
+        y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
+
+    # a mixed-precision layer gathers its shards already cast: half the bytes on the ring
+    pipelined.all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
+                                      label="sharded_linear.forward")
+    if bias is not None:
+        y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach().to(compute), pipelined.collect, 0,
+                                                         label="sharded_linear.bias"))
+    return y
+
+
+def sharded_linear_dgrad(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """``dx = sum_s dy[..., cols_s] @ W_s``: the weight's all-gather ring again."""
+    rows = weight.shape[0]
+    dx = torch.zeros_like(x)
+
+    def consume(w_s: torch.Tensor, s: int) -> None:
+        dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
+
+    pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
+                                      label="sharded_linear.dgrad")
+    return dx
+
+
+def _grad_parts(x, weight, dy, need_w: bool, need_b: bool, reduce_dtype):
+    """The producers of this rank's partial of rank d's weight (and bias) gradient block, in the dtype the
+    gradients travel and sum in (None for what is not wanted)."""
+    rows = weight.shape[0]
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    reduce = reduce_dtype or weight.dtype
+    x2 = x.reshape(-1, x.shape[-1])
+    wgrad = (lambda d: (dy2[:, d * rows : (d + 1) * rows].t() @ x2).to(reduce)) if need_w else None
+    bgrad = (lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0).to(reduce)) if need_b else None
+    return wgrad, bgrad
+
+
+def _reduce_grads(call, weight, wgrad, bgrad, reduce: str):
+    """The weight (and bias) gradient shards: reduce-scatter rings (Flash-RS) over ``wgrad``/``bgrad``'s
+    partials, averaged for ``reduce="avg"``, in the parameters' own dtype."""
+    n = call.world_size
+    dw = db = None
+    if wgrad is not None:
+        dw = pipelined.produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
+    if bgrad is not None:
+        db = pipelined.produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
+    if reduce == "avg":
+        dw = dw / n if dw is not None else None
+        db = db / n if db is not None else None
+    # the parameters' own dtype (a mixed-precision layer keeps full-precision shards)
+    return (dw.to(weight.dtype) if dw is not None else None, db.to(weight.dtype) if db is not None else None)
+
+
+def sharded_linear_backward(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, need_x: bool,
+                            need_w: bool, need_b: bool, reduce: str, reduce_dtype):
+    """``(dx, dW shard, db shard)`` of a synchronised backward (None for what is not wanted)."""
+    dx = sharded_linear_dgrad(call, x, weight, dy) if need_x else None
+    wgrad, bgrad = _grad_parts(x, weight, dy, need_w, need_b, reduce_dtype)
+    dw, db = _reduce_grads(call, weight, wgrad, bgrad, reduce)
+    return dx, dw, db
 
 
 class ShardedLinear(nn.Module):
@@ -226,6 +264,14 @@ class ShardedLinear(nn.Module):
         compute = self.param_dtype
         if compute is not None and x.is_floating_point():
             x = x.to(compute)
+        if torch.compiler.is_compiling() and self.world_size > 1:
+            if self.requires_gradient_sync and not self._held:
+                return self._compiled(x)
+            return self._eager(x)
+        return self._ring(x)
+
+    def _ring(self, x: torch.Tensor) -> torch.Tensor:
+        compute = self.param_dtype
         if self.world_size == 1:
             w, b = self.weight, self.bias
             if compute is not None:
@@ -238,6 +284,24 @@ class ShardedLinear(nn.Module):
                             slice_bytes=rows * self.in_features * size)
         bias = self.bias
         return _ShardedLinear.apply(call, self, x, local(self.weight), local(bias) if bias is not None else None)
+
+    def _compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward as ``torch.ops.commfuse.sharded_linear``: one op in the graph, its backward the same
+        rings as eager's. Gradient accumulation without sync keeps gradients in the module, which no op of a
+        graph can do: that forward runs eagerly (a graph break; ``fullgraph=True`` refuses it)."""
+        from commfuse import library
+
+        if self.backend is not None:
+            raise CommfuseValueError(f"ShardedLinear under torch.compile takes its group's backend; "
+                                     f"backend={self.backend!r} cannot be given")
+        bias = self.bias
+        return library.sharded_linear(x, local(self.weight), local(bias) if bias is not None else None,
+                                      group=self.group, algorithm=self.algorithm, reduce=self.reduce,
+                                      reduce_dtype=self.reduce_dtype)
+
+    @torch.compiler.disable
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ring(x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, algorithm: str = "auto",
