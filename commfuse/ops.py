@@ -488,6 +488,14 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
 # -- consume / produce forms -------------------------------------------------
 
 
+def _not_compiled(op: str) -> None:
+    raise CommfuseValueError(
+        f"{op} takes a Python callable, so it is not a custom op and cannot be part of a torch.compile graph: "
+        "with fullgraph=False torch.compile runs it eagerly (a graph break); the ops that compile are "
+        "all_gather_matmul, matmul_reduce_scatter and the commfuse.nn layers (see commfuse.library)"
+    )
+
+
 def _checked(what: str, call):
     if not callable(call):
         raise CommfuseTypeError(f"{what} must be callable, got {type(call).__name__}")
@@ -517,6 +525,8 @@ def all_gather_consume(
     results are None, or a :class:`StandIn`'s stand-ins (:data:`collect`
     collects in every mode).
     """
+    if torch.compiler.is_compiling():
+        _not_compiled("all_gather_consume")
     try:
         shard = _tensor("shard", shard)
         _checked("consumer", consumer)
@@ -563,6 +573,8 @@ def produce_reduce_scatter(
     ``auto`` decides on the size of the first partial (every rank's partials
     have one shape), which is produced before the ring starts.
     """
+    if torch.compiler.is_compiling():
+        _not_compiled("produce_reduce_scatter")
     try:
         _checked("producer", producer)
         inputs = tuple(inputs) if inputs is not None else None
@@ -614,6 +626,8 @@ def all_to_all_consume(
     ``comm_only`` measurements call no consumer, as for
     :func:`all_gather_consume` (a :class:`StandIn` gives stand-ins).
     """
+    if torch.compiler.is_compiling():
+        _not_compiled("all_to_all_consume")
     try:
         if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
             raise CommfuseTypeError(f"chunks must be a list of tensors, one per rank, got {type(chunks).__name__}")

@@ -265,9 +265,7 @@ class ShardedLinear(nn.Module):
         if compute is not None and x.is_floating_point():
             x = x.to(compute)
         if torch.compiler.is_compiling() and self.world_size > 1:
-            if self.requires_gradient_sync and not self._held:
-                return self._compiled(x)
-            return self._eager(x)
+            return self._compiled(x)
         return self._ring(x)
 
     def _ring(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,9 +286,16 @@ class ShardedLinear(nn.Module):
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The forward as ``torch.ops.commfuse.sharded_linear``: one op in the graph, its backward the same
         rings as eager's. Gradient accumulation without sync keeps gradients in the module, which no op of a
-        graph can do: that forward runs eagerly (a graph break; ``fullgraph=True`` refuses it)."""
+        graph can do: refused here (with ``fullgraph=False`` torch.compile then runs this forward eagerly)."""
         from commfuse import library
 
+        if not self.requires_gradient_sync or self._held:
+            raise CommfuseValueError(
+                f"rank {self.rank}: ShardedLinear({self.in_features}, {self.out_features}) under torch.compile "
+                "with gradient sync off (no_sync / set_requires_gradient_sync(False)) or with gradients held from "
+                "such steps: the held gradients live in the module, which a compiled graph cannot update; run the "
+                "accumulation steps eagerly, or compile with fullgraph=False (that forward then runs eagerly)"
+            )
         if self.backend is not None:
             raise CommfuseValueError(f"ShardedLinear under torch.compile takes its group's backend; "
                                      f"backend={self.backend!r} cannot be given")
@@ -298,10 +303,6 @@ class ShardedLinear(nn.Module):
         return library.sharded_linear(x, local(self.weight), local(bias) if bias is not None else None,
                                       group=self.group, algorithm=self.algorithm, reduce=self.reduce,
                                       reduce_dtype=self.reduce_dtype)
-
-    @torch.compiler.disable
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ring(x)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, algorithm: str = "auto",

@@ -210,3 +210,8 @@ def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
             f"{getattr(be, 'name', be)!r} does not have (its capabilities list {', '.join(supported) or 'none'}); "
             "use 'ring' or 'bidirectional'"
         )
+
+
+from commfuse.runtime.eager import eager_only  # noqa: E402
+
+eager_only(resolve_call)  # it asks the process group for its rank and size (see commfuse.runtime.eager)

@@ -34,6 +34,13 @@ Rules every call follows, whatever the backend (see ``docs/reliability.md``):
 * **Drain before raising.** An exception in the caller's compute, or in a
   later wait, first waits (bounded) for the transfers already posted, so a
   failure that every rank shares leaves the group usable.
+* **Capture after the check.** A call made while the current stream captures
+  a device graph (``torch.cuda.graph``) is walked like any other, with its
+  receive buffers kept apart from eager calls' (``programs._Pool``) and, on a
+  stream-ordered backend, its steps kept from the watchdog. A call that would
+  check its fingerprint (a signature's first call, the call after a failure,
+  ``COMMFUSE_CHECK=always``) is refused instead, by name: the check compares
+  values on the host.
 
 Every step is annotated with ``torch.profiler.record_function`` while a
 profiler runs; ``COMMFUSE_TRACE=1`` prints a per-rank step log to stderr.
@@ -107,6 +114,17 @@ def resolve_timeout(timeout: float | None) -> float:
             "commfuse never waits without a bound"
         )
     return float(timeout)
+
+
+def capture_probe(device) -> Callable[[], bool] | None:
+    """The function that says whether the current stream of ``device``'s type is capturing a device graph
+    (``torch.cuda.is_current_stream_capturing``; ``torch.npu``'s of the same name once torch_npu is imported),
+    or None for a device type without graph capture (CPU, XLA, or no device): then no call is ever captured."""
+    kind = getattr(device, "type", None)
+    if kind is None or kind in ("cpu", "meta"):
+        return None
+    probe = getattr(getattr(torch, kind, None), "is_current_stream_capturing", None)
+    return probe if callable(probe) else None
 
 
 #: ``check`` modes: no check; once per call signature (and after a failure); on every call.
@@ -434,7 +452,7 @@ class Plan:
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
                  "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature", "whole",
-                 "whole_compute", "one_by_one", "settled")
+                 "whole_compute", "one_by_one", "settled", "probe", "capturing")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True) -> None:
@@ -458,6 +476,11 @@ class Plan:
         self.checks = (check != "off" and not self.traced and schedule.world_size > 1
                        and self.compiled.communicates)
         self.begin = getattr(backend, "begin_call", None)
+        #: whether the current stream captures a device graph (:func:`capture_probe`; None on CPU)
+        self.probe = capture_probe(getattr(backend, "device", None))
+        #: whether the call in progress is being captured: set by each call as it takes the group, False between
+        #: calls (a stream-ordered backend then keeps its steps from the watchdog, see ``runtime.c10d``)
+        self.capturing = False
         self.trace = _trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
         self.steps = self.compiled.steps
         self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag
@@ -564,6 +587,8 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
             plan.learn_signature(program)
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
             if state.dirty or plan.check == "always" or plan.signature not in state.checked:
+                if plan.capturing:
+                    raise _capture_refusal(plan, state)
                 if begin is not None:
                     begin(None, plan)
                 _check_fingerprint(plan, program, seq)
@@ -582,7 +607,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
         state.dirty = True
         raise
     finally:
-        _leave(state)
+        _leave(plan, state)
 
 
 def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
@@ -610,7 +635,7 @@ def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
         state.dirty = True
         raise
     finally:
-        _leave(state)
+        _leave(plan, state)
 
 
 def lean_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) -> tuple:
@@ -714,13 +739,15 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
         state.dirty = True
         raise
     finally:
-        _leave(state)
+        _leave(plan, state)
 
 
 def _enter(plan: Plan, state: GroupState) -> int:
     """Take the group for one call of ``plan`` (refused, by name, while another op is in flight on it; a
     group the watchdog declared dead raises its error) and return the call's number. :func:`_leave` gives
-    it back."""
+    it back. On a device with graph capture, the plan learns whether this call is captured."""
+    probe = plan.probe
+    capturing = probe is not None and bool(probe())
     if not state.lock.acquire(False):
         raise _busy(plan, state)
     if state.error is not None:
@@ -729,12 +756,32 @@ def _enter(plan: Plan, state: GroupState) -> int:
     state.busy = (plan.label, threading.get_ident())
     seq = state.seq
     state.seq = seq + 1
+    if capturing:
+        plan.capturing = True
     return seq
 
 
-def _leave(state: GroupState) -> None:
+def _leave(plan: Plan, state: GroupState) -> None:
+    plan.capturing = False
     state.busy = None
     state.lock.release()
+
+
+def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
+    """Why a call that must check its fingerprint cannot be captured in a device graph, and what to do."""
+    if plan.check == "always":
+        why = "COMMFUSE_CHECK=always (or check='always') checks every call"
+    elif state.dirty:
+        why = "an earlier call on the group failed, so the next call checks that the ranks agree again"
+    else:
+        why = "this is the first call of its signature on the group"
+    return CommfuseValueError(
+        f"rank {plan.rank}: {plan.label} ({plan.schedule.describe()}) on {state.name} is being captured in a "
+        f"device graph, but this call must first check that every rank calls the same op ({why}), and the "
+        "check compares the ranks' fingerprints on the host, which a capture cannot do. Run the call eagerly "
+        "before capturing (warm-up: commfuse.graphs.capture does it), with the default check mode, not "
+        "COMMFUSE_CHECK=always"
+    )
 
 
 def _busy(plan: Plan, state: GroupState) -> ConcurrentUseError:
@@ -1035,3 +1082,9 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
         f"rank {rank}: the ranks of {plan.state.name} called different ops (checked before the first transfer of "
         f"{plan.label}, nothing was sent):\n" + "\n".join(lines) + hint
     )
+
+
+# torch.compile's eager fallback runs these as plain Python (see commfuse.runtime.eager)
+from commfuse.runtime.eager import eager_only  # noqa: E402
+
+eager_only(execute, execute_into, execute_one_by_one)

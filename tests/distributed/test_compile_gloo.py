@@ -1,0 +1,74 @@
+"""Tier (b), real gloo ranks: torch.ops.commfuse under opcheck, and the functional ops and commfuse.nn's
+layers under torch.compile(fullgraph=True): one graph, no break, and what eager gives, gradients included.
+On the inductor backend on CPU, and on torch's fake process group at world size 8."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _compile_cases  # noqa: E402
+
+from commfuse.launch import launch  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def _results(body: str, n: int, *args) -> list[dict]:
+    return launch(getattr(_compile_cases, body), n, *args, timeout=900)
+
+
+def _check(name: str, body: str, n: int, *args) -> None:
+    results = _results(body, n, *args)
+    errors = {r: res.get(name, "did not run") for r, res in enumerate(results) if res.get(name, "missing")}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+
+
+OPS = ("all_gather_matmul", "all_gather_matmul-dim0-bidirectional", "all_gather_matmul-transposed-weight",
+       "matmul_reduce_scatter", "matmul_reduce_scatter-avg-vanilla", "attention_reduce_scatter", "sharded_linear",
+       "sharded_linear-no-bias-sum", "replicated")
+LAYERS = ("mlp", "mlp-auto", "attention", "attention-full-mha", "sharded", "sharded-sum-no-bias")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_passes_opcheck(op):
+    _check(op, "opcheck", 2)
+
+
+@pytest.mark.parametrize("backend", ("aot_eager", "inductor"))
+def test_functional_ops_compile_to_one_graph_and_equal_eager(backend):
+    _check(f"functional-{backend}", "functional", 2, backend)
+    _check(f"functional-no-grad-{backend}", "functional", 2, backend)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layers_compile_with_inductor_to_one_graph_and_train_as_eager(layer, n):
+    _check(f"{layer}-inductor", "layers", n, "inductor")
+
+
+@pytest.mark.parametrize("name", ("option-refused", "consume-refused-in-fullgraph",
+                                  "consume-runs-eagerly-at-a-graph-break", "sharded-no-sync-refused"))
+def test_what_does_not_compile_says_so(name):
+    _check(name, "refusals", 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_group(n: int) -> dict:
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import _compile_cases as c; "
+            f"print(json.dumps(c.fake_group({n})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_layers_compile_on_the_fake_group_at_world_size_8(layer):
+    got = _fake_group(8)
+    assert layer in got, sorted(got)
+    assert got[layer] is None, got[layer]
