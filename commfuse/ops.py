@@ -663,3 +663,7 @@ def all_to_all_consume(
 
 # torch.ops.commfuse.* exist once the functional ops do
 import commfuse.library  # noqa: E402,F401
+from commfuse.runtime.eager import eager_only  # noqa: E402
+
+# not ops (they take callables): a graph break runs them, and all they call, as plain Python
+eager_only(all_gather_consume, produce_reduce_scatter, all_to_all_consume)

@@ -425,6 +425,12 @@ class AttentionParallel(_Style):
         n = mesh.size()
         want = _normalized(self.output_layouts[0], 3)
         causal = self.causal
+        if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
+            from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
+
+            z = library.attention_reduce_scatter(q, k, v, wo.weight.to_local(), causal=causal,
+                                                 group=mesh.get_group(), algorithm=self.algorithm)
+            return self._scattered(mesh, z, want, wo.bias)
         if want == Shard(1) and n > 1 and s % n == 0:
             rows = s // n
 

@@ -274,8 +274,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     """Attention of sequence-sharded q (b, s/N, H, d), k, v (b, s/N, Hkv, d) over the whole sequence.
 
     Differentiable; see :class:`UlyssesAttention` for the schedule. Returns
-    (b, s/N, H, d).
+    (b, s/N, H, d). Not an op (it is built on the pairwise all-to-all's consumer
+    form): under ``torch.compile`` it refuses, and a graph break runs it eagerly.
     """
+    if torch.compiler.is_compiling():
+        raise CommfuseValueError(
+            "ulysses_attention (and UlyssesAttention) is built on all_to_all_consume, which takes Python "
+            "callables and cannot be part of a torch.compile graph: compile with fullgraph=False (torch.compile "
+            "then runs it eagerly at a graph break); the layers that compile are listed in docs/compile.md"
+        )
     group = resolve_group(group)
     be = backends.resolve(backend, group, q.device)
     n = 1 if be is None else be.world_size
@@ -346,3 +353,8 @@ class UlyssesAttention(nn.Module):
         import copy
 
         return tuple(copy.deepcopy(lin) for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+
+
+from commfuse.runtime.eager import eager_only  # noqa: E402
+
+eager_only(ulysses_attention)  # a graph break runs it, and all it calls, as plain Python

@@ -220,6 +220,30 @@ def refusals(rank, n):
 
     _run(results, "consume-runs-eagerly-at-a-graph-break", consume_eagerly)
 
+    def ulysses_eagerly():
+        from commfuse.nn import UlyssesAttention
+
+        torch.manual_seed(7)
+        layer = UlyssesAttention(8 * n, 2 * n, algorithm="ring")
+        x = torch.randn(2, 4, 8 * n)
+        expect(layer, (x,), "cannot be part of a torch.compile graph")
+        torch._dynamo.reset()
+        xx = x.clone().requires_grad_()
+        got = torch.compile(layer, backend="eager")(xx)
+        got.pow(2).sum().backward()
+        want_x = x.clone().requires_grad_()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        for p in layer.parameters():
+            p.grad = None
+        want = layer(want_x)
+        want.pow(2).sum().backward()
+        _close(got, want, "UlyssesAttention through a graph break", exact=True)
+        _close(xx.grad, want_x.grad, "its input gradient", exact=True)
+        for (name, p), g in zip(layer.named_parameters(), grads):
+            _close(g, p.grad, f"{name}.grad", exact=True)
+
+    _run(results, "ulysses-refused-then-runs-eagerly", ulysses_eagerly)
+
     def no_sync_refused():
         torch.manual_seed(3)
         layer = ShardedLinear(8, 2 * n)
@@ -261,4 +285,76 @@ def fake_group(n: int) -> dict:
 
         _run(results, name, body)
     dist.destroy_process_group()
+    return results
+
+
+def _recording(targets: set, then=None):
+    """A torch.compile backend that records the ops of every graph it is given (then compiles with ``then``)."""
+    def backend(gm, inputs):
+        targets.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        if then is None:
+            return gm.forward
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(then)(gm, inputs)
+
+    return backend
+
+
+def styles(rank, n, backend):
+    """commfuse.tp's styles compiled: the Llama block (AttentionParallel with RoPE, SwiGLUParallel) and an MLP
+    of ColwiseParallel / RowwiseParallel under sequence parallelism: one graph, no break, the fused ops in it,
+    and what eager gives."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commfuse import tp
+    from commfuse.models import llama
+
+    _fresh_inductor_cache()
+    results = {}
+    mesh = init_device_mesh("cpu", (n,))
+
+    def check(model, args, want_ops):
+        _one_graph(model, *args)
+
+        def step(fn):
+            for p in model.parameters():
+                p.grad = None
+            y = fn(*args)
+            _local(y).pow(2).sum().backward()
+            return y, [p.grad for p in model.parameters()]
+
+        want = step(model)
+        seen: set = set()
+        got = step(torch.compile(model, fullgraph=True, backend=_recording(seen, backend)))
+        missing = [op for op in want_ops if not any(op in t for t in seen)]
+        if missing:
+            raise AssertionError(f"the compiled graph lacks {missing}: {sorted(seen)}")
+        _close(got[0], want[0], "output")
+        for (name, _), g, w in zip(model.named_parameters(), got[1], want[1]):
+            _close(g, w, f"{name}.grad")
+
+    def block():
+        torch.manual_seed(5)
+        heads, head_dim, seq = 2 * n, 32 // (2 * n), 4 * n  # 2 query heads and 1 key/value head per rank
+        model = llama.Block(dim=32, n_heads=heads, n_kv_heads=n, ffn=16 * n)
+        parallelize_module(model, mesh, llama.commfuse_plan(head_dim=head_dim, algorithm="ring"))
+        x = torch.randn(2, seq, 32).tensor_split(n, dim=1)[rank].clone()
+        check(model, (x, llama.rope_cache(head_dim, seq)),
+              ("commfuse.all_gather_matmul", "commfuse.attention_reduce_scatter", "commfuse.matmul_reduce_scatter"))
+
+    _run(results, f"llama-block-{backend}", block)
+
+    def mlp():
+        torch.manual_seed(6)
+        model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+        parallelize_module(model, mesh, {"0": tp.ColwiseParallel(input_layouts=Shard(1), algorithm="ring"),
+                                         "2": tp.RowwiseParallel(output_layouts=Shard(1), algorithm="ring")})
+        x = torch.randn(2, 4 * n, 16).tensor_split(n, dim=1)[rank].clone()
+        check(model, (x,), ("commfuse.all_gather_matmul", "commfuse.matmul_reduce_scatter", "commfuse.replicated"))
+
+    _run(results, f"colwise-rowwise-mlp-{backend}", mlp)
     return results

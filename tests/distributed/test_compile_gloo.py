@@ -52,8 +52,15 @@ def test_layers_compile_with_inductor_to_one_graph_and_train_as_eager(layer, n):
     _check(f"{layer}-inductor", "layers", n, "inductor")
 
 
+@pytest.mark.parametrize("n", (2, 4))
+@pytest.mark.parametrize("model", ("llama-block", "colwise-rowwise-mlp"))
+def test_tp_styles_compile_with_inductor_to_one_graph_of_fused_ops(model, n):
+    _check(f"{model}-inductor", "styles", n, "inductor")
+
+
 @pytest.mark.parametrize("name", ("option-refused", "consume-refused-in-fullgraph",
-                                  "consume-runs-eagerly-at-a-graph-break", "sharded-no-sync-refused"))
+                                  "consume-runs-eagerly-at-a-graph-break", "sharded-no-sync-refused",
+                                  "ulysses-refused-then-runs-eagerly"))
 def test_what_does_not_compile_says_so(name):
     _check(name, "refusals", 2)
 
