@@ -12,13 +12,16 @@ serial is what the collective changes, serial / ring what the overlap buys),
 and can write a Chrome/Perfetto trace and a Gantt chart of one iteration per
 algorithm from the executor's own events. ``--fake-pg N`` instead times each
 op in one process on torch's fake process group (no transfers) against the
-unsliced GEMM: what slicing and commfuse's own overhead cost on a device.
+unsliced GEMM: what slicing and commfuse's own overhead cost on a device
+(and, on CUDA, the same calls captured in a CUDA graph and replayed).
+``--compile [BACKEND]`` times the layers (and bare ops) eager against
+``torch.compile(..., fullgraph=True)`` side by side instead.
 
 Modules: ``command`` (the CLI; imports no torch), ``config`` (sizes, presets,
 the run's settings; no torch), ``workloads`` and ``runner`` (what every rank
 runs), ``report`` (records, table, targets; no torch), ``trace`` (Chrome
 trace), ``plot`` (Gantt chart, matplotlib), ``netns`` (``--link-rate``),
-``progress`` (the progress bar), ``fakepg`` (``--fake-pg``).
+``progress`` (the progress bar), ``fakepg`` (``--fake-pg``), ``compiled`` (``--compile``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ Three ways to run:
 - with ``--fake-pg N`` it runs in this one process on torch's fake process
   group (rank 0 of N, transfers that complete at once) and times each op's
   GEMMs and overhead against the unsliced GEMM (``fakepg``).
+
+``--compile [BACKEND]`` changes what the ranks measure: each layer (and
+bare op) eager against ``torch.compile(..., fullgraph=True)``, interleaved
+(``compiled``); with ``--fake-pg`` it adds the compiled op's column.
 """
 
 from __future__ import annotations
@@ -24,7 +28,18 @@ import os
 import sys
 from pathlib import Path
 
-from commfuse.bench.config import ALGORITHMS, PRESETS, WORKLOADS, BenchConfig, Shape, scaled
+from commfuse.bench.config import (
+    ALGORITHMS,
+    COMPILE_BACKENDS,
+    COMPILE_DEFAULT_ALGORITHMS,
+    COMPILE_DEFAULT_WORKLOADS,
+    COMPILE_WORKLOADS,
+    PRESETS,
+    WORKLOADS,
+    BenchConfig,
+    Shape,
+    scaled,
+)
 from commfuse.cli import command
 from commfuse.errors import CommfuseError, CommfuseValueError
 
@@ -60,13 +75,22 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
         "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
         "  commfuse bench --fake-pg 8 --device cuda --tokens 8192 --hidden 8192 --ffn 28672   # one GPU, no transfers\n"
+        "  commfuse bench --compile                         # mlp, attention, fsdp_linear: eager vs torch.compile\n"
+        "  commfuse bench --compile aot_eager -w mlp -a vanilla ring auto --preset tiny\n"
         "see docs/benchmarks.md for how to read the figures"
     )
     g = p.add_argument_group("what to measure")
-    g.add_argument("-w", "--workloads", nargs="+", default=["ag_matmul", "matmul_rs"], metavar="W",
-                   help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; default: ag_matmul matmul_rs)")
-    g.add_argument("-a", "--algorithms", nargs="+", default=list(ALGORITHMS), metavar="A",
-                   help=f"algorithms to compare (default: {' '.join(ALGORITHMS)}); vanilla is always added")
+    g.add_argument("-w", "--workloads", nargs="+", metavar="W",
+                   help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; default: ag_matmul matmul_rs; with "
+                   f"--compile: {' '.join(COMPILE_DEFAULT_WORKLOADS)})")
+    g.add_argument("-a", "--algorithms", nargs="+", metavar="A",
+                   help=f"algorithms to compare (default: {' '.join(ALGORITHMS)}; with --compile: "
+                   f"{' '.join(COMPILE_DEFAULT_ALGORITHMS)}); vanilla is always added")
+    g.add_argument("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, metavar="BACKEND",
+                   help="time each workload eager against torch.compile(..., fullgraph=True, backend=BACKEND) "
+                   f"(default inductor; {', '.join(COMPILE_BACKENDS)}) instead of the algorithms against each "
+                   f"other: the two interleaved, per algorithm, and the first compiled step (the compile) apart; "
+                   f"workloads {', '.join(COMPILE_WORKLOADS)}. With --fake-pg: adds the compiled op's column")
     g.add_argument("--forward-only", action="store_true", help="layer workloads run forward only (default: +backward)")
     g.add_argument("--fingerprint", action="store_true",
                    help="time the ops' fingerprint exchange too, one small round trip per op call (default: only "
@@ -118,14 +142,25 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    compile_backend = getattr(args, "compile", None)
+    fake = getattr(args, "fake_pg", None) is not None
+    given = args.workloads
+    if given is None:
+        given = ["ag_matmul", "matmul_rs"] if compile_backend is None or fake else list(COMPILE_DEFAULT_WORKLOADS)
     workloads: list[str] = []
-    for item in args.workloads:
+    for item in given:
         for w in item.split(","):
-            if w == "all":
-                workloads += list(WORKLOADS)
+            if w == "all":  # with --compile, every workload that compiles
+                workloads += list(COMPILE_WORKLOADS if compile_backend is not None and not fake else WORKLOADS)
             elif w:
                 workloads.append(w)
-    algorithms = [a for item in args.algorithms for a in item.split(",") if a]
+    given = args.algorithms
+    if given is None:
+        given = list(ALGORITHMS) if compile_backend is None or fake else list(COMPILE_DEFAULT_ALGORITHMS)
+    algorithms = [a for item in given for a in item.split(",") if a]
+    if compile_backend is not None and not fake and (args.trace or args.plot):
+        raise CommfuseValueError("--trace and --plot draw the executor's steps of the overlap benchmark; --compile "
+                                 "times whole steps eager against compiled: drop --trace/--plot or --compile")
     shape = scaled(PRESETS[args.preset], args.scale)
     overrides = {name: getattr(args, name) for name, _ in _SIZE_FLAGS if getattr(args, name) is not None}
     tokens = getattr(args, "tokens", None)
@@ -156,15 +191,21 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         trace=bool(args.trace or args.plot),
         timeout=args.timeout,
         seed=args.seed,
+        compile_backend=compile_backend,
     )
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The command line that parses back to ``args`` (for re-executing in the shaped namespace)."""
-    out = ["--workloads", *args.workloads, "--algorithms", *args.algorithms, "--preset", args.preset,
-           "--scale", str(args.scale), "--world-size", str(args.world_size),
+    out = ["--preset", args.preset, "--scale", str(args.scale), "--world-size", str(args.world_size),
            "--threads", str(args.threads), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
            "--timeout", repr(args.timeout), "--seed", str(args.seed)]
+    if args.workloads is not None:
+        out += ["--workloads", *args.workloads]
+    if args.algorithms is not None:
+        out += ["--algorithms", *args.algorithms]
+    if getattr(args, "compile", None):
+        out += ["--compile", args.compile]
     for name, _ in _SIZE_FLAGS:
         if getattr(args, name) is not None:
             out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -264,6 +305,8 @@ def _check_layers(config: BenchConfig) -> None:
 def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     from commfuse.bench import report
 
+    if result.get("mode") == "compile":
+        return _emit_compiled(result, config, args)
     recs = report.records(result, config)
     text = report.table(recs, config) + "\n\n" + "targets (printed, never asserted):\n" + "\n".join(
         report.targets(recs)) + "\n"
@@ -284,6 +327,22 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
         print(f"commfuse bench: results differ from vanilla beyond tolerance: {', '.join(wrong)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _emit_compiled(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
+    """``--compile``'s table and records; 1 if a workload did not compile or its compiled result differs."""
+    from commfuse.bench import report
+
+    recs = report.compile_records(result, config)
+    _write(report.compile_table(recs, config) + "\n", recs, args.json)
+    broken = [f"{r['workload']} {r['algorithm']}" for r in recs if r["compile_error"]]
+    wrong = [f"{r['workload']} {r['algorithm']}" for r in recs if not r["compile_error"] and not r["correct"]]
+    if broken:
+        print(f"commfuse bench: did not compile with fullgraph=True: {', '.join(broken)}", file=sys.stderr)
+    if wrong:
+        print(f"commfuse bench: compiled results differ from eager beyond tolerance: {', '.join(wrong)}",
+              file=sys.stderr)
+    return 1 if broken or wrong else 0
 
 
 @command("bench", "measure every overlap algorithm side by side on real ranks (docs/benchmarks.md)", arguments)

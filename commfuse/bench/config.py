@@ -20,6 +20,20 @@ from commfuse.schedule import AlgorithmSpec, parse_algorithm
 #: collective buys from what the overlap buys (``report``).
 ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "serial", "ring", "bidirectional", "auto")
 
+#: ``--compile``: the ``torch.compile`` backends it takes (``inductor``, the default, generates kernels;
+#: ``aot_eager`` traces forward and backward but runs them with eager kernels; ``eager`` is dynamo alone).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+#: The workloads ``--compile`` times compiled against eager: the ``commfuse.nn`` layers that compile whole
+#: (``fullgraph=True``; ``torch.ops.commfuse``, see ``commfuse.library``) and the bare ops inside a compiled
+#: function. Ulysses' all-to-all and the Llama block's DTensor plans are not among them.
+COMPILE_WORKLOADS = ("mlp", "attention", "fsdp_linear", "ag_matmul", "matmul_rs")
+
+#: What ``--compile`` runs without ``-w`` and ``-a`` (vanilla is always added): one compile per layer and
+#: algorithm, each 1-20 s on a CPU.
+COMPILE_DEFAULT_WORKLOADS = ("mlp", "attention", "fsdp_linear")
+COMPILE_DEFAULT_ALGORITHMS = ("ring",)
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadInfo:
@@ -149,6 +163,9 @@ class BenchConfig:
     trace: bool = False
     timeout: float = 1800.0
     seed: int = 0
+    #: ``--compile``: time each workload eager against ``torch.compile(..., fullgraph=True, backend=this)``
+    #: instead of the algorithms against each other (``commfuse.bench.compiled``); None: the overlap benchmark
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -156,6 +173,17 @@ class BenchConfig:
             raise CommfuseValueError(
                 f"unknown workload(s) {unknown or '(none given)'}: expected some of {', '.join(WORKLOADS)}"
             )
+        if self.compile_backend is not None:
+            if self.compile_backend not in COMPILE_BACKENDS:
+                raise CommfuseValueError(f"--compile takes one of {', '.join(COMPILE_BACKENDS)}, got "
+                                         f"{self.compile_backend!r}")
+            refused = [w for w in self.workloads if w not in COMPILE_WORKLOADS]
+            if refused:
+                raise CommfuseValueError(
+                    f"--compile times the workloads that compile whole with fullgraph=True "
+                    f"({', '.join(COMPILE_WORKLOADS)}), not {', '.join(refused)}: drop "
+                    f"{'it' if len(refused) == 1 else 'them'} from -w"
+                )
         specs = [check_algorithm(a) for a in self.algorithms]
         if "vanilla" not in self.algorithms:  # the baseline of every comparison
             object.__setattr__(self, "algorithms", ("vanilla", *self.algorithms))
@@ -229,6 +257,7 @@ def describe_rate(rate: str | None) -> str:
 
 
 __all__ = [
-    "ALGORITHMS", "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
+    "ALGORITHMS", "COMPILE_BACKENDS", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
+    "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
     "scaled", "element_size", "describe_rate",
 ]

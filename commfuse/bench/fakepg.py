@@ -24,15 +24,27 @@ compared. Per algorithm and repeat, one batch of ``calls`` calls is timed:
   the device time; on CUDA, a host time near the device time means the GPU
   waited for the host (the op is launch-bound).
 
+Two more columns, timed the same way in the same shuffled batches:
+
+- **captured** (CUDA only): each call (the reference GEMM's too) captured
+  once in a ``torch.cuda.CUDAGraph`` after warm-up, then replayed: the ops'
+  GEMMs and stream ordering without their host work (the issue's target: the
+  captured ring at most 1.15x the unsliced GEMM). Elsewhere the column says
+  it was not measured and why ("capture needs a CUDA device");
+- **compiled** (``--compile [BACKEND]``, any device): ``torch.compile`` with
+  ``fullgraph=True`` of a function calling the op (``torch.ops.commfuse``),
+  one graph per algorithm, its first call (the compile) timed apart.
+
 The order of the algorithms (and of the reference GEMM) is shuffled every
 repeat; figures are medians over the repeats.
 
-The CUDA path is UNVERIFIED (written on machines without a GPU); the CPU path
-runs in the tests.
+The CUDA path is UNVERIFIED (written on machines without a GPU), the capture
+above included; the CPU path runs in the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import random
@@ -54,6 +66,9 @@ GEMM = "gemm"
 #: The issue's targets on an H100 (fake group, n = 8, bf16, tokens 8192, hidden 8192, ffn 28672): an
 #: algorithm's device time per call at most this many times the unsliced GEMM's. Printed, never asserted.
 TARGETS = {"ring": 1.25, "vanilla": 1.05}
+#: The issue's capture target in the same setting: the ring captured in a CUDA graph and replayed, at most this
+#: many times the unsliced (eager) GEMM, for both ops. Printed, never asserted.
+CAPTURED_TARGETS = {"ring": 1.15}
 TARGET_SETTING = {"world_size": 8, "dtype": "bfloat16", "tokens": 8192, "hidden": 8192, "ffn": 28672}
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,9 +169,24 @@ def _batch_timer(dev: torch.device):
     return timed
 
 
+def _setting_up(config: BenchConfig):
+    """What the run sets for its duration: ``COMMFUSE_CHECK=0`` (what arrives on a fake group is garbage, and
+    a compiled op takes its check mode from there) and, with ``--compile``, a fresh inductor cache and room for
+    one graph per algorithm (``commfuse.bench.compiled``). Returns the function that undoes it."""
+    from commfuse.bench.compiled import fresh_inductor_cache, recompile_room
+    from commfuse.bench.runner import _fingerprints
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_fingerprints(False))
+    if config.compile_backend is not None:
+        stack.enter_context(fresh_inductor_cache(0))
+        stack.enter_context(recompile_room(len(config.algorithms)))
+    return stack.close
+
+
 def _calls(name: str, config: BenchConfig, n: int, dev: torch.device, backend, gen: torch.Generator):
-    """(reference GEMM, {algorithm: call}, {algorithm: what it took}, FLOPs per call, shapes in words) of one
-    workload. Every call, the GEMM's included, has run once (plans made, kernels chosen)."""
+    """(reference GEMM, {algorithm: call}, {algorithm: what it took}, FLOPs per call, shapes in words, the op's
+    inputs) of one workload. Every call, the GEMM's included, has run once (plans made, kernels chosen)."""
     import commfuse as cf
 
     s, dtype = config.shape, _DTYPES[config.dtype]
@@ -195,7 +225,7 @@ def _calls(name: str, config: BenchConfig, n: int, dev: torch.device, backend, g
         flops = 2.0 * tokens * (s.ffn // n) * s.hidden
         shapes = f"({tokens}, {s.ffn // n}) @ ({s.ffn // n}, {s.hidden}) scattered to ({tokens // n}, {s.hidden})"
     gemm()
-    return gemm, calls, taken, flops, shapes
+    return gemm, calls, taken, flops, shapes, (x, w)
 
 
 def run(config: BenchConfig, calls: int, *, progress: bool = False) -> dict:
@@ -235,40 +265,159 @@ def run(config: BenchConfig, calls: int, *, progress: bool = False) -> dict:
     else:
         torch.cuda.set_device(dev)
     timed = _batch_timer(dev)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    restore = _setting_up(config)
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+    except BaseException:
+        restore()
+        raise
     results = []
     try:
         backend = _backend(dev)
         gen = torch.Generator().manual_seed(config.seed)
+        if config.compile_backend is not None:
+            _serve_compiled_calls(backend, dev)
         for name in config.workloads:
             if progress:
-                print(f"commfuse bench --fake-pg {n}: {OPS[name]} on {dev}, {len(config.algorithms)} algorithms, "
-                      f"{config.warmup} + {config.repeats} batches of {calls} calls", file=sys.stderr, flush=True)
+                extra = "".join(f", {what}" for what, on in (("captured", dev.type == "cuda"),
+                                                             (f"compiled ({config.compile_backend})",
+                                                              config.compile_backend is not None)) if on)
+                print(f"commfuse bench --fake-pg {n}: {OPS[name]} on {dev}, {len(config.algorithms)} algorithms "
+                      f"eager{extra}, {config.warmup} + {config.repeats} batches of {calls} calls", file=sys.stderr,
+                      flush=True)
             with torch.no_grad():
-                gemm, fns, taken, flops, shapes = _calls(name, config, n, dev, backend, gen)
-                items = [(GEMM, gemm)] + list(fns.items())
-                device_s = {k: [] for k, _ in items}
-                host_s = {k: [] for k, _ in items}
+                gemm, fns, taken, flops, shapes, inputs = _calls(name, config, n, dev, backend, gen)
+                eager = [(GEMM, gemm)] + list(fns.items())
+                items = [("eager", key, fn) for key, fn in eager]
+                # captured: every call (the GEMM's too) captured once in a CUDA graph and replayed
+                captured_why = {}
+                for key, fn in eager:
+                    replay, why = _captured(fn, dev, backend, key == GEMM)
+                    captured_why[key] = why
+                    if replay is not None:
+                        items.append(("captured", key, replay))
+                # compiled: torch.compile(fullgraph=True) of a function calling the op, one graph per algorithm
+                compiled_why, compiled_first = {}, {}
+                if config.compile_backend is not None:
+                    for key, (fn, first, why) in _compiled(name, inputs, config, dev).items():
+                        compiled_why[key], compiled_first[key] = why, first
+                        if fn is not None:
+                            items.append(("compiled", key, fn))
+                times = {kind: {key: [] for key, _ in eager} for kind in KINDS}
+                host_s = {key: [] for key, _ in eager}
                 for rep in range(config.warmup + config.repeats):
                     order = list(items)
                     random.Random(1_000_003 * config.seed + rep).shuffle(order)
-                    for key, fn in order:
+                    for kind, key, fn in order:
                         d, h = timed(fn, calls)
                         if rep >= config.warmup:
-                            device_s[key].append(d)
-                            host_s[key].append(h)
-                del gemm, fns, items, order
+                            times[kind][key].append(d)
+                            if kind == "eager":
+                                host_s[key].append(h)
+                del gemm, fns, eager, items, order, inputs
             results.append({"workload": name, "op": OPS[name], "shapes": shapes, "flops": flops,
                             "algorithms": [GEMM, *config.algorithms], "taken": {GEMM: GEMM, **taken},
-                            "device_s": device_s, "host_s": host_s})
+                            "device_s": times["eager"], "host_s": host_s,
+                            "captured_s": times["captured"], "captured_why": captured_why,
+                            "compiled_s": times["compiled"], "compiled_why": compiled_why,
+                            "compiled_first_s": compiled_first})
+            gc.collect()  # the captured graphs (and their memory pools) go with their replay functions
     finally:
         from commfuse import backends
 
         backends.release()
         gc.collect()
         dist.destroy_process_group()
+        restore()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    return {"world_size": n, "device": str(dev), "device_name": name, "calls": calls, "results": results}
+    return {"world_size": n, "device": str(dev), "device_name": name, "calls": calls, "results": results,
+            "compile_backend": config.compile_backend, "torch": torch.__version__}
+
+
+#: The ways each call is timed: as it is, replayed from a CUDA graph, compiled.
+KINDS = ("eager", "captured", "compiled")
+
+#: Why the captured column is empty off CUDA.
+CAPTURE_NEEDS_CUDA = "capture needs a CUDA device"
+
+
+def _captured(fn, dev: torch.device, backend, plain: bool):
+    """(``replay``, "") with ``replay`` a graph's replay that stands for one ``fn()``, or (None, why not).
+
+    UNVERIFIED on a GPU: written and tested on machines without one (on CPU this says only why it does not
+    measure). The path, kept plain: a few warm-up calls on a side stream (torch.cuda.graph's docs), then one call
+    captured with ``torch.cuda.graph`` while commfuse's watchdog holds its device polls (a query from its thread
+    would invalidate a global-mode capture; ``Watchdog.paused``), then one replay. The op calls are the eager
+    ones, ``check=False`` (nothing to check on a fake group, and a checked call cannot be captured), on the fake
+    group's backend (its works report completion, and a captured step is never watched anyway). Outputs and
+    buffers of the capture live in the graph's private memory pool, which goes with the graph.
+    """
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None, f"{CAPTURE_NEEDS_CUDA} (this run: {dev})"
+    caps = getattr(backend, "capabilities", None)
+    if not plain and getattr(caps, "capturable", None) is False:
+        return None, (f"the backend {type(backend).__name__} does not declare Capabilities.capturable (commfuse-cuda "
+                      "does: pip install ./backends/cuda)")
+    try:
+        from commfuse.runtime.watchdog import watchdog
+
+        paused = getattr(watchdog(), "paused", None)
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with paused() if paused is not None else contextlib.nullcontext(), torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize(dev)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other columns still measured
+        with contextlib.suppress(Exception):  # the capture's own error is the one to report
+            torch.cuda.synchronize(dev)
+        text = str(e).strip().splitlines()
+        return None, f"capture failed: {type(e).__name__}: {text[0] if text else ''}"[:300]
+    return graph.replay, ""
+
+
+def _serve_compiled_calls(backend, dev: torch.device) -> None:
+    """Have the compiled ops (which take no ``backend``: they resolve the group's, ``commfuse.backends.resolve``)
+    run on ``backend``, the fake group's, whose works report completion; without it, on CUDA, the watchdog would
+    poll torch's fake works, which never do, until the op timeout. Forgotten by ``backends.release()``."""
+    import torch.distributed as dist
+
+    from commfuse import backends
+
+    with backends._CACHE_LOCK:
+        backends._CACHE[(None, dist.group.WORLD, str(dev))] = backend
+
+
+def _compiled(name: str, inputs, config: BenchConfig, dev: torch.device) -> dict:
+    """{algorithm: (call, seconds of its first call (the compile), why not)} of ``torch.compile(fullgraph=True)``
+    of a function calling the op (``commfuse.bench.workloads``), inputs as the eager calls'. The fingerprint
+    check is off (``COMMFUSE_CHECK=0``, set for the whole run: a compiled op takes no ``check``)."""
+    from commfuse.bench import workloads
+
+    fn = torch.compile(workloads._agmm if name == "ag_matmul" else workloads._mmrs, fullgraph=True,
+                       backend=config.compile_backend)
+    x, w = inputs
+    out = {}
+    for alg in config.algorithms:
+        def call(alg=alg):
+            return fn(x, w, alg)
+
+        try:
+            t0 = time.perf_counter()
+            call()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            out[alg] = (call, time.perf_counter() - t0, "")
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            text = str(e).strip().splitlines()
+            out[alg] = (None, None, f"did not compile: {type(e).__name__}: {text[0] if text else ''}"[:300])
+    return out
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -312,7 +461,36 @@ def records(run_result: dict, config: BenchConfig) -> list[dict]:
                 "gemm_ms": round(gemm_ms, 4),
                 "vs_gemm": round(med / gemm_ms, 4) if gemm_ms > 0 else None,
                 "tflops": round(res["flops"] / (med / 1e3) / 1e12, 4) if med > 0 else None,
+                **_other_kinds(res, alg, med, gemm_ms, run_result.get("compile_backend")),
             })
+    return out
+
+
+#: What a compiled column says when ``--compile`` was not given, and for the reference GEMM.
+COMPILE_NOT_ASKED = "not asked: add --compile [BACKEND]"
+REFERENCE_EAGER = "the reference GEMM runs eager only"
+
+
+def _other_kinds(res: dict, alg: str, eager_ms: float, gemm_ms: float, compile_backend: str | None) -> dict:
+    """The captured and compiled figures of one record: ms per call (medians), over the unsliced (eager) GEMM's
+    and over the eager call's, and why a figure is missing (None where it was measured)."""
+    out: dict = {"compile_backend": compile_backend}
+    for kind in ("captured", "compiled"):
+        times = [1e3 * x for x in res.get(f"{kind}_s", {}).get(alg, [])]
+        why = res.get(f"{kind}_why", {}).get(alg, "")
+        if kind == "compiled" and compile_backend is None:
+            why = COMPILE_NOT_ASKED
+        elif kind == "compiled" and alg == GEMM:
+            why = REFERENCE_EAGER
+        elif not times and not why:
+            why = "not measured"
+        med = statistics.median(times) if times else None
+        out[f"{kind}_ms"] = None if med is None else round(med, 4)
+        out[f"{kind}_vs_gemm"] = round(med / gemm_ms, 4) if med is not None and gemm_ms > 0 else None
+        out[f"{kind}_vs_eager"] = round(med / eager_ms, 4) if med is not None and eager_ms > 0 else None
+        out[f"{kind}_not_measured"] = None if times else why
+    first = res.get("compiled_first_s", {}).get(alg)
+    out["compiled_first_call_s"] = None if first is None else round(first, 3)
     return out
 
 
@@ -330,16 +508,31 @@ def table(recs: list[dict]) -> str:
             f"{r0['dtype']}; tokens {r0['tokens']}, hidden {r0['hidden']}, ffn {r0['ffn']}: per rank "
             f"{r0['shapes']}; medians of {r0['repeats']} batches of {r0['calls']} calls"
         )
-        header = ("algorithm", "device ms/call (p25-p75)", "vs GEMM", "host ms/call", "TFLOP/s")
+        compiled = r0.get("compile_backend") is not None
+        header = ("algorithm", "device ms/call (p25-p75)", "vs GEMM", "host ms/call", "TFLOP/s",
+                  "captured ms/call (vs GEMM)") + (("compiled ms/call (vs GEMM)", "first compiled call s")
+                                                   if compiled else ())
         body = []
         for r in rows:
             alg = "unsliced GEMM" if r["algorithm"] == GEMM else r["algorithm"]
             if r["algorithm"] == "auto" and r["taken"]:
                 alg += f" ({r['taken']})"
-            body.append((alg, f"{r['device_ms']:.3f} ({r['device_p25_ms']:.3f}-{r['device_p75_ms']:.3f})",
-                         "-" if r["vs_gemm"] is None else f"{r['vs_gemm']:.3f}x", f"{r['host_ms']:.3f}",
-                         "-" if r["tflops"] is None else f"{r['tflops']:.2f}"))
+            row = (alg, f"{r['device_ms']:.3f} ({r['device_p25_ms']:.3f}-{r['device_p75_ms']:.3f})",
+                   "-" if r["vs_gemm"] is None else f"{r['vs_gemm']:.3f}x", f"{r['host_ms']:.3f}",
+                   "-" if r["tflops"] is None else f"{r['tflops']:.2f}", _cell(r, "captured"))
+            if compiled:
+                first = r.get("compiled_first_call_s")
+                row += (_cell(r, "compiled"), "-" if first is None else f"{first:.2f}")
+            body.append(row)
         lines.extend(aligned(header, body))
+        for kind in ("captured",) + (("compiled",) if compiled else ()):
+            whys = dict.fromkeys(r[f"{kind}_not_measured"] for r in rows if r.get(f"{kind}_not_measured"))
+            whys.pop(REFERENCE_EAGER, None)
+            for why in whys:
+                who = [("unsliced GEMM" if r["algorithm"] == GEMM else r["algorithm"]) for r in rows
+                       if r.get(f"{kind}_not_measured") == why]
+                whom = "" if len(who) == len(rows) else f" ({', '.join(who)})"
+                lines.append(f"  {kind}: not measured{whom}: {why}")
         lines.append("")
     cpu = recs and recs[0]["device"] == "cpu"
     lines.append("Every transfer completes at once without moving data: an op's time is its GEMMs plus commfuse's "
@@ -348,7 +541,20 @@ def table(recs: list[dict]) -> str:
                  "input @ W). host: time to enqueue a call"
                  + (" (on CPU the ops run on the host: host = device time)." if cpu else
                     " (near the device time: the GPU waited for the host)."))
+    lines.append("captured: the same call captured once in a torch.cuda.CUDAGraph after warm-up, then replayed (CUDA "
+                 "only); compiled (--compile): torch.compile(fullgraph=True)")
+    lines.append("of a function calling the op, one graph per algorithm, its first call (the compile) apart. Every "
+                 "column over the one eager unsliced GEMM; all interleaved.")
     return "\n".join(lines)
+
+
+def _cell(r: dict, kind: str) -> str:
+    if r.get(f"{kind}_not_measured") == REFERENCE_EAGER:
+        return "-"
+    if r.get(f"{kind}_ms") is None:
+        return "not measured"
+    return f"{r[f'{kind}_ms']:.3f} ({r[f'{kind}_vs_gemm']:.3f}x)" if r[f"{kind}_vs_gemm"] is not None \
+        else f"{r[f'{kind}_ms']:.3f}"
 
 
 def targets(recs: list[dict]) -> list[str]:
@@ -368,4 +574,19 @@ def targets(recs: list[dict]) -> list[str]:
             met = all(r["vs_gemm"] <= bound for r in recs if r["algorithm"] == alg and r["vs_gemm"] is not None)
             verdict = (": met" if met else ": MISSED") if same else ""
             lines.append(f"  {alg} at most {bound:.2f}x the unsliced GEMM: {', '.join(got)}{verdict}")
+    for alg, bound in CAPTURED_TARGETS.items():
+        rows = [r for r in recs if r["algorithm"] == alg]
+        if not rows:
+            continue
+        got = [f"{r['op']} {r['captured_vs_gemm']:.3f}x" for r in rows if r.get("captured_vs_gemm") is not None]
+        missing = [r for r in rows if r.get("captured_vs_gemm") is None]
+        whys = dict.fromkeys(r["captured_not_measured"] for r in missing)
+        if missing and not got and len(whys) == 1:
+            said = f"not measured: {next(iter(whys))}"
+        else:
+            said = ", ".join(got + [f"{r['op']} not measured: {r['captured_not_measured']}" for r in missing])
+        verdict = ""
+        if same and got and not missing:
+            verdict = ": met" if all(r["captured_vs_gemm"] <= bound for r in rows) else ": MISSED"
+        lines.append(f"  {alg} captured in a CUDA graph at most {bound:.2f}x the unsliced GEMM: {said}{verdict}")
     return lines

@@ -32,6 +32,7 @@ Per algorithm, over the repeats (each repeat's figure is the slowest rank's):
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from commfuse.bench.config import BenchConfig, describe_rate
@@ -274,3 +275,117 @@ def targets(recs: list[dict]) -> list[str]:
             lines.append(f"  auto ({auto['taken']}) vs vanilla: {100 * slower:+.1f}% time (target <= +5% on tiny "
                          f"sizes): {'met' if slower <= 0.05 else 'MISSED'}")
     return lines
+
+
+# -- --compile: eager against torch.compile ------------------------------------------------------------------------
+
+#: What each workload compiles under ``--compile``, in the table's words.
+_COMPILED_WHAT = {"ag_matmul": "all_gather_matmul in a compiled function", "matmul_rs":
+                  "matmul_reduce_scatter in a compiled function"}
+
+
+def _finite_ms(xs) -> list[float]:
+    return [1e3 * x for x in xs if x is not None and math.isfinite(x)]
+
+
+def compile_records(run: dict, config: BenchConfig) -> list[dict]:
+    """One record per (workload, algorithm) of a ``--compile`` run (rank 0's result): eager and compiled step
+    times side by side, their ratio and the first compiled step (the compile)."""
+    from commfuse.bench.config import WORKLOADS
+
+    out = []
+    for res in run["results"]:
+        name = res["workload"]
+        info = WORKLOADS[name]
+        layer = info.backward and config.backward
+        for i, alg in enumerate(res["algorithms"]):
+            eager = _finite_ms(r[i][0] for r in res["wall_s"])
+            comp = _finite_ms(r[i][1] for r in res["wall_s"])
+            e_med = statistics.median(eager) if eager else None
+            c_med = statistics.median(comp) if comp else None
+            e_q = _quartiles(eager) if eager else (None, None)
+            c_q = _quartiles(comp) if comp else (None, None)
+            first = res["first_compiled_s"][i]
+            error = res["compile_error"][i]
+            out.append({
+                "mode": "compile",
+                "workload": name,
+                "compiled": info.layer or _COMPILED_WHAT.get(name, name),
+                "algorithm": alg,
+                "compile_backend": run["compile_backend"],
+                "torch": run.get("torch"),
+                "world_size": run["world_size"],
+                "backend": run["backend"],
+                "device": run["device"],
+                "dtype": config.dtype,
+                "shape": {"batch": config.shape.batch, "seq": config.shape.seq, "hidden": config.shape.hidden,
+                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads},
+                "link_rate": config.link_rate,
+                "backward": bool(layer),
+                "repeats": len(eager),
+                "eager_ms": _r(e_med),
+                "eager_p25_ms": _r(e_q[0]),
+                "eager_p75_ms": _r(e_q[1]),
+                "compiled_ms": _r(c_med),
+                "compiled_p25_ms": _r(c_q[0]),
+                "compiled_p75_ms": _r(c_q[1]),
+                "compiled_vs_eager": _r(c_med / e_med, 4) if c_med and e_med else None,
+                "speedup": _r(e_med / c_med, 4) if c_med and e_med else None,
+                "first_compiled_step_s": None if error or first is None or not math.isfinite(first) else _r(first, 3),
+                "correct": bool(res["correct"][i]) and not error,
+                "max_rel_error": None if error else float(f"{res['max_rel_error'][i]:.3g}"),
+                "compile_error": error or None,
+                "load": run.get("load"),
+                "cpus": run.get("cpus"),
+            })
+    return out
+
+
+def compile_table(recs: list[dict], config: BenchConfig) -> str:
+    """The ``--compile`` table, one block per workload."""
+    lines = []
+    by: dict[str, list[dict]] = {}
+    for r in recs:
+        by.setdefault(r["workload"], []).append(r)
+    for workload, rows in by.items():
+        r0 = rows[0]
+        step = "forward + backward" if r0["backward"] else "forward"
+        lines.append(
+            f"{workload} ({r0['compiled']}, {step}): {config.shape.text()}, {r0['world_size']} ranks, "
+            f"{r0['backend']} on {r0['device']}, {r0['dtype']}, {describe_rate(config.link_rate)}; "
+            f"torch.compile(fullgraph=True, backend={r0['compile_backend']!r}), torch {r0['torch']}; "
+            f"{r0['repeats']} interleaved repeats, each the slowest rank's time"
+        )
+        header = ("algorithm", "eager ms (p25-p75)", "compiled ms (p25-p75)", "compiled / eager",
+                  "speed-up", "first compiled step s", "result")
+        body = []
+        for r in rows:
+            if r["compile_error"]:
+                body.append((r["algorithm"], f"{r['eager_ms']:.2f} ({r['eager_p25_ms']:.2f}-{r['eager_p75_ms']:.2f})",
+                             "-", "-", "-", "-", "did not compile"))
+                continue
+            body.append((
+                r["algorithm"],
+                f"{r['eager_ms']:.2f} ({r['eager_p25_ms']:.2f}-{r['eager_p75_ms']:.2f})",
+                f"{r['compiled_ms']:.2f} ({r['compiled_p25_ms']:.2f}-{r['compiled_p75_ms']:.2f})",
+                _fmt(r["compiled_vs_eager"], ".3f") + "x",
+                _fmt(r["speedup"], ".2f") + "x",
+                _fmt(r["first_compiled_step_s"], ".2f"),
+                "ok" if r["correct"] else "WRONG",
+            ))
+        lines.extend(aligned(header, body))
+        for r in rows:
+            if r["compile_error"]:
+                lines.append(f"  ({r['algorithm']} did not compile: {r['compile_error']})")
+        lines.append("")
+    load = run_load(recs)
+    if load:
+        lines.append(load)
+    lines.append("ms: milliseconds per step, eager and compiled interleaved in every repeat (same group, module, "
+                 "inputs). compiled / eager: below 1.00x the")
+    lines.append("compiled step is faster; speed-up = eager / compiled. first compiled step: its wall time, "
+                 "compile included (trace, AOTAutograd,")
+    lines.append("the backend's compile of forward and backward; a fresh inductor cache), never in the step times. "
+                 "result: compiled equals eager within the")
+    lines.append("dtype's tolerance (docs/benchmarks.md).")
+    return "\n".join(lines)

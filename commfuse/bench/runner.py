@@ -111,7 +111,14 @@ def _relative(events: list[dict], t_ref: float) -> list[dict]:
 
 
 def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progress: bool) -> dict:
-    """Run every workload of ``config`` on this rank; rank 0's result holds everything (traces gathered)."""
+    """Run every workload of ``config`` on this rank; rank 0's result holds everything (traces gathered).
+
+    With ``config.compile_backend`` (``--compile``) the run times eager against compiled instead
+    (:func:`commfuse.bench.compiled.run_rank`)."""
+    if config.compile_backend is not None:
+        from commfuse.bench import compiled
+
+        return compiled.run_rank(rank, world_size, config, device, progress)
     dev = torch.device(device)
     host_blocking = dev.type == "cpu"
     if host_blocking:

@@ -6,6 +6,11 @@ check compares with ``vanilla``'s: the output, and for forward + backward the
 input's and the parameters' gradients too. Inputs differ per rank and are
 drawn from a generator seeded by (seed, rank); layer parameters come from
 ``torch.manual_seed(seed)`` so every rank builds the same module.
+
+``--compile`` (``commfuse.bench.compiled``): :meth:`Workload.compile` wraps
+the same module (the bare ops: a function calling the op) in
+``torch.compile(..., fullgraph=True)``, and ``run(algorithm, compiled=True)``
+runs that instead, on the same inputs and parameters.
 """
 
 from __future__ import annotations
@@ -39,8 +44,25 @@ class Workload:
         t = torch.randn(*shape, generator=self.generator, dtype=torch.float32) * scale
         return t.to(device=self.device, dtype=self.dtype)
 
-    def run(self, algorithm: str) -> list[torch.Tensor]:
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def compile(self, backend: str) -> None:
+        """Make ``run(..., compiled=True)`` run through ``torch.compile(..., fullgraph=True, backend=backend)``
+        (compiled lazily by the first such run)."""
+        raise CommfuseValueError(f"workload {self.name} has no compiled form")
+
+
+def _agmm(x: torch.Tensor, w: torch.Tensor, algorithm: str) -> torch.Tensor:
+    import commfuse as cf
+
+    return cf.all_gather_matmul(x, w, algorithm=algorithm)
+
+
+def _mmrs(x: torch.Tensor, w: torch.Tensor, algorithm: str) -> torch.Tensor:
+    import commfuse as cf
+
+    return cf.matmul_reduce_scatter(x, w, algorithm=algorithm)
 
 
 class AllGatherMatmul(Workload):
@@ -54,10 +76,11 @@ class AllGatherMatmul(Workload):
         self.x = self.randn(s.batch * s.seq // self.n, s.hidden)
         self.w = self.randn(s.hidden, s.ffn // self.n, scale=1 / math.sqrt(s.hidden))
 
-    def run(self, algorithm: str) -> list[torch.Tensor]:
-        import commfuse as cf
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        return [(self.compiled if compiled else _agmm)(self.x, self.w, algorithm)]
 
-        return [cf.all_gather_matmul(self.x, self.w, algorithm=algorithm)]
+    def compile(self, backend: str) -> None:
+        self.compiled = torch.compile(_agmm, fullgraph=True, backend=backend)
 
 
 class MatmulReduceScatter(Workload):
@@ -71,10 +94,11 @@ class MatmulReduceScatter(Workload):
         self.x = self.randn(s.batch * s.seq, s.ffn // self.n)
         self.w = self.randn(s.ffn // self.n, s.hidden, scale=1 / math.sqrt(s.ffn))
 
-    def run(self, algorithm: str) -> list[torch.Tensor]:
-        import commfuse as cf
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        return [(self.compiled if compiled else _mmrs)(self.x, self.w, algorithm)]
 
-        return [cf.matmul_reduce_scatter(self.x, self.w, algorithm=algorithm)]
+    def compile(self, backend: str) -> None:
+        self.compiled = torch.compile(_mmrs, fullgraph=True, backend=backend)
 
 
 class LayerWorkload(Workload):
@@ -106,17 +130,21 @@ class LayerWorkload(Workload):
     def build(self, cls, s):
         raise NotImplementedError
 
-    def run(self, algorithm: str) -> list[torch.Tensor]:
-        self.module.algorithm = algorithm
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        self.module.algorithm = algorithm  # the compiled module is this one, wrapped: it guards on the algorithm
+        module = self.compiled if compiled else self.module
         if not self.backward:
             with torch.no_grad():
-                return [self.module(self.x)]
+                return [module(self.x)]
         self.x.grad = None
         for p in self.params:
             p.grad = None
-        y = self.module(self.x)
+        y = module(self.x)
         y.backward(self.dy)
         return [y.detach(), self.x.grad] + [_local(p.grad) for p in self.params]
+
+    def compile(self, backend: str) -> None:
+        self.compiled = torch.compile(self.module, fullgraph=True, backend=backend)
 
 
 class MLP(LayerWorkload):

@@ -154,3 +154,48 @@ def test_link_rate_runs_in_a_shaped_namespace(tmp_path):
     _check_records(recs, ["ag_matmul"], ["vanilla", "ring"], 2)
     assert {r["link_rate"] for r in recs} == {"1gbit"}
     assert "loopback shaped to 1gbit" in done.stdout
+
+
+def _check_compile_records(recs: list[dict], workloads: list[str], algorithms: list[str], backend: str) -> None:
+    assert {(r["workload"], r["algorithm"]) for r in recs} == {(w, a) for w in workloads for a in algorithms}
+    for r in recs:
+        assert r["mode"] == "compile" and r["compile_backend"] == backend and r["world_size"] == 2, r
+        assert r["compile_error"] is None and r["correct"] is True, r
+        # both columns measured, positive (no timing target: these are tiny sizes on a shared CPU)
+        assert r["eager_ms"] > 0 and r["compiled_ms"] > 0 and r["first_compiled_step_s"] > 0, r
+        assert r["eager_p25_ms"] <= r["eager_ms"] <= r["eager_p75_ms"]
+        assert r["compiled_vs_eager"] == pytest.approx(r["compiled_ms"] / r["eager_ms"], rel=1e-2)
+        assert r["speedup"] == pytest.approx(r["eager_ms"] / r["compiled_ms"], rel=1e-2)
+
+
+def test_compile_layers_eager_against_inductor(tmp_path, capsys):
+    """`commfuse bench --compile`: the three layers forward + backward, eager and torch.compile(fullgraph=True) with
+    inductor side by side on 2 gloo ranks, the compiled results checked against eager's. One algorithm (each is a
+    compile of its own, 1-20 s on a CPU); the ring's compiled runs are the aot_eager test's."""
+    out = tmp_path / "records.json"
+    workloads = ["mlp", "attention", "fsdp_linear"]
+    rc = main(["bench", *TINY, "--compile", "-w", *workloads, "-a", "vanilla", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    recs = json.loads(out.read_text())
+    _check_compile_records(recs, workloads, ["vanilla"], "inductor")
+    assert all(r["backward"] for r in recs)
+    for w, layer in (("mlp", "ParallelMLP"), ("attention", "ParallelAttention"), ("fsdp_linear", "ShardedLinear")):
+        assert f"{w} ({layer}, forward + backward)" in printed.out
+    for column in ("eager ms (p25-p75)", "compiled ms (p25-p75)", "compiled / eager", "speed-up",
+                   "first compiled step s", "backend='inductor'"):
+        assert column in printed.out, column
+
+
+def test_compile_every_workload_aot_eager_json_to_stdout(capsys):
+    """`--compile aot_eager -w all`: the layers and the bare ops, vanilla and ring (the ring's hops inside the
+    compiled graph's custom ops), the JSON alone on stdout."""
+    rc = main(["bench", *TINY, "--compile", "aot_eager", "-w", "all", "-a", "ring", "--json"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    recs = json.loads(printed.out)
+    workloads = ["mlp", "attention", "fsdp_linear", "ag_matmul", "matmul_rs"]
+    _check_compile_records(recs, workloads, ["vanilla", "ring"], "aot_eager")
+    assert {r["workload"] for r in recs if r["backward"]} == {"mlp", "attention", "fsdp_linear"}
+    assert "ag_matmul (all_gather_matmul in a compiled function, forward)" in printed.err
+    assert "compiled / eager" in printed.err

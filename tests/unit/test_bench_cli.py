@@ -290,3 +290,79 @@ def test_plot_without_a_traced_iteration_says_so(tmp_path):
     run["results"][0]["traces"] = {}
     with pytest.raises(CommfuseError, match="nothing was traced"):
         plot.write(run, tmp_path / "x.png")
+
+
+# -- --compile: eager against torch.compile --------------------------------------------------------------------
+
+
+def test_compile_is_opt_in_with_its_own_defaults():
+    assert command.config_from_args(_args()).compile_backend is None
+    cfg = command.config_from_args(_args("--compile"))
+    assert cfg.compile_backend == "inductor"
+    assert cfg.workloads == ("mlp", "attention", "fsdp_linear") and cfg.algorithms == ("vanilla", "ring")
+    cfg = command.config_from_args(_args("--compile", "aot_eager", "-w", "all", "-a", "auto"))
+    assert cfg.compile_backend == "aot_eager" and cfg.algorithms == ("vanilla", "auto")
+    assert cfg.workloads == ("mlp", "attention", "fsdp_linear", "ag_matmul", "matmul_rs")  # all that compile
+    # with --fake-pg, --compile adds a column to the fake group's usual run
+    cfg, _ = command.fake_config(_args("--fake-pg", "4", "--device", "cpu", "--compile", "aot_eager"))
+    assert cfg.compile_backend == "aot_eager" and cfg.workloads == ("ag_matmul", "matmul_rs")
+    assert cfg.algorithms == ALGORITHMS
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--compile", "-w", "ulysses"], "--compile times the workloads that compile whole"),
+    (["--compile", "-w", "mlp", "llama_block"], "not llama_block"),
+    (["--compile", "--trace", "t.json"], "drop --trace/--plot or --compile"),
+])
+def test_compile_names_what_does_not_apply(argv, match):
+    with pytest.raises(CommfuseValueError, match=match):
+        command.config_from_args(_args(*argv))
+
+
+def test_compile_refuses_an_unknown_backend(capsys):
+    with pytest.raises(SystemExit):
+        _args("--compile", "tvm")
+    assert "invalid choice: 'tvm'" in capsys.readouterr().err
+    with pytest.raises(CommfuseValueError, match="--compile takes one of inductor, aot_eager, eager"):
+        BenchConfig(workloads=("mlp",), compile_backend="tvm")
+
+
+def test_to_argv_round_trips_compile_and_defaults():
+    for argv in (("--compile", "aot_eager", "-w", "mlp", "--preset", "tiny"), ("--compile",), ()):
+        args = _args(*argv)
+        again = _args(*command.to_argv(args))
+        assert command.config_from_args(again) == command.config_from_args(args)
+
+
+def _compile_result() -> tuple[dict, BenchConfig]:
+    """The shape of a rank-0 ``--compile`` result: 2 algorithms, 3 repeats, [repeat][algorithm][eager, compiled]."""
+    cfg = BenchConfig(workloads=("mlp",), algorithms=("vanilla", "ring"), repeats=3, compile_backend="inductor")
+    wall = [[[0.020, 0.010], [0.030, 0.040]] for _ in range(3)]
+    res = {"workload": "mlp", "algorithms": ["vanilla", "ring"], "wall_s": wall, "first_compiled_s": [12.5, 1.25],
+           "correct": [True, True], "max_rel_error": [1e-7, 2e-7], "compile_error": ["", ""]}
+    return {"mode": "compile", "compile_backend": "inductor", "torch": "2.x", "world_size": 2, "backend": "gloo",
+            "device": "cpu", "results": [res]}, cfg
+
+
+def test_compile_records_and_table():
+    run, cfg = _compile_result()
+    recs = report.compile_records(run, cfg)
+    van, ring = recs
+    assert van["mode"] == "compile" and van["compiled"] == "ParallelMLP" and van["backward"] is True
+    assert (van["eager_ms"], van["compiled_ms"]) == (20.0, 10.0)
+    assert van["compiled_vs_eager"] == 0.5 and van["speedup"] == 2.0
+    assert ring["compiled_vs_eager"] == pytest.approx(4 / 3, abs=1e-4) and ring["speedup"] == 0.75
+    assert van["first_compiled_step_s"] == 12.5 and van["correct"] and van["compile_error"] is None
+    assert json.loads(json.dumps(recs)) == recs
+    text = report.compile_table(recs, cfg)
+    for cell in ("eager ms (p25-p75)", "compiled ms (p25-p75)", "compiled / eager", "speed-up",
+                 "first compiled step s", "0.500x", "2.00x", "1.333x", "0.75x", "12.50",
+                 "torch.compile(fullgraph=True, backend='inductor')"):
+        assert cell in text, cell
+    # a workload that does not compile says so, and the command fails
+    run["results"][0]["compile_error"] = ["", "Unsupported: graph break"]
+    run["results"][0]["wall_s"] = [[[0.020, 0.010], [0.030, float("nan")]] for _ in range(3)]
+    ring = report.compile_records(run, cfg)[1]
+    assert ring["compiled_ms"] is None and not ring["correct"] and ring["compile_error"] == "Unsupported: graph break"
+    assert "ring did not compile: Unsupported: graph break" in report.compile_table(report.compile_records(run, cfg),
+                                                                                      cfg)

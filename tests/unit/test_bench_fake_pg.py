@@ -15,7 +15,9 @@ import pytest
 from commfuse.bench.config import ALGORITHMS
 
 FIELDS = {"mode", "workload", "op", "algorithm", "taken", "world_size", "device", "dtype", "tokens", "hidden", "ffn",
-          "calls", "repeats", "device_ms", "device_p25_ms", "device_p75_ms", "host_ms", "gemm_ms", "vs_gemm", "tflops"}
+          "calls", "repeats", "device_ms", "device_p25_ms", "device_p75_ms", "host_ms", "gemm_ms", "vs_gemm", "tflops",
+          "captured_ms", "captured_vs_gemm", "captured_vs_eager", "captured_not_measured", "compile_backend",
+          "compiled_ms", "compiled_vs_gemm", "compiled_vs_eager", "compiled_not_measured", "compiled_first_call_s"}
 
 
 def test_fake_pg_on_cpu_times_every_algorithm_against_the_gemm():
@@ -37,12 +39,44 @@ def test_fake_pg_on_cpu_times_every_algorithm_against_the_gemm():
         assert r["host_ms"] == r["device_ms"]  # on CPU the ops run on the host
         if r["algorithm"] == "gemm":
             assert r["vs_gemm"] == 1.0
+        # the captured column says why it is empty on CPU; the compiled one that it was not asked for
+        assert r["captured_ms"] is None and r["captured_not_measured"] == "capture needs a CUDA device (this run: cpu)"
+        assert r["compiled_ms"] is None and r["compile_backend"] is None
     taken = {r["algorithm"]: r["taken"] for r in recs if r["workload"] == "ag_matmul"}
     assert taken["serial"] == "serial" and taken["auto"] in ("ring", "vanilla", "bidirectional", "serial")
     table = done.stderr
     assert "all_gather_matmul: fake group, rank 0 of 4, cpu" in table and "matmul_reduce_scatter:" in table
     assert "unsliced GEMM" in table and "serial" in table
     assert "ring at most 1.25x the unsliced GEMM" in table and "figures only, no verdict" in table
+    assert "captured ms/call (vs GEMM)" in table and "not measured" in table
+    assert "captured: not measured: capture needs a CUDA device (this run: cpu)" in table
+    assert ("ring captured in a CUDA graph at most 1.15x the unsliced GEMM: not measured: capture needs a CUDA "
+            "device") in table
+
+
+def test_fake_pg_compile_adds_the_compiled_op_column():
+    """--compile on the fake group: torch.compile(fullgraph=True) of a function calling the op, beside eager; the
+    captured column still says why it is empty on CPU."""
+    cmd = [sys.executable, "-m", "commfuse.bench", "--fake-pg", "4", "--device", "cpu", "--tokens", "64",
+           "--hidden", "32", "--ffn", "64", "--repeats", "2", "--warmup", "1", "--calls", "2", "-a", "ring",
+           "--compile", "aot_eager", "--json", "-", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    recs = json.loads(done.stdout)
+    assert {(r["workload"], r["algorithm"]) for r in recs} == {
+        (w, a) for w in ("ag_matmul", "matmul_rs") for a in ("gemm", "vanilla", "ring")}
+    for r in recs:
+        assert r["compile_backend"] == "aot_eager"
+        assert r["captured_ms"] is None and r["captured_not_measured"].startswith("capture needs a CUDA device")
+        if r["algorithm"] == "gemm":
+            assert r["compiled_ms"] is None
+            continue
+        assert r["compiled_ms"] > 0 and r["compiled_not_measured"] is None and r["compiled_first_call_s"] > 0
+        assert r["compiled_vs_gemm"] == pytest.approx(r["compiled_ms"] / r["gemm_ms"], rel=0.05)
+        assert r["compiled_vs_eager"] == pytest.approx(r["compiled_ms"] / r["device_ms"], rel=0.05)
+    table = done.stderr
+    assert "compiled ms/call (vs GEMM)" in table and "first compiled call s" in table
+    assert "captured: not measured: capture needs a CUDA device" in table
 
 
 def test_fake_pg_refuses_layer_workloads():

@@ -1,0 +1,204 @@
+"""``commfuse bench --compile [BACKEND]``: each workload eager against ``torch.compile(..., fullgraph=True)``.
+
+What every rank runs, per workload (the ``commfuse.nn`` layers ``mlp``,
+``attention`` and ``fsdp_linear``, forward + backward; the bare ops
+``ag_matmul`` and ``matmul_rs`` through a compiled function that calls the
+op) and per algorithm:
+
+1. one eager run, with the ops' fingerprint check: the reference;
+2. the first compiled run (dynamo's trace, AOTAutograd, the backend's
+   compile of forward and backward, then the step itself), timed on its own
+   as the **first compiled step**: what compiling costs, never part of the
+   step times; its result is compared with the eager one (within the dtype's
+   tolerance, as every algorithm is compared with vanilla's elsewhere);
+3. ``--warmup`` untimed and ``--repeats`` timed repeats, in each of which the
+   eager and the compiled step of every algorithm run once, in an order
+   shuffled anew every repeat (the same on every rank): the same process
+   group, module, parameters, inputs and output gradient for both.
+
+Every timed run starts behind a barrier (and a device synchronise off-CPU)
+and ends with a synchronise; an iteration's figure is the slowest rank's, as
+in ``runner``. There are no ``compute_only``/``comm_only`` runs here.
+
+A layer is compiled once (``torch.compile`` of the module itself); switching
+its ``algorithm`` switches between the graphs dynamo keeps for each (it
+guards on the attribute), so the compiled step includes the guard check, as
+it would in a training loop. Inductor compiles into a fresh cache directory
+per rank (``TORCHINDUCTOR_CACHE_DIR``, removed afterwards): its FX-graph
+cache does not key on a custom op's fake kernel, so a cache from another
+commfuse version could hand back stale code, and a warm cache would make the
+first-step figure a load, not a compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from commfuse.bench.config import BenchConfig, applies
+from commfuse.bench.progress import Progress
+from commfuse.bench.runner import _fingerprints, _load
+from commfuse.bench.workloads import compare, make
+
+#: The two kinds of step timed side by side.
+KINDS = ("eager", "compiled")
+
+
+def units(config: BenchConfig) -> int:
+    """Progress units of a whole ``--compile`` run."""
+    total = 0
+    for w in config.workloads:
+        algs = [a for a in config.algorithms if applies(w, a)]
+        total += len(algs) * (2 + len(KINDS) * (config.warmup + config.repeats)) + 1
+    return total
+
+
+@contextlib.contextmanager
+def fresh_inductor_cache(rank: int):
+    """``TORCHINDUCTOR_CACHE_DIR`` pointed at a new temporary directory for the duration (see the module)."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    path = tempfile.mkdtemp(prefix=f"commfuse-bench-inductor-r{rank}-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def recompile_room(graphs: int):
+    """Let dynamo keep at least ``graphs`` graphs per code object (one per algorithm; its default limit is 8)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before = getattr(config, name)
+    setattr(config, name, max(before, graphs + 2))
+    try:
+        yield
+    finally:
+        setattr(config, name, before)
+
+
+def _first_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progress: bool) -> dict:
+    """Time every workload of ``config`` eager and compiled on this rank; rank 0's result holds the figures."""
+    dev = torch.device(device)
+    host_blocking = dev.type == "cpu"
+    if host_blocking:
+        torch.set_flush_denormal(True)
+
+    def sync() -> None:
+        if not host_blocking:
+            torch.accelerator.synchronize(dev)
+
+    def agreed(values: list[float], op) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if not host_blocking:
+            t = t.to(dev)
+        dist.all_reduce(t, op=op)
+        return t.cpu().tolist()
+
+    clock = time.perf_counter
+    backend = config.compile_backend or "inductor"
+    load_before = _load()
+    bar = Progress(units(config), enabled=progress and rank == 0)
+    results = []
+    with fresh_inductor_cache(rank), recompile_room(len(config.algorithms)):
+        for name in config.workloads:
+            algs = [a for a in config.algorithms if applies(name, a)]
+            bar.note(f"commfuse bench --compile {backend}: {name} on {world_size} ranks, {len(algs)} algorithm(s), "
+                     f"eager and compiled, {config.repeats} repeats")
+            workload = make(name, config, rank, world_size, dev)
+            workload.compile(backend)
+            bar.advance(f"{name}: set up")
+
+            # the eager reference (checked calls) and the first compiled step of every algorithm, timed apart
+            first = [float("nan")] * len(algs)
+            ok, err, failed = [], [], []
+            for i, alg in enumerate(algs):
+                with _fingerprints(True):
+                    ref = workload.run(alg)
+                sync()
+                bar.advance(f"{name} {alg}: eager reference")
+                dist.barrier()
+                sync()
+                try:
+                    with _fingerprints(config.fingerprint):
+                        t0 = clock()
+                        got = workload.run(alg, compiled=True)
+                        sync()
+                        first[i] = clock() - t0
+                    good, worst = compare(got, ref)
+                    why = ""
+                except Exception as e:  # noqa: BLE001 - reported in the table; a graph break fails every rank alike
+                    good, worst, why = False, float("inf"), _first_line(e)
+                ok.append(1.0 if good else 0.0)
+                err.append(worst)
+                failed.append(why)
+                bar.advance(f"{name} {alg}: compiled")
+            del ref
+            broken = agreed([1.0 if why else 0.0 for why in failed], dist.ReduceOp.MAX)
+            ok = agreed(ok, dist.ReduceOp.MIN)
+            err = agreed(err, dist.ReduceOp.MAX)
+            first = agreed(first, dist.ReduceOp.MAX)
+            dist.barrier()
+
+            # the timed loop: eager and compiled of every algorithm interleaved, shuffled every repeat
+            items = [(i, k) for i in range(len(algs)) for k in range(len(KINDS)) if not (k == 1 and broken[i])]
+            reps, warm = config.repeats, config.warmup
+            wall = torch.full((reps, len(algs), len(KINDS)), float("nan"), dtype=torch.float64)
+            with _fingerprints(config.fingerprint):
+                for rep in range(warm + reps):
+                    for i, k in random.Random(1_000_003 * config.seed + rep).sample(items, len(items)):
+                        dist.barrier()
+                        sync()
+                        t0 = clock()
+                        workload.run(algs[i], compiled=k == 1)
+                        sync()
+                        t1 = clock()
+                        if rep >= warm:
+                            wall[rep - warm, i, k] = t1 - t0
+                        bar.advance(f"{name} {algs[i]} {KINDS[k]} ({rep + 1}/{warm + reps})")
+                    bar.advance(n=len(algs) * len(KINDS) - len(items))
+            if not host_blocking:
+                wall = wall.to(dev)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            # every rank's reason, so that rank 0 can name one that only another rank saw
+            reasons: list = [None] * world_size
+            dist.all_gather_object(reasons, failed)
+            why = [next((r[i] for r in reasons if r[i]), "") for i in range(len(algs))]
+            results.append({
+                "workload": name,
+                "algorithms": algs,
+                "wall_s": wall.cpu().tolist(),  # [repeat][algorithm][eager, compiled]
+                "first_compiled_s": first,
+                "correct": [v >= 1.0 for v in ok],
+                "max_rel_error": err,
+                "compile_error": [w or ("failed on another rank" if b else "") for w, b in zip(why, broken)],
+            })
+            del workload
+    return {
+        "mode": "compile",
+        "compile_backend": backend,
+        "torch": torch.__version__,
+        "load": [load_before, _load()],
+        "cpus": os.cpu_count(),
+        "world_size": world_size,
+        "backend": dist.get_backend(),
+        "device": str(dev),
+        "results": results,
+    }
