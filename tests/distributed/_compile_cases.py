@@ -358,3 +358,57 @@ def styles(rank, n, backend):
 
     _run(results, f"colwise-rowwise-mlp-{backend}", mlp)
     return results
+
+
+def llama_fsdp(rank, n, backend):
+    """torchtitan's order on a dp 2 x tp 2 mesh: commfuse's styles, torch.compile(fullgraph=True) of the block,
+    then FSDP2's fully_shard on dp; AdamW steps with clipping give the losses, norms and parameters of the same
+    block run eagerly."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commfuse.models import llama
+
+    _fresh_inductor_cache()
+    results = {}
+    mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tpm = mesh["dp"], mesh["tp"]
+    cache = llama.rope_cache(8, 8)
+
+    def shard(x):
+        mine = x.tensor_split(dp.size())[dp.get_local_rank()]
+        return mine.tensor_split(2, dim=1)[tpm.get_local_rank()].clone()
+
+    def train(compiled):
+        torch.manual_seed(0)
+        block = llama.Block()
+        parallelize_module(block, tpm, llama.commfuse_plan(algorithm="ring"))
+        if compiled:
+            block = torch.compile(block, fullgraph=True, backend=backend)
+        fully_shard(block, mesh=dp)
+        opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
+        losses, norms = [], []
+        for step in range(4):
+            g = torch.Generator().manual_seed(1000 + step)
+            x, target = torch.randn(2 * dp.size(), 8, 32, generator=g), torch.randn(2 * dp.size(), 8, 32, generator=g)
+            loss = (block(shard(x), cache) - shard(target)).square().mean()
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(block.parameters(), 0.5))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, norms, [p for p in block.parameters()]
+
+    def body():
+        eager, compiled = train(False), train(True)
+        for step, (lc, le) in enumerate(zip(compiled[0], eager[0])):
+            _close(lc, le, f"step {step} loss")
+        for step, (nc, ne) in enumerate(zip(compiled[1], eager[1])):
+            _close(nc.full_tensor() if hasattr(nc, "full_tensor") else nc,
+                   ne.full_tensor() if hasattr(ne, "full_tensor") else ne, f"step {step} clipped norm")
+        for i, (pc, pe) in enumerate(zip(compiled[2], eager[2])):
+            _close(pc, pe, f"parameter {i} after 4 steps")
+
+    _run(results, f"llama-fsdp-{backend}", body)
+    return results

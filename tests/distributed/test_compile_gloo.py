@@ -58,6 +58,11 @@ def test_tp_styles_compile_with_inductor_to_one_graph_of_fused_ops(model, n):
     _check(f"{model}-inductor", "styles", n, "inductor")
 
 
+def test_compiled_llama_block_under_fully_shard_trains_as_eager():
+    # torchtitan's order: TP styles, then torch.compile of the block, then FSDP2 on the dp mesh (2 x 2)
+    _check("llama-fsdp-aot_eager", "llama_fsdp", 4, "aot_eager")
+
+
 @pytest.mark.parametrize("name", ("option-refused", "consume-refused-in-fullgraph",
                                   "consume-runs-eagerly-at-a-graph-break", "sharded-no-sync-refused",
                                   "ulysses-refused-then-runs-eagerly"))
