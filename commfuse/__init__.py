@@ -33,6 +33,7 @@ _LAZY = {
     "fsdp": None,
     "autograd": None,
     "library": None,
+    "graphs": None,
 }
 
 __all__ = ["CommfuseError", "__version__", "schedule", *_LAZY]

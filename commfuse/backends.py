@@ -239,12 +239,3 @@ def release() -> None:
     executor.forget_groups()
     for forget in _ON_RELEASE:
         forget()
-
-
-def _eager_only() -> None:
-    from commfuse.runtime.eager import eager_only
-
-    eager_only(resolve)  # it asks the process group for its rank and size (see commfuse.runtime.eager)
-
-
-_eager_only()

@@ -93,6 +93,8 @@ def commfuse_backends() -> Iterator[BackendSpec]:
             # 1.0-1.6x, reduce_scatter 2.5-5x (gloo's reduce_scatter costs about an all-reduce here);
             # docs/benchmarks.md, "Tiny sizes". So auto takes the ring at every size.
             auto_min_slice_bytes=0,
+            # CPU tensors: there is no device graph to capture into.
+            capturable=False,
         ),
         check=_gloo_check,
         factory=_c10d_factory("gloo"),
@@ -109,6 +111,9 @@ def commfuse_backends() -> Iterator[BackendSpec]:
             # batch_isend_irecv is stream-ordered on NCCL/HCCL: C10dBackend's waits do not block the host.
             streams=True,
             overlap=True,
+            # Not declared: this generic path serves devices (XPU, ...) whose graph capture of commfuse calls has
+            # not been run; commfuse-cuda declares it for CUDA, commfuse-npu for Ascend NPUs.
+            capturable=False,
         ),
         check=_accelerator_check,
         factory=_c10d_factory("accelerator"),

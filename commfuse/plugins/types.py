@@ -72,7 +72,7 @@ class Capabilities:
     A declared capability is a promise: each field's comment names what in
     commfuse reads it and what it does with it. The defaults describe the most
     modest backend: host-driven, one stream, one link direction at a time, no
-    native fused kernels, no claim of overlap.
+    native fused kernels, no claim of overlap, not capturable in a device graph.
     """
 
     #: Both directions of a link are usable at once (the bidirectional ring would pay off).
@@ -108,9 +108,16 @@ class Capabilities:
     #: default, ``commfuse.ops.MIN_SLICE_BYTES``; 0: the ring at every size.
     #: Read by: ``commfuse.runtime.calls.choose_algorithm`` (auto's policy).
     auto_min_slice_bytes: int | None = None
+    #: The backend's planned calls (every call of a signature after its first) do no host sync and allocate
+    #: from the device's caching allocator, so they can be captured in a device graph and replayed
+    #: (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``, ``torch.compile(mode="reduce-overhead")``).
+    #: Read by: ``commfuse.graphs.capture``, which refuses a backend that does not declare it, and the
+    #: conformance suite's capture tier (``commfuse.testing.suite.CaptureTests``), which runs only where it is
+    #: declared and checks replays against eager calls.
+    capturable: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("bidirectional_links", "streams", "overlap"):
+        for name in ("bidirectional_links", "streams", "overlap", "capturable"):
             _check_type("Capabilities", name, getattr(self, name), bool, "a bool")
         limit = self.auto_min_slice_bytes
         if limit is not None:

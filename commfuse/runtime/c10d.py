@@ -13,7 +13,9 @@ backend declares
 ``Capabilities.streams`` a wait is ``work.wait()`` with no timeout: it only
 makes the current (compute) stream wait for the communication stream, so the
 host never blocks. The timeout is then kept by the watchdog
-(``commfuse.runtime.watchdog``), which polls each step's works.
+(``commfuse.runtime.watchdog``), which polls each step's works, but for the
+steps of a call captured in a device graph (the executor's plan says so):
+their works stand for kernels that only a replay will run.
 
 Tags: ``begin_call(seq)`` sets the call number that every following message's
 tag carries (``channel + TAG_STRIDE * seq``), so on gloo, which matches
@@ -144,7 +146,11 @@ class _StreamHandle(_Handle):
         works = self.works
         for work in works:
             work.wait()
-        if works:
+        plan = self.plan
+        # A step captured in a device graph is not watched: its works stand for kernels that run only when the
+        # graph is replayed, and polling them from the watchdog's thread in the middle of the capture would
+        # query the device there (c10d keeps captured NCCL works from its own watchdog for the same reason).
+        if works and (plan is None or not plan.capturing):
             watchdog().watch(works, time.monotonic() + timeout, lambda cause: self.describe(timeout, cause),
                              self.backend._expired)
         self.inflight = None

@@ -212,6 +212,9 @@ def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
         )
 
 
+from commfuse import backends as _backends  # noqa: E402
 from commfuse.runtime.eager import eager_only  # noqa: E402
 
-eager_only(resolve_call)  # it asks the process group for its rank and size (see commfuse.runtime.eager)
+# they ask the process group for its rank and size (see commfuse.runtime.eager); commfuse.backends itself
+# imports no torch, so its resolve is marked here
+eager_only(resolve_call, _backends.resolve)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commfuse.errors import CommfuseValueError
-from commfuse.runtime.executor import Compiled, Program, register_format
+from commfuse.runtime.executor import Compiled, Program, capture_probe, register_format
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
@@ -56,6 +56,15 @@ class _Pool:
     the last compute that read it; on NCCL/HCCL a later receive into it is
     ordered after that compute by c10d's stream synchronisation. At most
     ``MAX_FREE`` buffers per shape are kept.
+
+    A call captured in a device graph (the current stream capturing, as
+    ``executor.capture_probe`` sees it) never touches the free lists: each
+    ``get`` makes a fresh buffer, from the graph's private memory pool
+    (torch.cuda.graph docs, "Graph memory management"), and ``put`` lets it go
+    back there, which lives as long as the graph. So no buffer an eager call
+    takes is ever one that a graph writes on replay (an eager result kept in
+    it would be overwritten), and no buffer a graph captured goes back to the
+    allocator for other tensors while the graph lives.
     """
 
     MAX_FREE = 4
@@ -63,6 +72,8 @@ class _Pool:
     def __init__(self, backend) -> None:
         self.backend = backend
         self.free: dict[tuple, list[torch.Tensor]] = {}
+        #: whether a call is being captured (None on CPU: never), asked per get and put
+        self.probe = capture_probe(getattr(backend, "device", None))
         self.into = hasattr(backend, "collective_into")  # the backend runs whole collectives into one tensor
 
     @classmethod
@@ -78,11 +89,17 @@ class _Pool:
 
     def get(self, key: tuple) -> torch.Tensor:
         """A buffer for ``key`` = (shape tuple, dtype)."""
+        probe = self.probe
+        if probe is not None and probe():
+            return self.backend.empty(key[0], key[1])
         stack = self.free.get(key)
         return stack.pop() if stack else self.backend.empty(key[0], key[1])
 
     def put(self, tensor: torch.Tensor, key: tuple | None = None) -> None:
         """Give ``tensor`` back; ``key`` is its (shape tuple, dtype) when the caller knows it."""
+        probe = self.probe
+        if probe is not None and probe():  # made during the capture: it goes back to the graph's pool
+            return
         if key is None:
             key = (tuple(tensor.shape), tensor.dtype)
         stack = self.free.get(key)

@@ -41,11 +41,21 @@ timeout.
 
 Per step the cost on the host is one ``time.monotonic()`` and one deque
 append. The poll interval is ``COMMFUSE_WATCHDOG_POLL_S`` (default 0.05 s).
+
+Device-graph capture: a poll asks the device about works, and a query from
+this thread while another thread captures a CUDA graph in the default
+("global") capture mode invalidates the capture (torch.cuda.graph docs,
+``capture_error_mode``; pytorch/pytorch#104487 is the same trouble with c10d's
+own watchdog). :meth:`Watchdog.paused` holds the polls, waiting for one in
+progress to end, and moves every deadline on by the pause when it ends;
+``commfuse.graphs`` holds it around its captures. The steps of a captured
+call are never handed to the watchdog at all (``runtime.c10d``).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -59,6 +69,8 @@ __all__ = ["EXIT_CODE", "Posting", "Watchdog", "watchdog"]
 
 #: The exit code of a process the watchdog ends because its host was held inside a post past the deadline.
 EXIT_CODE = 75
+#: How long :meth:`Watchdog.paused` waits for a poll in progress to end, in seconds.
+DRAIN_S = 2.0
 
 
 class Posting:
@@ -87,6 +99,10 @@ class Watchdog:
         self.exit = os.environ.get("COMMFUSE_WATCHDOG_EXIT", "1") not in ("0", "false", "no", "off")
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._poll_lock = threading.Lock()  # held by a poll in progress
+        self._count_lock = threading.Lock()  # guards the count of holds (paused())
+        self._pauses = 0
+        self._paused_at = 0.0
 
     def watch(self, works, deadline: float, describe: Callable[[str | None], str],
               on_expiry: Callable[[BaseException], None]) -> None:
@@ -117,9 +133,60 @@ class Watchdog:
             time.sleep(self.poll_s)
             self.poll()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Hold the polls for the duration (nested holds count), so that nothing queries the device while a
+        device graph is captured (see the module). Entering waits for a poll in progress to end (at most
+        :data:`DRAIN_S`: a poll held inside a transport call cannot be waited out). When the last hold ends,
+        every pending step's deadline moves on by the time the polls were held, so that a pause is not
+        counted against a step's timeout. (A post in progress keeps its deadline: the host thread inside a
+        post writes its start, and this must not race with it.)"""
+        with self._count_lock:
+            if self._pauses == 0:
+                self._paused_at = time.monotonic()
+            self._pauses += 1
+        # no poll starts from now on; acquiring the poll lock once proves the one in progress, if any, ended
+        if self._poll_lock.acquire(timeout=DRAIN_S):
+            self._poll_lock.release()
+        try:
+            yield self
+        finally:
+            with self._count_lock:
+                last = self._pauses == 1
+                held = time.monotonic() - self._paused_at
+            if last:  # still counted as paused: no poll runs while the deadlines move
+                self._shift(held)
+            with self._count_lock:
+                self._pauses -= 1
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pauses > 0
+
+    def _shift(self, seconds: float) -> None:
+        """Move every pending step's deadline on by ``seconds`` (while paused, so no poll runs)."""
+        moved = []
+        while True:
+            try:
+                works, deadline, describe, on_expiry = self.pending.popleft()
+            except IndexError:
+                break
+            moved.append((works, deadline + seconds, describe, on_expiry))
+        self.pending.extendleft(reversed(moved))
+
     def poll(self) -> None:
         """One pass: drop what completed, report what failed or expired (called by the thread; callable in
-        tests)."""
+        tests). Nothing while :meth:`paused` is held, or while another thread's poll is in progress (that one
+        covers this one)."""
+        if self._pauses or not self._poll_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._pauses:  # a hold may have begun between the check and the lock
+                self._poll()
+        finally:
+            self._poll_lock.release()
+
+    def _poll(self) -> None:
         now = time.monotonic()
         keep = []
         failure = None

@@ -351,6 +351,178 @@ def overlap(rank: int, n: int, ref: str, caps: dict) -> dict:
     return results
 
 
+# -- capture: planned calls in a device graph, replayed with new inputs ------------------------------------------
+
+#: The ops, algorithms and ways of the capture tier: its cases are ``{op}-{algorithm}-{way}`` (``graph``: the
+#: suite's own torch.cuda.graph; ``helper``: commfuse.graphs.capture), plus :data:`CAPTURE_AUTOGRAD`.
+CAPTURE_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+CAPTURE_ALGORITHMS = ("ring", "vanilla")
+CAPTURE_WAYS = ("graph", "helper")
+#: The capture tier's gradient case: all_gather_matmul's forward and backward through
+#: ``commfuse.graphs.capture(backward=True)`` (torch.cuda.make_graphed_callables).
+CAPTURE_AUTOGRAD = "autograd-all_gather_matmul-ring-helper"
+
+
+def capture_cases() -> list[str]:
+    return [f"{o}-{a}-{w}" for o in CAPTURE_OPS for a in CAPTURE_ALGORITHMS for w in CAPTURE_WAYS] + [CAPTURE_AUTOGRAD]
+
+
+def capture_skip_reason(capabilities, name: str) -> str | None:
+    """Why the capture tier skips a backend with these plugin capabilities (None: it runs)."""
+    if getattr(capabilities, "capturable", False):
+        return None
+    return (f"capability: backend {name!r} does not declare Capabilities.capturable"
+            + (" (its object has no Capabilities record)" if capabilities is None else "")
+            + ": the capture tier runs where a backend promises that its planned calls can be captured in a "
+              "device graph")
+
+
+def _graph_api(device_type: str):
+    """``(module, Graph class, graph context manager)`` of torch's graph API for ``device_type``: torch.cuda's,
+    or torch_npu's mirror of it on ``torch.npu`` (``NPUGraph``); None where torch has none."""
+    module = getattr(torch, device_type, None)
+    graph_cls = getattr(module, "CUDAGraph", None) or getattr(module, "NPUGraph", None)
+    context = getattr(module, "graph", None)
+    if graph_cls is None or context is None or not hasattr(module, "Stream"):
+        return None
+    return module, graph_cls, context
+
+
+def capture(rank: int, n: int, ref: str, caps: dict) -> dict:
+    """Every capture case on this rank: warm up eagerly, capture one call in a device graph, replay it with new
+    values copied into the static inputs, and compare with an eager call on the same values and with the
+    unsharded reference: bit-exact for all_gather_matmul (integer-valued inputs), within tolerance for
+    matmul_reduce_scatter's sums. The ranks agree that each capture succeeded before any replays."""
+    import commfuse as cf
+    from commfuse.graphs import failed_ranks, paused_watchdog
+
+    dev = rank_device(caps["device"], rank)
+    be = backend_from(ref, device=dev)
+    timeout = caps["timeout_s"]
+    results: dict = {}
+    reason = capture_skip_reason(getattr(be, "capabilities", None), getattr(be, "name", ref))
+    if reason:
+        return {case: {"error": None, "skip": reason, "figures": {}} for case in capture_cases()}
+    device = torch.device(dev)
+    api = _graph_api(device.type)
+    rows, k, cols = 8, 32, 16
+
+    def inputs(op: str, seed: int):
+        if op == "all_gather_matmul":  # integer-valued: every product and sum is exact in float32
+            a_full = _values((rows * n, k), torch.float32, seed, True, dev)
+            b = _values((k, cols), torch.float32, seed + 1, True, dev)
+            return a_full.tensor_split(n)[rank].clone(), b, (a_full.double() @ b.double())
+        b = _values((k, cols), torch.float32, seed + 1, False, dev)
+        a = [_values((rows * n, k), torch.float32, 100 * seed + r, False, dev) for r in range(n)]
+        want = sum(x.double() @ b.double() for x in a).tensor_split(n)[rank]
+        return a[rank], b, want
+
+    def run(op: str, alg: str, a, b):
+        fn = cf.all_gather_matmul if op == "all_gather_matmul" else cf.matmul_reduce_scatter
+        return fn(a, b, algorithm=alg, backend=be, timeout=timeout)
+
+    def agree(ok: bool, what: str) -> None:
+        failed = failed_ranks(ok, device, getattr(be, "group", None))
+        if failed:
+            raise AssertionError(f"rank(s) {failed} failed to {what}; no rank replays")
+
+    def by_graph(op: str, alg: str) -> dict:
+        if api is None:
+            raise AssertionError(f"the backend declares Capabilities.capturable on {device.type} devices, but "
+                                 f"torch.{device.type} has no graph API (graph, CUDAGraph or NPUGraph)")
+        module, graph_cls, graph_context = api
+        exact = op == "all_gather_matmul"
+        a, b, _ = inputs(op, 1)  # the static inputs
+        error = None
+        try:
+            with torch.no_grad():
+                side = module.Stream()  # warm-up on a side stream (torch.cuda.graph docs)
+                side.wait_stream(module.current_stream())
+                with module.stream(side):
+                    for _ in range(2):
+                        run(op, alg, a, b)
+                module.current_stream().wait_stream(side)
+                graph = graph_cls()
+                with paused_watchdog():
+                    try:
+                        context = graph_context(graph, capture_error_mode="thread_local")
+                    except TypeError:  # a graph API without capture modes
+                        context = graph_context(graph)
+                    with context:
+                        out = run(op, alg, a, b)
+        except Exception as e:  # noqa: BLE001 - agreed on below, then raised
+            error = e
+        agree(error is None, f"capture {op} {alg}")
+        if error is not None:
+            raise error
+        for seed in (2, 3):  # new values in the static inputs, each replay against an eager call on them
+            a_new, b_new, want = inputs(op, seed)
+            with torch.no_grad():
+                a.copy_(a_new)
+                b.copy_(b_new)
+                graph.replay()
+                eager = run(op, alg, a_new, b_new)
+            _same(out, eager, exact, f"replay {seed - 1} against an eager call on the same inputs")
+            _same(out, want, exact, f"replay {seed - 1} against the unsharded reference")
+            _same(eager, want, exact, "the eager call against the unsharded reference")
+        return {"replays": 2}
+
+    def by_helper(op: str, alg: str) -> dict:
+        if device.type != "cuda":
+            return {"skip": f"commfuse.graphs.capture captures CUDA work only; this backend's device is "
+                            f"{device.type} (the graph cases capture there with torch.{device.type}'s API)"}
+        exact = op == "all_gather_matmul"
+        captured = cf.graphs.capture(lambda a, b: run(op, alg, a, b), warmup=2, backend=be)
+        for seed in (1, 2, 3):
+            a, b, want = inputs(op, seed)
+            with torch.no_grad():
+                out = captured(a, b)
+                eager = run(op, alg, a, b)
+            _same(out, eager, exact, f"call {seed} (a replay) against an eager call on the same inputs")
+            _same(out, want, exact, f"call {seed} (a replay) against the unsharded reference")
+        if captured.signatures != 1:
+            raise AssertionError(f"three calls of one signature captured {captured.signatures} graphs, not 1")
+        return {"signatures": captured.signatures}
+
+    def by_helper_backward() -> dict:
+        if device.type != "cuda":
+            return {"skip": f"commfuse.graphs.capture captures CUDA work only; this backend's device is "
+                            f"{device.type}"}
+
+        def op(a, b):
+            return cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+
+        captured = cf.graphs.capture(op, warmup=2, backward=True, backend=be)
+        g = torch.Generator().manual_seed(9)
+        grad_out = torch.randn(rows * n, cols, generator=g).to(dev)
+        for seed in (4, 5):
+            a, b, _ = inputs("all_gather_matmul", seed)
+            a_g, b_g = a.clone().requires_grad_(), b.clone().requires_grad_()
+            (captured(a_g, b_g) * grad_out).sum().backward()
+            a_e, b_e = a.clone().requires_grad_(), b.clone().requires_grad_()
+            (op(a_e, b_e) * grad_out).sum().backward()
+            _same(a_g.grad, a_e.grad, False, f"seed {seed}: input grad, graphed against eager")
+            _same(b_g.grad, b_e.grad, False, f"seed {seed}: weight grad, graphed against eager")
+        return {"signatures": captured.signatures}
+
+    def case(name: str, fn) -> None:
+        _case(results, name, fn)
+        entry = results[name]
+        skip = entry["figures"].pop("skip", None)
+        if skip:
+            entry["skip"] = skip
+
+    for op in CAPTURE_OPS:
+        for alg in CAPTURE_ALGORITHMS:
+            if alg not in caps["algorithms"]:
+                continue
+            case(f"{op}-{alg}-graph", lambda op=op, alg=alg: by_graph(op, alg))
+            case(f"{op}-{alg}-helper", lambda op=op, alg=alg: by_helper(op, alg))
+    if caps["autograd"] and "ring" in caps["algorithms"]:
+        case(CAPTURE_AUTOGRAD, by_helper_backward)
+    return results
+
+
 # -- robustness: each case in its own launch --------------------------------------------------------------
 
 #: Robustness cases that need more ranks than two, and how many.
@@ -733,4 +905,4 @@ _ROBUSTNESS = {
 
 
 TIERS = {"transport": transport, "schedules": schedules, "ops": ops, "determinism": determinism,
-         "overlap": overlap}
+         "overlap": overlap, "capture": capture}

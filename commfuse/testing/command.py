@@ -8,7 +8,7 @@ from pathlib import Path
 
 from commfuse.cli import command
 
-TIERS = ("transport", "schedules", "ops", "determinism", "overlap", "robustness")
+TIERS = ("transport", "schedules", "ops", "determinism", "overlap", "capture", "robustness")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,13 @@ never hung; a rank one call ahead after a failed call: never pairs across the
 gap; an error every rank shares leaves the group usable; a mismatch reaches
 every rank in seconds, not at the timeout), overlap (the time a ring hides
 over the most it could hide, ``min(compute, comm)``, against the capability's
-threshold) and determinism (same inputs, same outputs).
+threshold), determinism (same inputs, same outputs) and capture (where the
+backend declares ``Capabilities.capturable``: all_gather_matmul and
+matmul_reduce_scatter, ring and vanilla, captured in a device graph after an
+eager warm-up, by the suite's own ``torch.cuda.graph`` and by
+``commfuse.graphs.capture``, replayed with new values copied into the static
+inputs and compared with eager calls on them: bit-exact for the gathers,
+within tolerance for the sums; and a graphed forward and backward).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def cases(tier: str, n: int) -> list[str]:
         return [f"determinism-{a}" for a in ALL_ALGORITHMS]
     if tier == "overlap":
         return ["ring-hides-communication"]
+    if tier == "capture":
+        return _bodies.capture_cases()
     if tier == "robustness":
         return list(ROBUSTNESS)
     raise ValueError(f"unknown conformance tier {tier!r}")
@@ -104,7 +112,7 @@ class _Tier:
         if key not in _RESULTS:
             body = _bodies.TIERS[tier]
             _RESULTS[key] = _execute(body, self.world_size, self.backend, self.caps.as_dict())
-        failures = []
+        failures, skips = [], []
         for rank, results in enumerate(_RESULTS[key]):
             entry = results.get(case)
             if entry is None:
@@ -114,8 +122,12 @@ class _Tier:
                 record_property(f"rank{rank}.{name}", value)
             if entry["error"]:
                 failures.append(f"rank {rank}: {entry['error']}")
+            elif entry.get("skip"):  # a capability the ranks found on the backend object itself
+                skips.append(entry["skip"])
         if failures:
             pytest.fail("\n".join(failures), pytrace=False)
+        if skips:
+            pytest.skip(skips[0])
 
 
 class TransportTests(_Tier):
@@ -160,6 +172,35 @@ class OverlapTests(_Tier):
     @pytest.mark.commfuse_tier("overlap")
     def test_overlap(self, commfuse_case, record_property):
         self._result("overlap", commfuse_case, record_property)
+
+
+class CaptureTests(_Tier):
+    """Planned calls captured in a device graph replay right with new inputs; only where the backend declares
+    ``Capabilities.capturable`` (read from its plugin record, or from the backend object the ranks make for a
+    ``module:factory`` reference), skipped by that capability elsewhere."""
+
+
+    @pytest.mark.commfuse_tier("capture")
+    def test_capture(self, commfuse_case, record_property):
+        reason = declared_capture_skip(self.backend)
+        if reason:
+            pytest.skip(reason)
+        self._result("capture", commfuse_case, record_property)
+
+
+def declared_capture_skip(ref: str) -> str | None:
+    """For a registered backend name, why the capture tier skips it, from its plugin record (no ranks are
+    launched to find out); None when it runs, or when ``ref`` is a ``module:factory`` (the ranks decide)."""
+    if ":" in ref:
+        return None
+    from commfuse import backends
+    from commfuse.errors import BackendUnavailableError
+
+    try:
+        spec = backends.spec(ref)
+    except BackendUnavailableError:
+        return None  # the ranks fail to make it, and say why
+    return _bodies.capture_skip_reason(spec.capabilities, ref)
 
 
 class RobustnessTests(_Tier):
@@ -348,5 +389,6 @@ def _children() -> set[int]:
     return pids
 
 
-class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, RobustnessTests):
+class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, CaptureTests,
+                       RobustnessTests):
     """Every tier. A vendor's test module: ``class TestConformance(ConformanceSuite): pass``."""

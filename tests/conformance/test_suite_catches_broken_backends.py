@@ -71,6 +71,26 @@ def test_corrupted_data_is_caught_by_the_robustness_cases_that_compare_results(t
         assert "differs from the reference" in data["by_case"][case]["reason"], data["by_case"][case]["reason"]
 
 
+def test_a_backend_declaring_capturable_without_a_device_graph_fails_the_capture_tier(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:falsely_capturable", "--tier", "capture", n=2)
+    assert data["exit_code"] != 0
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for alg in ("ring", "vanilla"):
+            graph = data["by_case"][f"{op}-{alg}-graph"]
+            assert graph["outcome"] == "failed" and "has no graph API" in graph["reason"], graph
+            helper = data["by_case"][f"{op}-{alg}-helper"]  # commfuse.graphs.capture is CUDA-only: skipped
+            assert helper["outcome"] == "skipped" and "CUDA work only" in helper["reason"], helper
+    assert _outcome(data, "autograd-all_gather_matmul-ring-helper") == "skipped"
+
+
+def test_the_capture_tier_skips_gloo_by_capability_without_launching(tmp_path):
+    data = _conformance(tmp_path, "gloo", "--tier", "capture", n=2)
+    assert data["exit_code"] == 0
+    capture = [t for t in data["tests"] if "test_capture[" in t["test"]]
+    assert len(capture) == 9 and all(t["outcome"] == "skipped" for t in capture), capture
+    assert all("does not declare Capabilities.capturable" in t["reason"] for t in capture), capture
+
+
 @pytest.mark.parametrize("n", [2])
 def test_gloo_passes_every_tier(tmp_path, n):
     data = _conformance(tmp_path, "gloo", n=n)

@@ -4,13 +4,16 @@ Each is the real gloo backend with one fault: ``wrong_peer`` delivers every
 message one rank too far, ``dropped_message`` never sends one message per
 step, ``wrong_reduction`` reduces whole reduce-scatters (of tensor lists or
 into one tensor) with max instead of sum, ``corrupt_data`` adds 1 to every
-floating-point message it receives (not the call check's fingerprints).
+floating-point message it receives (not the call check's fingerprints),
+``falsely_capturable`` declares ``Capabilities.capturable`` on CPU, where
+there is no device graph to capture into.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from commfuse.plugins import Capabilities
 from commfuse.runtime.c10d import C10dBackend, _Handle
 from commfuse.runtime.executor import FINGERPRINT_CHANNEL
 from commfuse.schedule import Collective
@@ -58,6 +61,14 @@ class _Corrupting:
 class CorruptData(C10dBackend):
     def post(self, sends, recvs):
         return _Corrupting(super().post(sends, recvs), [t.channel != FINGERPRINT_CHANNEL for t, _ in recvs])
+
+
+class FalselyCapturable(C10dBackend):
+    capabilities = Capabilities(bidirectional_links=True, overlap=True, capturable=True)
+
+
+def falsely_capturable(group=None, device=None):
+    return FalselyCapturable(group, device, name="toy-falsely-capturable")
 
 
 def wrong_peer(group=None, device=None):

@@ -37,6 +37,13 @@ CAPABILITIES = Capabilities(
     # auto without a profile: vanilla for ring hops under this many bytes (None: 64 KiB). Compare ring and
     # vanilla with `commfuse bench --preset tiny` on your hardware before lowering it.
     auto_min_slice_bytes=None,
+    # True promises that every call of a signature after its first can be captured in your device's graph API
+    # and replayed (torch.cuda.graph / make_graphed_callables / torch.compile(mode="reduce-overhead") on CUDA):
+    # post and wait never sync the host (no .item(), no Event.synchronize, no blocking Work.wait), buffers come
+    # from the caching allocator, and any side stream you issue from is joined back into the capture (see
+    # backends/cuda's CommStream.leave). commfuse.graphs.capture refuses backends without it, and the
+    # conformance suite's capture tier runs where it is declared. gloo on CPU has no device graphs: False.
+    capturable=False,
 )
 
 

@@ -8,6 +8,7 @@ def test_registered_and_available():
     assert spec.distribution == "commfuse-template"
     assert cf.backends.availability("template").ok
     assert "template" in cf.backends.available()
+    assert not spec.capabilities.capturable  # CPU: no device graphs, so the capture tier skips it
 
 
 def test_never_chosen_over_gloo_for_cpu_tensors():

@@ -77,7 +77,9 @@ docs/reliability.md):
 compute stream instead. That measured within noise of the default: c10d
 orders its NCCL stream after whichever stream is current at issue time.
 The native fused kernels (:meth:`native_op`) have not been run on a GPU.
-Neither has CUDA-graph capture of these ops, which is issue 13's.
+Neither has CUDA-graph capture of these ops, which the plugin declares
+(``Capabilities.capturable``): the conformance suite's capture tier is the
+check, and ``commfuse.graphs`` the helper.
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ CAPABILITIES = Capabilities(
     streams=True,
     # Transfers progress on the device while the compute stream runs the GEMMs.
     overlap=True,
+    # A planned call (every call of a signature after its first) issues from the communication stream, which
+    # CommStream.leave joins back into a capture, waits without blocking the host, and takes its buffers from the
+    # caching allocator: torch.cuda.graph, make_graphed_callables and torch.compile(mode="reduce-overhead") can
+    # capture it; commfuse.graphs.capture is the helper. UNVERIFIED on a GPU: the conformance suite's capture
+    # tier is the check.
+    capturable=True,
 )
 
 CUDA_TORCH_FIX = (

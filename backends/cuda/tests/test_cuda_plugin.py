@@ -19,6 +19,7 @@ def test_registered_through_the_entry_point():
     caps = spec.capabilities
     assert caps.streams and caps.overlap and caps.bidirectional_links and caps.execution == "eager"
     assert caps.native_fused_ops == ("all_gather_matmul", "matmul_reduce_scatter")
+    assert caps.capturable  # commfuse.graphs.capture and the conformance suite's capture tier act on it
 
 
 def test_probe_reads_this_machine():

@@ -39,6 +39,11 @@ CAPABILITIES = Capabilities(
     streams=True,
     # Transfers progress on the device while the compute stream runs the GEMMs.
     overlap=True,
+    # Through torch_npu's graph API (torch.npu.NPUGraph, torch.npu.graph, torch.npu.make_graphed_callables), which
+    # mirrors torch.cuda's: a planned call issues HCCL from the compute stream (c10d joins HCCL's stream back),
+    # waits without blocking the host and allocates from the caching allocator. UNVERIFIED without Ascend
+    # hardware: the conformance suite's capture tier checks it there (commfuse.graphs.capture is CUDA-only).
+    capturable=True,
 )
 
 #: Where CANN installs by default, and the environment variables its set_env.sh exports.

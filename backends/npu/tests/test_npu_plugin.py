@@ -23,6 +23,7 @@ def test_registered_through_the_entry_point():
     assert spec.device_types == ("npu",)
     assert spec.priority > cf.backends.spec("accelerator").priority
     assert spec.capabilities.native_fused_ops == ("all_gather_matmul", "matmul_reduce_scatter")
+    assert spec.capabilities.capturable  # through torch.npu.NPUGraph; the capture tier checks it on an NPU
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")

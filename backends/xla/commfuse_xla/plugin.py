@@ -31,6 +31,8 @@ CAPABILITIES = Capabilities(
     collectives=("all_gather", "reduce_scatter", "all_to_all"),
     # No host-side progress to measure: overlap is the compiler's, UNVERIFIED on TPU here.
     overlap=False,
+    # Traced: XLA compiles and replays the whole graph itself; a device graph (torch.cuda.graph) does not apply.
+    capturable=False,
 )
 
 INSTALL = (

@@ -22,6 +22,7 @@ def test_registered_through_the_entry_point():
     assert spec.capabilities.execution == "traced"
     assert spec.capabilities.bidirectional_links
     assert set(spec.capabilities.collectives) == {"all_gather", "reduce_scatter", "all_to_all"}
+    assert not spec.capabilities.capturable  # traced: XLA replays its own graphs
 
 
 def test_availability_tells_the_truth_about_this_environment():
