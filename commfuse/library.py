@@ -41,11 +41,8 @@ The consume/produce forms (``all_gather_consume``, ``produce_reduce_scatter``,
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from commfuse import backends
 from commfuse.errors import CommfuseValueError
 
 __all__ = [
@@ -128,53 +125,33 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
 
 
 # -- plans, remembered per signature -----------------------------------------
-
-
-class _Plans:
-    def __init__(self) -> None:
-        self.runs: dict[tuple, object] = {}
-        self.lock = threading.Lock()
-
-    def get(self, key, make):
-        run = self.runs.get(key)
-        if run is None:
-            run = make()
-            with self.lock:
-                if len(self.runs) > 4096:
-                    self.runs.clear()
-                self.runs[key] = run
-        return run
-
-
-_PLANS = _Plans()
-backends.on_release(_PLANS.runs.clear)
+# in the eager ops' own tables (``commfuse.ops._AGMM``/``_MMRS``: bounded, locked, forgotten by
+# ``backends.release``), under keys of the op's arguments, which begin with "op" and so never meet an eager key
 
 
 def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
     from commfuse import ops
 
-    key = ("agmm", a.shape, a.dtype, a.device, tuple((b.shape, b.dtype, b.device) for b in bs), name, gd, algorithm,
+    key = ("op", a.shape, a.dtype, a.device, tuple((b.shape, b.dtype, b.device) for b in bs), name, gd, algorithm,
            gathered_size, return_gathered)
-
-    def make():
+    run = ops._AGMM.plans.get(key)
+    if run is None:
         group = _group(name)
-        return ops._AGMM.make(None, lambda: ops._agmm_signature(a, list(bs), group, gd, algorithm, return_gathered,
-                                                               gathered_size, True, None, None, None), group, None)
-
-    return _PLANS.get(key, make)
+        run = ops._AGMM.make(key, lambda: ops._agmm_signature(a, list(bs), group, gd, algorithm, return_gathered,
+                                                             gathered_size, True, None, None, None), group, None)
+    return run
 
 
 def _mmrs_run(a, b, name, sd, algorithm, reduce_op):
     from commfuse import ops
 
-    key = ("mmrs", a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, name, sd, algorithm, reduce_op)
-
-    def make():
+    key = ("op", a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, name, sd, algorithm, reduce_op)
+    run = ops._MMRS.plans.get(key)
+    if run is None:
         group = _group(name)
-        return ops._MMRS.make(None, lambda: ops._mmrs_signature(a, b, group, sd, reduce_op, algorithm, None, None,
-                                                               None), group, None)
-
-    return _PLANS.get(key, make)
+        run = ops._MMRS.make(key, lambda: ops._mmrs_signature(a, b, group, sd, reduce_op, algorithm, None, None,
+                                                             None), group, None)
+    return run
 
 
 def _gathered_shape(a, gd: int, n: int, gathered_size):
@@ -253,8 +230,7 @@ def _agmm_setup(ctx, inputs, output):
 def _agmm_backward(ctx, _dgathered, douts):
     a, gathered, *bs = ctx.saved_tensors
     gather_dim, group_name, algorithm, gathered_size = ctx.options
-    need_a, need_b = ctx.needs_input_grad[0], [bool(x) for x in ctx.needs_input_grad[1]] \
-        if isinstance(ctx.needs_input_grad[1], (list, tuple)) else [ctx.needs_input_grad[1]] * len(bs)
+    need_a, need_b = ctx.needs_input_grad[0], list(ctx.needs_input_grad[1])  # a list input: one flag per tensor
     da, dbs = torch.ops.commfuse.all_gather_matmul_backward(a, gathered, bs, list(douts), gather_dim, group_name,
                                                             algorithm, gathered_size, need_a, need_b)
     return (da if need_a else None), [d if need else None for d, need in zip(dbs, need_b)], None, None, None, \

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from commfuse.bench.config import BenchConfig, applies
 from commfuse.bench.progress import Progress
-from commfuse.bench.runner import _fingerprints, _load
+from commfuse.bench.runner import _fingerprints, _load, run_info
 from commfuse.bench.workloads import compare, make
 
 #: The two kinds of step timed side by side.
@@ -195,10 +195,6 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         "mode": "compile",
         "compile_backend": backend,
         "torch": torch.__version__,
-        "load": [load_before, _load()],
-        "cpus": os.cpu_count(),
-        "world_size": world_size,
-        "backend": dist.get_backend(),
-        "device": str(dev),
+        **run_info(load_before, world_size, dev),
         "results": results,
     }

@@ -185,13 +185,18 @@ def aligned(header, body) -> list[str]:
     return lines
 
 
+def _by_workload(recs: list[dict]) -> dict[str, list[dict]]:
+    """The records grouped by workload, in the order the workloads first appear."""
+    by: dict[str, list[dict]] = {}
+    for r in recs:
+        by.setdefault(r["workload"], []).append(r)
+    return by
+
+
 def table(recs: list[dict], config: BenchConfig) -> str:
     """The human-readable table, one block per workload."""
     lines = []
-    by_workload: dict[str, list[dict]] = {}
-    for r in recs:
-        by_workload.setdefault(r["workload"], []).append(r)
-    for workload, rows in by_workload.items():
+    for workload, rows in _by_workload(recs).items():
         r0 = rows[0]
         lines.append(
             f"{workload}: {config.shape.text()}, {r0['world_size']} ranks, {r0['backend']} on {r0['device']}, "
@@ -344,10 +349,7 @@ def compile_records(run: dict, config: BenchConfig) -> list[dict]:
 def compile_table(recs: list[dict], config: BenchConfig) -> str:
     """The ``--compile`` table, one block per workload."""
     lines = []
-    by: dict[str, list[dict]] = {}
-    for r in recs:
-        by.setdefault(r["workload"], []).append(r)
-    for workload, rows in by.items():
+    for workload, rows in _by_workload(recs).items():
         r0 = rows[0]
         step = "forward + backward" if r0["backward"] else "forward"
         lines.append(

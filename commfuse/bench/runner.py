@@ -235,13 +235,17 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             "traces": traces,
         })
         del workload
+    return {**run_info(load_before, world_size, dev), "results": results}
+
+
+def run_info(load_before, world_size: int, dev) -> dict:
+    """What a rank's run reports besides its results: the load before and after, the cores, the group."""
     return {
         "load": [load_before, _load()],
         "cpus": os.cpu_count(),
         "world_size": world_size,
         "backend": dist.get_backend(),
         "device": str(dev),
-        "results": results,
     }
 
 

@@ -4,20 +4,16 @@ commfuse.nn layers under torch.compile(fullgraph=True), against eager on the sam
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
-import traceback
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_cases import _run  # noqa: E402  (the shared rank-side runner of the DTensor tests)
+
 TOL = dict(rtol=1e-5, atol=1e-5)  # fp32: the compiled graph may fuse the elementwise work around the ops
-
-
-def _run(results, name, fn):
-    try:
-        fn()
-        results[name] = None
-    except Exception as e:
-        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=10)}"
 
 
 def _fresh_inductor_cache() -> None:
@@ -46,6 +42,31 @@ def _one_graph(fn, *args) -> None:
         raise AssertionError(f"{explained.graph_count} graphs, {explained.graph_break_count} breaks: "
                              f"{[str(b.reason)[:300] for b in explained.break_reasons]}")
     torch._dynamo.reset()
+
+
+def _matches_eager(model, args, backend, want_ops=()) -> None:
+    """``model(*args)`` compiled with fullgraph=True: one graph, no break, the ops ``want_ops`` in it, and a
+    training step that gives eager's output, input gradient (of ``args[0]``) and parameter gradients."""
+    _one_graph(model, *args)
+
+    def step(fn):
+        for p in model.parameters():
+            p.grad = None
+        x = args[0].clone().requires_grad_()
+        y = fn(x, *args[1:])
+        _local(y).pow(2).sum().backward()
+        return y, x.grad, [p.grad for p in model.parameters()]
+
+    want = step(model)
+    seen: set = set()
+    got = step(torch.compile(model, fullgraph=True, backend=_recording(seen, backend)))
+    missing = [op for op in want_ops if not any(op in t for t in seen)]
+    if missing:
+        raise AssertionError(f"the compiled graph lacks {missing}: {sorted(seen)}")
+    _close(got[0], want[0], "output")
+    _close(got[1], want[1], "input grad")
+    for (name, _), g, w in zip(model.named_parameters(), got[2], want[2]):
+        _close(g, w, f"{name}.grad")
 
 
 def opcheck(rank, n):
@@ -162,24 +183,7 @@ def layers(rank, n, backend):
     for name, (make, shape) in _layers(n).items():
         def body(make=make, shape=shape):
             torch.manual_seed(2)
-            layer = make()
-            x = torch.randn(*shape)
-            _one_graph(layer, x)
-
-            def step(fn):
-                for p in layer.parameters():
-                    p.grad = None
-                xx = x.clone().requires_grad_()
-                y = fn(xx)
-                y.pow(2).sum().backward()
-                return y, xx.grad, [p.grad for p in layer.parameters()]
-
-            want = step(layer)
-            got = step(torch.compile(layer, fullgraph=True, backend=backend))
-            _close(got[0], want[0], "output")
-            _close(got[1], want[1], "input grad")
-            for (pname, _), g, w in zip(layer.named_parameters(), got[2], want[2]):
-                _close(g, w, f"{pname}.grad")
+            _matches_eager(make(), (torch.randn(*shape),), backend)
 
         _run(results, f"{name}-{backend}", body)
     return results
@@ -317,34 +321,14 @@ def styles(rank, n, backend):
     results = {}
     mesh = init_device_mesh("cpu", (n,))
 
-    def check(model, args, want_ops):
-        _one_graph(model, *args)
-
-        def step(fn):
-            for p in model.parameters():
-                p.grad = None
-            y = fn(*args)
-            _local(y).pow(2).sum().backward()
-            return y, [p.grad for p in model.parameters()]
-
-        want = step(model)
-        seen: set = set()
-        got = step(torch.compile(model, fullgraph=True, backend=_recording(seen, backend)))
-        missing = [op for op in want_ops if not any(op in t for t in seen)]
-        if missing:
-            raise AssertionError(f"the compiled graph lacks {missing}: {sorted(seen)}")
-        _close(got[0], want[0], "output")
-        for (name, _), g, w in zip(model.named_parameters(), got[1], want[1]):
-            _close(g, w, f"{name}.grad")
-
     def block():
         torch.manual_seed(5)
         heads, head_dim, seq = 2 * n, 32 // (2 * n), 4 * n  # 2 query heads and 1 key/value head per rank
         model = llama.Block(dim=32, n_heads=heads, n_kv_heads=n, ffn=16 * n)
         parallelize_module(model, mesh, llama.commfuse_plan(head_dim=head_dim, algorithm="ring"))
         x = torch.randn(2, seq, 32).tensor_split(n, dim=1)[rank].clone()
-        check(model, (x, llama.rope_cache(head_dim, seq)),
-              ("commfuse.all_gather_matmul", "commfuse.attention_reduce_scatter", "commfuse.matmul_reduce_scatter"))
+        fused = ("commfuse.all_gather_matmul", "commfuse.attention_reduce_scatter", "commfuse.matmul_reduce_scatter")
+        _matches_eager(model, (x, llama.rope_cache(head_dim, seq)), backend, fused)
 
     _run(results, f"llama-block-{backend}", block)
 
@@ -354,7 +338,8 @@ def styles(rank, n, backend):
         parallelize_module(model, mesh, {"0": tp.ColwiseParallel(input_layouts=Shard(1), algorithm="ring"),
                                          "2": tp.RowwiseParallel(output_layouts=Shard(1), algorithm="ring")})
         x = torch.randn(2, 4 * n, 16).tensor_split(n, dim=1)[rank].clone()
-        check(model, (x,), ("commfuse.all_gather_matmul", "commfuse.matmul_reduce_scatter", "commfuse.replicated"))
+        _matches_eager(model, (x,), backend,
+                       ("commfuse.all_gather_matmul", "commfuse.matmul_reduce_scatter", "commfuse.replicated"))
 
     _run(results, f"colwise-rowwise-mlp-{backend}", mlp)
     return results
