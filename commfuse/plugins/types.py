@@ -22,7 +22,7 @@ from commfuse.schedule import Collective
 #: How a backend runs a schedule: step by step from Python, or traced into a graph (XLA).
 EXECUTIONS = ("eager", "traced")
 #: The whole collectives a backend may support natively.
-COLLECTIVES = tuple(c.value for c in Collective)
+COLLECTIVES = tuple(c.value for c in Collective if c.transport is c)
 #: The ops that ask a backend for its own fused kernel (``native_op``), when declared in ``native_fused_ops``.
 NATIVE_FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
 #: The device type that stands for whatever non-CPU device ``torch.accelerator`` reports.

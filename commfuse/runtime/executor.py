@@ -264,7 +264,7 @@ class Compiled:
         seen: set[SliceId] = set()
         for step in steps:
             seen.update(step.compute, step.accumulate, (t.slice for t in step.sends), (t.slice for t in step.recvs))
-        a2a = schedule.collective is Collective.ALL_TO_ALL
+        a2a = schedule.collective.blocks
         for step in steps:  # a whole collective touches this rank's slices of its chunk
             for call in step.collectives:
                 for x in self._collective_slices(call.part, n, rank, schedule.halves, a2a):

@@ -19,6 +19,7 @@ ALGORITHMS: dict[Collective, tuple[Algorithm, ...]] = {
     Collective.ALL_GATHER: (Algorithm.RING, Algorithm.BIDIRECTIONAL, Algorithm.SLICED, Algorithm.VANILLA),
     Collective.REDUCE_SCATTER: (Algorithm.RING, Algorithm.BIDIRECTIONAL, Algorithm.SLICED, Algorithm.VANILLA),
     Collective.ALL_TO_ALL: (Algorithm.RING, Algorithm.SLICED, Algorithm.VANILLA),
+    Collective.PRODUCE_ALL_TO_ALL: (Algorithm.RING, Algorithm.SLICED, Algorithm.VANILLA),
 }
 
 #: Above this world size ``build`` validates through the rotation argument only
@@ -121,7 +122,7 @@ def _interned() -> Callable[..., SliceId]:
 
 def _single(s: Schedule) -> list[Step]:
     """World size 1: every algorithm is the computation alone."""
-    source = 0 if s.collective is Collective.ALL_TO_ALL else None
+    source = 0 if s.collective.blocks else None
     compute = s.slices(0, source)
     return [Step(0, compute=compute)]
 
@@ -203,25 +204,52 @@ def _ring_all_to_all(s: Schedule) -> list[Step]:
     return steps
 
 
+def _ring_produce_all_to_all(s: Schedule) -> list[Step]:
+    """The produce side of the pairwise all-to-all (MoE's combine; torch's ``_pipelined_produce_and_all2all``).
+
+    Hop 0 produces the block for r + 1. At hop k >= 1 rank r sends the block
+    for r + k, made in the hop before, while producing the block for r + k + 1
+    (its own block, which goes nowhere, at the last hop) and receiving the
+    block of r - k. Only the first block's compute has nothing to hide behind;
+    the last transfer flies under the last compute.
+    """
+    n, o = s.world_size, _offset(s.world_size)
+    sl = _interned()
+    steps: list[Step] = []
+    for k in range(n):
+        for p in range(s.parts):
+            compute = (sl(o(k + 1) if k < n - 1 else 0, p, 0, 0),)
+            sends, recvs = (), ()
+            if k >= 1:
+                sends = (Transfer(sl(o(k), p, 0, 0), o(k), k, 0),)
+                recvs = (Transfer(sl(0, p, 0, o(-k)), o(-k), k, 0),)
+            steps.append(Step(len(steps), sends, recvs, (), compute))
+    return steps
+
+
 def _sliced(s: Schedule) -> list[Step]:
     """Data slicing (and ``vanilla``, its one-chunk case).
 
     Gathers (all-gather, all-to-all): the collective of chunk j flies while
     chunk j - 1 is computed; the first collective is exposed. Reduce-scatter:
     the collective of chunk j flies while chunk j + 1 is computed; the last one
-    is the exposed tail.
+    is the exposed tail. The produce side of all-to-all is ordered like
+    reduce-scatter: chunk j's blocks for every rank are made while chunk
+    j - 1's all-to-all flies.
     """
     n, c = s.world_size, s.splits
 
     def chunk(j: int) -> tuple[SliceId, ...]:
         if s.collective is Collective.ALL_TO_ALL:
             return tuple(SliceId(0, j, 0, x) for x in range(n))
+        if s.collective is Collective.PRODUCE_ALL_TO_ALL:
+            return tuple(SliceId(x, j, 0, 0) for x in range(n))
         return tuple(SliceId(x, j) for x in range(n))
 
     steps = []
     for j in range(c + 1):
-        if s.collective is Collective.REDUCE_SCATTER:
-            calls = (CollectiveCall(s.collective, j - 1),) if j >= 1 else ()
+        if s.collective in (Collective.REDUCE_SCATTER, Collective.PRODUCE_ALL_TO_ALL):
+            calls = (CollectiveCall(s.collective.transport, j - 1),) if j >= 1 else ()
             compute = chunk(j) if j < c else ()
         else:
             calls = (CollectiveCall(s.collective, j),) if j < c else ()
@@ -242,4 +270,7 @@ _BUILDERS = {
     (Collective.ALL_TO_ALL, Algorithm.RING): _ring_all_to_all,
     (Collective.ALL_TO_ALL, Algorithm.SLICED): _sliced,
     (Collective.ALL_TO_ALL, Algorithm.VANILLA): _sliced,
+    (Collective.PRODUCE_ALL_TO_ALL, Algorithm.RING): _ring_produce_all_to_all,
+    (Collective.PRODUCE_ALL_TO_ALL, Algorithm.SLICED): _sliced,
+    (Collective.PRODUCE_ALL_TO_ALL, Algorithm.VANILLA): _sliced,
 }

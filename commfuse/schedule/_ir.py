@@ -15,6 +15,8 @@ lowering and the symbolic validator all follow it):
    held slice, for reduce-scatter the running sum as accumulated so far;
 2. run ``compute`` on every slice it names: all-gather and all-to-all consume a
    held slice; reduce-scatter produces this rank's partial for that output slice;
+   produce-all-to-all produces this rank's block for that destination, which a
+   later step sends (its payload is read at the start of that step);
 3. wait for everything posted in (1); a received slice is usable from here on;
 4. for every slice in ``accumulate``, add the running sum received in this step
    into the partial computed in this step (reduce-scatter only).
@@ -42,6 +44,20 @@ class Collective(str, enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
+    #: The produce side of all-to-all (MoE's combine): each step computes this rank's block for a
+    #: destination while the block computed in the step before flies to its own. Its whole-collective
+    #: baselines call ``all_to_all``.
+    PRODUCE_ALL_TO_ALL = "produce_all_to_all"
+
+    @property
+    def blocks(self) -> bool:
+        """Whether slices are all-to-all blocks (``SliceId.source`` set): all-to-all and its produce side."""
+        return self in (Collective.ALL_TO_ALL, Collective.PRODUCE_ALL_TO_ALL)
+
+    @property
+    def transport(self) -> "Collective":
+        """The whole collective a baseline of this schedule calls."""
+        return Collective.ALL_TO_ALL if self is Collective.PRODUCE_ALL_TO_ALL else self
 
     def __str__(self) -> str:
         return self.value

@@ -64,15 +64,18 @@ def run_schedule(
 
     ``data(rank, slice)`` supplies the input: for all-gather rank r's value of
     its own slice, for all-to-all rank r's block, for reduce-scatter rank r's
-    partial of output slice ``slice``. All-gather and all-to-all return, per
-    rank, the ``(slice, value)`` pairs in the order the rank computed on them;
-    reduce-scatter returns per rank its own output slices with their sums.
+    partial of output slice ``slice``, for produce-all-to-all rank r's block as
+    its compute makes it. All-gather and all-to-all return, per rank, the
+    ``(slice, value)`` pairs in the order the rank computed on them;
+    reduce-scatter returns per rank its own output slices with their sums;
+    produce-all-to-all the blocks destined for the rank, by source.
     Point-to-point messages are delivered by matching (sender, receiver, step,
     channel, slice); collectives are carried out with the references above.
     """
     n, coll = schedule.world_size, schedule.collective
     steps = [schedule.steps(r) for r in range(n)]
-    if coll is Collective.REDUCE_SCATTER:
+    produce = coll is Collective.PRODUCE_ALL_TO_ALL
+    if coll is Collective.REDUCE_SCATTER or produce:
         held: list[dict[SliceId, Any]] = [{} for _ in range(n)]
     elif coll is Collective.ALL_TO_ALL:
         held = [{x: data(r, x) for d in range(n) for x in schedule.slices(d, r)} for r in range(n)]
@@ -99,7 +102,7 @@ def run_schedule(
         for r in range(n):
             step = steps[r][i]
             for x in step.compute:
-                if coll is Collective.REDUCE_SCATTER:
+                if coll is Collective.REDUCE_SCATTER or produce:
                     held[r][x] = data(r, x)
                 else:
                     out[r].append((x, held[r][x]))
@@ -115,6 +118,8 @@ def run_schedule(
                 held[r].update(landed[r])
     if coll is Collective.REDUCE_SCATTER:
         return [[(x, held[r][x]) for x in schedule.slices(r)] for r in range(n)]
+    if produce:
+        return [[(x, held[r][x]) for q in range(n) for x in schedule.slices(r, q)] for r in range(n)]
     return out
 
 
@@ -122,7 +127,7 @@ def _collective(schedule: Schedule, held, r: int, part: int, add) -> dict[SliceI
     n, coll = schedule.world_size, schedule.collective
     if coll is Collective.ALL_GATHER:
         return {SliceId(q, part): held[q][SliceId(q, part)] for q in range(n)}
-    if coll is Collective.ALL_TO_ALL:
+    if coll.blocks:
         return {SliceId(r, part, 0, q): held[q][SliceId(r, part, 0, q)] for q in range(n)}
     partials = [[held[q][SliceId(d, part)] for d in range(n)] for q in range(n)]
     return {SliceId(r, part): reduce_scatter_ref(partials, add)[r]}

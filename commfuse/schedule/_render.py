@@ -5,7 +5,8 @@ A cell lists what the rank does in that step, in execution order:
 ``S(x)->p``  send slice x to rank p (posted at the start of the step)
 ``R(x)<-p``  receive slice x from rank p (lands at the end of the step)
 ``AG[j]`` / ``RS[j]`` / ``A2A[j]``  a whole collective on chunk j
-``C(x)``     compute on slice x (reduce-scatter: compute the partial of x)
+``C(x)``     compute on slice x (reduce-scatter: compute the partial of x;
+             produce-all-to-all: compute block x, which a later step sends)
 ``+(x)``     add the running sum received this step into the partial of x
 
 A slice is written ``shard``, then ``.part`` when shards have several parts

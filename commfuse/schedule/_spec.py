@@ -71,8 +71,8 @@ def _parse(text: str, collective: Collective | None) -> AlgorithmSpec:
         raise CommfuseValueError(
             f"unknown algorithm {text!r}; expected one of {', '.join(ALGORITHM_NAMES)} (optionally ':N')"
         )
-    if collective is Collective.ALL_TO_ALL and name == "bidirectional":
-        raise CommfuseValueError("algorithm 'bidirectional' is not defined for all_to_all; it has ring, serial, "
+    if collective is not None and collective.blocks and name == "bidirectional":
+        raise CommfuseValueError(f"algorithm 'bidirectional' is not defined for {collective}; it has ring, serial, "
                                  "sliced, vanilla")
     k = 0
     if count:

@@ -154,7 +154,9 @@ class _Engine:
         self.w = world
         self.n = schedule.world_size
         self.rs = schedule.collective is Collective.REDUCE_SCATTER
-        self.a2a = schedule.collective is Collective.ALL_TO_ALL
+        self.a2a = schedule.collective.blocks
+        #: the produce side of all-to-all: compute makes a block of this rank's, which later steps send
+        self.produce = schedule.collective is Collective.PRODUCE_ALL_TO_ALL
 
     def fail(self, rank: int, step: int | None, what: str) -> None:
         where = f"rank {rank}" + ("" if step is None else f", step {step}")
@@ -165,7 +167,7 @@ class _Engine:
         s, w = self.s, self.w
         for r in w.simulated:
             st = w.state(r)
-            if self.rs:
+            if self.rs or self.produce:
                 continue
             if self.a2a:
                 st.held.update(x for d in range(self.n) for x in s.slices(d, r))
@@ -226,14 +228,15 @@ class _Engine:
                 if w.sum(r, t.slice) is None:
                     self.fail(r, i, f"sends the running sum of {t.slice} to rank {t.peer} before having it")
             elif not w.held(r, t.slice):
-                self.fail(r, i, f"sends {t.slice} to rank {t.peer} without holding it")
+                made = "producing" if self.produce else "holding"
+                self.fail(r, i, f"sends {t.slice} to rank {t.peer} without {made} it")
             if self.a2a and (t.slice.source != r or t.slice.shard != t.peer):
                 self.fail(r, i, f"sends block {t.slice} to rank {t.peer}; a rank sends only its own blocks, to their destination")
         out: list[tuple[SliceId, object]] = []
         for t in step.recvs:
             out.append((t.slice, w.sum(t.peer, t.slice) if self.rs else True))
         for call in step.collectives:
-            if call.collective is not self.s.collective:
+            if call.collective is not self.s.collective.transport:
                 self.fail(r, i, f"calls {call.collective} inside a {self.s.collective} schedule")
             out.extend(self._collective(r, i, call.part))
         return out
@@ -245,7 +248,7 @@ class _Engine:
                 if not w.held(q, SliceId(q, part)):
                     self.fail(r, i, f"all-gather of chunk {part}: rank {q} does not hold its slice {SliceId(q, part)}")
             return [(SliceId(q, part), True) for q in range(n) if q != r]
-        if s.collective is Collective.ALL_TO_ALL:
+        if self.a2a:
             for q in range(n):
                 if not w.held(q, SliceId(r, part, 0, q)):
                     self.fail(r, i, f"all-to-all of chunk {part}: rank {q} does not hold block {SliceId(r, part, 0, q)}")
@@ -271,6 +274,15 @@ class _Engine:
                     self.fail(r, i, f"computes the partial of {x} a second time")
                 st.computed[x] += 1
                 st.sums[x] = 1 << r
+            return
+        if self.produce:
+            for x in step.compute:
+                if x.source != r:
+                    self.fail(r, i, f"produces block {x}, which rank {x.source} holds")
+                if st.computed[x]:
+                    self.fail(r, i, f"produces block {x} a second time")
+                st.computed[x] += 1
+                st.held.add(x)
             return
         for x in step.compute:
             if x not in st.held:
@@ -325,6 +337,14 @@ class _Engine:
                     have = "nothing" if bits is None else f"the sum of ranks {_ranks(bits)}"
                     self.fail(r, None, f"ends with {have} for its output slice {x}, not the sum of all {n} ranks")
             return
+        if self.produce:
+            expect = Counter(x for d in range(n) for x in s.slices(d, r))
+            if st.computed != expect:
+                self.fail(r, None, f"produced blocks {_diff(st.computed, expect)}")
+            for x in (x for q in range(n) for x in s.slices(r, q)):
+                if x not in st.held:
+                    self.fail(r, None, f"ends without block {x}, which is destined for it")
+            return
         if self.a2a:
             expect = Counter(x for q in range(n) for x in s.slices(r, q))
         else:
@@ -335,6 +355,10 @@ class _Engine:
     def _tail(self, r: int) -> None:
         s, w = self.s, self.w
         last = w.step(r, s.num_steps - 1)
+        if self.produce:
+            if not last.compute:
+                self.fail(r, last.index, "the last step computes nothing: its communication is an exposed tail")
+            return
         if not self.rs:
             if last.communicates:
                 self.fail(r, last.index, "the last step still communicates: the tail is exposed")

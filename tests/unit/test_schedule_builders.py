@@ -22,6 +22,7 @@ from commfuse.schedule import (
     Algorithm,
     Collective,
     Ring,
+    Schedule,
     SliceId,
     Step,
     Transfer,
@@ -64,6 +65,10 @@ def _values(schedule, data):
         ref = all_gather_ref([[data(r, x) for x in schedule.slices(r)] for r in range(n)])
         mine = [sorted((x.shard, schedule.piece(x), v) for x, v in rank) for rank in got]
         want = [sorted((q, i, v) for q, shard in enumerate(row) for i, v in enumerate(shard)) for row in ref]
+    elif schedule.collective is Collective.PRODUCE_ALL_TO_ALL:
+        ref = all_to_all_ref([[[data(r, x) for x in schedule.slices(d, r)] for d in range(n)] for r in range(n)])
+        mine = [sorted((x.source, schedule.piece(x), v) for x, v in rank) for rank in got]
+        want = [sorted((s, i, v) for s, block in enumerate(row) for i, v in enumerate(block)) for row in ref]
     elif schedule.collective is Collective.ALL_TO_ALL:
         ref = all_to_all_ref([[[data(r, x) for x in schedule.slices(d, r)] for d in range(n)] for r in range(n)])
         mine = [sorted((x.source, schedule.piece(x), v) for x, v in rank) for rank in got]
@@ -154,6 +159,33 @@ def test_tail_property_holds_for_every_world_size(n):
             assert {x.shard for x in last.compute} == {r}
             assert not last.collectives
             assert set(last.accumulate) == (set(last.compute) if n > 1 else set())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_ring_produce_all_to_all_sends_the_block_made_one_hop_before(n):
+    """Hop 0 makes the block for r + 1; hop k sends the block for r + k while making r + k + 1 (its own last)."""
+    s = build("produce_all_to_all", n, algorithm="ring")
+    for r in range(n):
+        steps = s.steps(r)
+        assert not steps[0].communicates and steps[0].compute == (SliceId((r + 1) % n, source=r),)
+        for k, step in enumerate(steps[1:], start=1):
+            assert step.sends == (Transfer(SliceId((r + k) % n, source=r), (r + k) % n, k),)
+            assert step.recvs == (Transfer(SliceId(r, source=(r - k) % n), (r - k) % n, k),)
+            made = (r + k + 1) % n if k < n - 1 else r
+            assert step.compute == (SliceId(made, source=r),)
+        assert steps[-1].communicates and steps[-1].compute == (SliceId(r, source=r),)
+
+
+def test_validator_rejects_a_produce_all_to_all_that_sends_a_block_as_it_makes_it():
+    """The payload of a send is read at the start of its step: a block made in that step is not there yet."""
+    good = build("produce_all_to_all", 3, algorithm="ring")
+    template = list(good.template)
+    late = template[1]
+    template[1] = Step(1, late.sends, late.recvs, (), (late.sends[0].slice,))
+    template[0] = Step(0, compute=(late.compute[0],))
+    bad = Schedule(good.collective, 3, good.algorithm, ring=good.ring, template=tuple(template))
+    with pytest.raises(InvalidScheduleError, match="sends block 0>1 to rank 1 without producing it"):
+        validate(bad)
 
 
 def test_sliced_reduce_scatter_has_an_exposed_tail_and_ring_does_not():
