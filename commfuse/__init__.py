@@ -24,6 +24,7 @@ _LAZY = {
     "all_gather_consume": "commfuse.ops",
     "produce_reduce_scatter": "commfuse.ops",
     "all_to_all_consume": "commfuse.ops",
+    "produce_all_to_all": "commfuse.ops",
     "choose_algorithm": "commfuse.ops",
     "backends": None,
     "ops": None,

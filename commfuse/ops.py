@@ -49,6 +49,8 @@ from commfuse.runtime.pipelined import (
     all_gather_consume_core,
     all_to_all_consume_core,
     collect,
+    exchange_sizes,
+    produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
 from commfuse.schedule import Collective, parse_algorithm, split_sizes
@@ -62,6 +64,7 @@ __all__ = [
     "choose_algorithm",
     "collect",
     "matmul_reduce_scatter",
+    "produce_all_to_all",
     "produce_reduce_scatter",
     "release_backends",
 ]
@@ -617,6 +620,8 @@ def all_to_all_consume(
     group=None,
     dim: int = 0,
     algorithm: str = "auto",
+    output_splits: Sequence[int] | None = None,
+    uneven: bool = False,
     timeout: float | None = None,
     check: bool | str | None = None,
     backend=None,
@@ -624,45 +629,166 @@ def all_to_all_consume(
 ) -> list[Any]:
     """Send ``chunks[d]`` to rank d and call ``consumer(chunk_from_s, s)`` for every source s as it arrives.
 
-    All chunks have one shape (as in Ulysses, where heads are split evenly).
     Returns the consumer's results indexed by source rank. The pairwise ring
     computes on the chunk from r - k while the next exchange is in flight.
     ``comm_only`` measurements call no consumer, as for
     :func:`all_gather_consume` (a :class:`StandIn` gives stand-ins).
+
+    Even (the default): every chunk of every rank has one shape, as in
+    Ulysses. Uneven (``uneven=True`` or ``output_splits`` given): chunks may
+    differ along ``dim`` (MoE's dispatch: the tokens for each rank's experts),
+    and the chunk from rank s has ``output_splits[s]`` rows; without
+    ``output_splits`` the sizes are exchanged first (one small all-to-all of
+    counts). Empty chunks are legal and cost no transfer; the consumer gets an
+    empty tensor for them. ``auto`` over uneven chunks can only decide on what
+    every rank shares (a row's bytes), which takes ``vanilla`` unless the
+    backend's profile says otherwise: name the algorithm to overlap.
     """
     if _compiling():
         _not_compiled("all_to_all_consume")
     try:
-        if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
-            raise CommfuseTypeError(f"chunks must be a list of tensors, one per rank, got {type(chunks).__name__}")
-        chunks = [_tensor(f"chunks[{i}]", c) for i, c in enumerate(chunks)]
+        chunks, be, n, d = _a2a_chunks(chunks, group, backend, dim, uneven or output_splits is not None)
         _checked("consumer", consumer)
-        if not chunks:
-            raise CommfuseValueError("chunks is empty: give one tensor per rank")
-        device = chunks[0].device
-        be = backends.resolve(backend, group, device)
-        n = 1 if be is None else be.world_size
-        if len(chunks) != n:
-            raise CommfuseValueError(f"chunks has {len(chunks)} tensors but the world size is {n}: give one per rank")
-        _same("all_to_all_consume", [(f"chunks[{i}]", c) for i, c in enumerate(chunks)])
-        for i, c in enumerate(chunks):
-            if c.shape != chunks[0].shape:
-                raise CommfuseValueError(
-                    f"chunks[{i}] has shape {list(c.shape)} but chunks[0] has {list(chunks[0].shape)}; all chunks "
-                    "must match"
-                )
-        if n > 1 and chunks[0].ndim == 0:
-            raise CommfuseValueError("chunks are 0-d tensors; give them at least one dim")
-        d = _dim("dim", dim, chunks[0].ndim) if n > 1 else 0
+        uneven = uneven or output_splits is not None
+        row_bytes = chunks[0].element_size() * (chunks[0].numel() // max(chunks[0].shape[d], 1)) if uneven else 0
         call = resolve_call(Collective.ALL_TO_ALL, algorithm, group=group, backend=be if be is not None else backend,
-                            device=device, slice_bytes=chunks[0].numel() * chunks[0].element_size(), timeout=timeout,
-                            check=check, report=report)
+                            device=chunks[0].device,
+                            slice_bytes=row_bytes if uneven else chunks[0].numel() * chunks[0].element_size(),
+                            timeout=timeout, check=check, report=report)
+        if uneven and call is not None:
+            rank = call.be.rank
+            if output_splits is not None:
+                output_splits = _splits("output_splits", output_splits, n, rank)
+                if output_splits[rank] != chunks[rank].shape[d]:
+                    raise CommfuseValueError(
+                        f"rank {rank}: output_splits[{rank}] = {output_splits[rank]} but chunks[{rank}], its own "
+                        f"chunk, has {chunks[rank].shape[d]} rows along dim {d}"
+                    )
     except CommfuseError:
         _failed(group, backend)
         raise
     if call is None:
         return [consumer(chunks[0], 0)]
+    if uneven:
+        if output_splits is None:
+            sent = torch.tensor([[c.shape[d]] for c in chunks], dtype=torch.int64, device=chunks[0].device)
+            output_splits = exchange_sizes(call, sent).flatten().tolist()
+        return all_to_all_consume_core(call, chunks, consumer, d, recv_sizes=output_splits,
+                                       label="all_to_all_consume.uneven")
     return all_to_all_consume_core(call, chunks, consumer, d)
+
+
+def produce_all_to_all(
+    producer: Callable[[int], torch.Tensor],
+    *,
+    group=None,
+    dim: int = 0,
+    algorithm: str = "auto",
+    output_splits: Sequence[int] | None = None,
+    input_splits: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    timeout: float | None = None,
+    check: bool | str | None = None,
+    backend=None,
+    report: dict | None = None,
+) -> list[torch.Tensor]:
+    """Send ``producer(d)`` to rank d, each block made while the one before flies; return the block from
+    every rank, by source: the produce side of :func:`all_to_all_consume` (MoE's combine).
+
+    ``producer(d)`` makes this rank's block for rank d; it is called once per
+    destination, in the ring's order: rank + 1 first (before any transfer:
+    nothing can hide it), this rank's own block last. The ring's step k sends
+    the block for rank + k while the block for rank + k + 1 is made.
+
+    Even (both splits None): every block of every rank has the shape of the
+    first one made. Uneven: the block from rank s has ``output_splits[s]``
+    rows along ``dim`` (the return trip of a dispatch knows them: what it
+    sent); with only ``input_splits`` (the rows ``producer(d)`` returns) the
+    sizes are exchanged first. Empty blocks are legal and cost no transfer.
+    ``device`` places the sizes' exchange (default: the backend's device).
+    """
+    if _compiling():
+        _not_compiled("produce_all_to_all")
+    try:
+        _checked("producer", producer)
+        be = backends.resolve(backend, group, device)
+        n = 1 if be is None else be.world_size
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise CommfuseTypeError(f"dim must be an int, got {dim!r}")
+        uneven = output_splits is not None or input_splits is not None
+        first = None
+        if n > 1 and not uneven and parse_algorithm(algorithm, Collective.PRODUCE_ALL_TO_ALL).name == "auto":
+            # the ring's first block, made now: its size is every block's, which auto decides on
+            first = _tensor(f"producer({(be.rank + 1) % n})", producer((be.rank + 1) % n))
+        call = resolve_call(Collective.PRODUCE_ALL_TO_ALL, algorithm, group=group,
+                            backend=be if be is not None else backend, device=device,
+                            slice_bytes=0 if first is None else first.numel() * first.element_size(),
+                            timeout=timeout, check=check, report=report)
+        rank = 0 if call is None else call.be.rank
+        if output_splits is not None:
+            output_splits = _splits("output_splits", output_splits, n, rank)
+        if input_splits is not None:
+            input_splits = _splits("input_splits", input_splits, n, rank)
+            if output_splits is not None and input_splits[rank] != output_splits[rank]:
+                raise CommfuseValueError(
+                    f"rank {rank}: input_splits[{rank}] = {input_splits[rank]} but output_splits[{rank}] = "
+                    f"{output_splits[rank]}: this rank's block for itself is both"
+                )
+    except CommfuseError:
+        _failed(group, backend)
+        raise
+    if call is None:
+        return [_tensor("producer(0)", producer(0))]
+    if uneven and output_splits is None:
+        sent = torch.tensor([[x] for x in input_splits], dtype=torch.int64,
+                            device=getattr(call.be, "device", None))
+        output_splits = exchange_sizes(call, sent).flatten().tolist()
+    return produce_all_to_all_core(call, producer, dim, recv_sizes=output_splits, send_sizes=input_splits,
+                                   first=first)
+
+
+def _splits(name: str, value, n: int, rank: int) -> list[int]:
+    """A list of ``n`` row counts, checked."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise CommfuseTypeError(f"rank {rank}: {name} must be a list of {n} row counts, got {type(value).__name__}")
+    out = list(value)
+    if len(out) != n:
+        raise CommfuseValueError(f"rank {rank}: {name} has {len(out)} sizes but the world size is {n}")
+    for i, x in enumerate(out):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise CommfuseValueError(f"rank {rank}: {name}[{i}] = {x!r} is not a row count (an int >= 0)")
+    return out
+
+
+def _a2a_chunks(chunks, group, backend, dim, uneven: bool):
+    """``chunks`` checked: one tensor per rank, one dtype and device, one shape (uneven: but along ``dim``).
+    Returns (chunks, backend, world size, dim)."""
+    if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
+        raise CommfuseTypeError(f"chunks must be a list of tensors, one per rank, got {type(chunks).__name__}")
+    chunks = [_tensor(f"chunks[{i}]", c) for i, c in enumerate(chunks)]
+    if not chunks:
+        raise CommfuseValueError("chunks is empty: give one tensor per rank")
+    be = backends.resolve(backend, group, chunks[0].device)
+    n = 1 if be is None else be.world_size
+    if len(chunks) != n:
+        raise CommfuseValueError(f"chunks has {len(chunks)} tensors but the world size is {n}: give one per rank")
+    _same("all_to_all_consume", [(f"chunks[{i}]", c) for i, c in enumerate(chunks)])
+    if n > 1 and chunks[0].ndim == 0:
+        raise CommfuseValueError("chunks are 0-d tensors; give them at least one dim")
+    d = _dim("dim", dim, chunks[0].ndim) if n > 1 else 0
+    first = list(chunks[0].shape)
+    for i, c in enumerate(chunks):
+        shape = list(c.shape)
+        if uneven and len(shape) == len(first):
+            shape[d] = first[d]
+        if shape != first:
+            raise CommfuseValueError(
+                f"chunks[{i}] has shape {list(c.shape)} but chunks[0] has {first}; all chunks must match"
+                + (f" but along dim {d}" if uneven else " (pass uneven=True for chunks of different sizes)")
+            )
+    return chunks, be, n, d
 
 
 # torch.ops.commfuse.* exist once the functional ops do
@@ -670,4 +796,4 @@ import commfuse.library  # noqa: E402,F401
 from commfuse.runtime.eager import eager_only  # noqa: E402
 
 # not ops (they take callables): a graph break runs them, and all they call, as plain Python
-eager_only(all_gather_consume, produce_reduce_scatter, all_to_all_consume)
+eager_only(all_gather_consume, produce_reduce_scatter, all_to_all_consume, produce_all_to_all)

@@ -202,7 +202,15 @@ class _PairwiseHandle:
         for k in range(1, n):
             to, source = ring.next(r, k), ring.prev(r, k)
             send, recv = self.inputs[to], outputs[source]
-            if be._coalesce and be._coalescing_group():
+            if not send.numel() and not recv.numel():  # an uneven exchange's empty pair: nothing travels
+                continue
+            if not send.numel() or not recv.numel():
+                works = []
+                if send.numel():
+                    works.append(g.send([send], to, tag))
+                if recv.numel():
+                    works.append(g.recv([recv], source, tag))
+            elif be._coalesce and be._coalescing_group():
                 g._start_coalescing(be.device)
                 try:
                     g.send([send], to, tag)
@@ -412,6 +420,8 @@ class C10dBackend:
             lacking = group_state(self).lacking
             if kind in lacking:
                 return self._pairwise(kind, inputs, outputs, lacking[kind])
+            if len({t.shape for t in inputs}) > 1 or len({t.shape for t in outputs}) > 1:
+                return self._uneven_all_to_all(inputs, outputs)
             try:
                 work = self._issue(dist.all_to_all, list(outputs), list(inputs), group=g, async_op=True)
             except RuntimeError as e:
@@ -421,6 +431,22 @@ class C10dBackend:
                 why = lacking[kind] = f"torch {torch.__version__} refused it: {str(e).splitlines()[0]}"
                 return self._pairwise(kind, inputs, outputs, why)
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
+
+    def _uneven_all_to_all(self, inputs, outputs) -> _Handle:
+        """A whole all-to-all of blocks of different sizes (an MoE dispatch's): ``all_to_all_single`` with
+        split sizes over the blocks laid end to end (gloo's list form wants one shape). The blocks that
+        arrive are views of one receive buffer."""
+        send = torch.cat([t.reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+        counts_in = [t.numel() for t in inputs]
+        counts_out = [t.numel() for t in outputs]
+        flat = torch.empty(sum(counts_out), dtype=outputs[0].dtype, device=outputs[0].device)
+        views, at = [], 0
+        for t, c in zip(outputs, counts_out):
+            views.append(flat.narrow(0, at, c).view(t.shape))
+            at += c
+        work = self._issue(dist.all_to_all_single, flat, send, counts_out, counts_in, group=self.group,
+                           async_op=True)
+        return self._handle([work], views, (inputs, outputs), "the whole all_to_all (uneven blocks)")
 
     def _pairwise(self, kind: Collective, inputs, outputs, why: str) -> _PairwiseHandle:
         """The all-to-all the group's transport lacks, as pairwise steps (:class:`_PairwiseHandle`); the first

@@ -38,10 +38,11 @@ log = logging.getLogger("commfuse")
 class Call:
     """The resolved options of one op call: backend, algorithm, timeout (s) and check mode."""
 
-    __slots__ = ("be", "spec", "timeout", "check", "reason", "__weakref__")
+    __slots__ = ("be", "spec", "timeout", "check", "reason", "_vanilla", "__weakref__")
 
     def __init__(self, be, spec: AlgorithmSpec, timeout: float, check: str, reason: str = "asked for") -> None:
         self.be, self.spec, self.timeout, self.check, self.reason = be, spec, timeout, check, reason
+        self._vanilla: Call | None = None
 
     @property
     def world_size(self) -> int:
@@ -50,6 +51,18 @@ class Call:
     @property
     def rank(self) -> int:
         return self.be.rank
+
+    def vanilla(self) -> "Call":
+        """This call's backend, timeout and check with one whole collective per exchange (``vanilla``), or
+        the pairwise ring where the backend declares no whole all-to-all: for small exchanges such as an
+        uneven all-to-all's sizes."""
+        found = self._vanilla
+        if found is None:
+            supported = getattr(getattr(self.be, "capabilities", None), "collectives", None)
+            name = "vanilla" if supported is None or "all_to_all" in supported else "ring"
+            found = self._vanilla = Call(self.be, parse_algorithm(name), self.timeout, self.check,
+                                         "the sizes' exchange")
+        return found
 
     def __repr__(self) -> str:
         return f"Call({self.be!r}, {self.spec.shown!r}, timeout={self.timeout:g}, check={self.check!r})"
@@ -204,9 +217,9 @@ def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
     if spec.name not in ("vanilla", "sliced"):
         return
     supported = getattr(getattr(be, "capabilities", None), "collectives", None)
-    if supported is not None and collective.value not in supported:
+    if supported is not None and collective.transport.value not in supported:
         raise CommfuseValueError(
-            f"algorithm {spec.shown!r} runs whole {collective.value} collectives, which backend "
+            f"algorithm {spec.shown!r} runs whole {collective.transport.value} collectives, which backend "
             f"{getattr(be, 'name', be)!r} does not have (its capabilities list {', '.join(supported) or 'none'}); "
             "use 'ring' or 'bidirectional'"
         )

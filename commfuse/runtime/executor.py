@@ -318,6 +318,9 @@ class Program:
     """
 
     collective: Collective
+    #: whether some slots may be empty (an uneven all-to-all): then an empty message is not posted, on
+    #: either end (both ends know its size), and an empty buffer stands for what it would have received
+    sparse = False
 
     def payload(self, s: int) -> torch.Tensor:  # what to send for slot s
         raise NotImplementedError
@@ -421,6 +424,36 @@ class _Done:
 
 def _done_post(sends, recvs):
     return _Done(x for _, x in recvs)
+
+
+class _SkippedEmpty:
+    """The handle of a step whose empty messages were left out: its wait gives one tensor per receive, the
+    empty buffers where nothing was received."""
+
+    __slots__ = ("handle", "buffers")
+
+    def __init__(self, handle, buffers) -> None:
+        self.handle, self.buffers = handle, buffers
+
+    def wait(self, timeout: float):
+        got = iter(self.handle.wait(timeout))
+        return [next(got) if b.numel() else b for b in self.buffers]
+
+
+def skipping_empty(post: Callable) -> Callable:
+    """``post`` without the messages of no elements (``Program.sparse``): zero-row exchanges cost no transfer."""
+
+    def post_nonempty(sends, recvs):
+        live_sends = [m for m in sends if m[1].numel()]
+        live_recvs = [m for m in recvs if m[1].numel()]
+        if len(live_sends) == len(sends) and len(live_recvs) == len(recvs):
+            return post(sends, recvs)
+        buffers = [b for _, b in recvs]
+        if not live_sends and not live_recvs:
+            return _Done(buffers)
+        return _SkippedEmpty(post(live_sends, live_recvs), buffers)
+
+    return post_nonempty
 
 
 def _done_collective(kind, inputs, outputs):
@@ -801,7 +834,7 @@ def _profiler_on() -> bool:
 def _run(plan: Plan, program: Program) -> None:
     """The steps, with nothing observed: the lean loop every plain call takes."""
     backend, timeout, overlap = plan.backend, plan.timeout, plan.overlap
-    post = backend.post
+    post = skipping_empty(backend.post) if program.sparse else backend.post
     payload, buffer, land, compute = program.payload, program.buffer, program.land, program.compute
     for st in plan.steps:
         if st.p2p:
@@ -943,6 +976,8 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
     """:func:`_run`'s loop with measurement modes, profiler annotations, per-step timings and the trace log."""
     backend = plan.backend
     post = backend.post if mode != "compute_only" else _done_post
+    if program.sparse:
+        post = skipping_empty(post)
     run_collective = backend.collective if mode != "compute_only" else _done_collective
     compute = program.compute if mode != "comm_only" else program.skip
     prof = _profiler_on()

@@ -41,6 +41,7 @@ from commfuse.runtime.programs import (
     AllToAllProgram,
     GatherLayout,
     GatherProgram,
+    ProduceAllToAllProgram,
     ReduceScatterProgram,
     ScatterLayout,
     _Pool,
@@ -51,7 +52,8 @@ from commfuse.runtime.programs import (
 from commfuse.schedule import Collective, split_sizes
 
 __all__ = [
-    "StandIn", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive", "forget_plans",
+    "StandIn", "a2a_layout", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive",
+    "exchange_sizes", "forget_plans", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one", "run_scatter_whole",
     "scatter_spans", "scatters_whole", "write_rows",
@@ -429,22 +431,132 @@ def _partial(producer: Callable, dest: int, rank: int) -> torch.Tensor:
     return t
 
 
-def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
-                            label: str = "all_to_all_consume") -> list[Any]:
-    """``commfuse.all_to_all_consume`` on a resolved ``call``."""
-    n = call.be.world_size
-    first = chunks[0]
+def _a2a_plan(call: Call, collective: Collective, label: str, shape, dtype, dim: int, uneven: bool, meta):
+    """The plan of an all-to-all signature, and (even blocks) its layout. An uneven signature leaves the
+    rows along ``dim`` out of its key and fingerprint: they differ per rank and per call (the layout is made
+    per call, :func:`a2a_layout`); ``meta`` (ints, or None for the blocks' dtype and shape) is the
+    fingerprint's op-specific part."""
+    key_shape = _shape_less(shape, dim) if uneven else tuple(shape)
 
     def make():
-        plan = _new_plan(call, Collective.ALL_TO_ALL, label)
-        layout = AllToAllLayout(plan.compiled, dim, first.shape, first.dtype)
-        layout.meta = [dtype_code(first.dtype), dim, first.ndim, *first.shape]
-        return plan, layout, _Pool.of(call.be)
+        plan = _new_plan(call, collective, label)
+        layout = None if uneven else AllToAllLayout(plan.compiled, dim, shape, dtype)
+        values = list(meta) if meta is not None else [dtype_code(dtype), dim, len(shape), *key_shape]
+        return plan, layout, _Pool.of(call.be), values
 
-    plan, layout, pool = _plan_for(("a2a", call, label, first.shape, first.dtype, dim), make)
-    assembler = _Assembler(layout, consumer, n, layout.source, plan.schedule.pieces)
-    execute(plan, AllToAllProgram(layout, pool, chunks, assembler, keep=True, meta=layout.meta))
+    return _plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven), make)
+
+
+def _shape_less(shape, dim: int) -> tuple:
+    """``shape`` with the size along ``dim`` written -1 (an uneven all-to-all's signature)."""
+    out = list(shape)
+    out[dim] = -1
+    return tuple(out)
+
+
+def a2a_layout(plan: Plan, dim: int, shape, dtype, send_sizes, recv_sizes) -> AllToAllLayout:
+    """One uneven call's layout (every slice's size), on its plan's compiled steps."""
+    return AllToAllLayout(plan.compiled, dim, shape, dtype, send_sizes, recv_sizes)
+
+
+def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
+                            recv_sizes: Sequence[int] | None = None, label: str = "all_to_all_consume",
+                            meta: Sequence[int] | None = None) -> list[Any]:
+    """``commfuse.all_to_all_consume`` on a resolved ``call``.
+
+    Even (``recv_sizes`` None): every rank's chunks have one shape. Uneven:
+    ``chunks[d]`` has its own rows along ``dim`` and the chunk from rank q
+    ``recv_sizes[q]`` (see :func:`exchange_sizes`); the consumer gets empty
+    tensors for empty chunks, which cost no transfer.
+    """
+    first = chunks[0]
+    uneven = recv_sizes is not None
+    plan, layout, pool, values = _a2a_plan(call, Collective.ALL_TO_ALL, label, first.shape, first.dtype, dim,
+                                           uneven, meta)
+    if uneven:
+        layout = a2a_layout(plan, dim, first.shape, first.dtype, [c.shape[dim] for c in chunks], recv_sizes)
+    assembler = _Assembler(layout, consumer, call.be.world_size, layout.source, plan.schedule.pieces)
+    execute(plan, AllToAllProgram(layout, pool, chunks, assembler, keep=True, meta=values))
     return assembler.results
+
+
+def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int, *,
+                            recv_sizes: Sequence[int] | None = None, send_sizes: Sequence[int] | None = None,
+                            label: str = "produce_all_to_all", meta: Sequence[int] | None = None,
+                            first: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``commfuse.produce_all_to_all`` on a resolved ``call``: every rank's block for this rank, by source.
+
+    The block for the ring's first destination (rank + 1) is made before the
+    steps start: its dtype and its other dims are every block's. Even
+    (``recv_sizes`` None): its shape is every block's. Uneven: the block from
+    rank q has ``recv_sizes[q]`` rows along ``dim``; this rank's block for d
+    ``send_sizes[d]`` (when not given, the rows each ``producer(d)`` returns,
+    which then must all be made before the first transfer: give them to keep
+    the overlap). ``first``: the block for rank + 1, made already.
+    """
+    rank, n = call.be.rank, call.be.world_size
+    first_dest = (rank + 1) % n
+    made = {first_dest: producer(first_dest) if first is None else first}
+    first = made[first_dest]
+    if not isinstance(first, torch.Tensor):
+        raise CommfuseTypeError(f"rank {rank}: producer({first_dest}) must return a torch.Tensor, "
+                                f"got {type(first).__name__}")
+    if first.ndim == 0:
+        raise CommfuseValueError(f"rank {rank}: producer({first_dest}) returned a 0-d tensor; blocks need a dim")
+    if not -first.ndim <= dim < first.ndim:
+        raise CommfuseValueError(f"dim={dim} is out of range for blocks of shape {list(first.shape)}")
+    dim %= first.ndim
+    uneven = recv_sizes is not None
+    plan, layout, pool, values = _a2a_plan(call, Collective.PRODUCE_ALL_TO_ALL, label, first.shape, first.dtype,
+                                           dim, uneven, meta)
+    if uneven:
+        if send_sizes is None:
+            for d in range(n):
+                if d not in made:
+                    made[d] = producer(d)
+            send_sizes = [made[d].shape[dim] if isinstance(made[d], torch.Tensor) else -1 for d in range(n)]
+        layout = a2a_layout(plan, dim, first.shape, first.dtype, send_sizes, recv_sizes)
+    program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made)
+    execute(plan, program)
+    return program.result()
+
+
+def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all.sizes",
+                   meta: Sequence[int] | None = None) -> torch.Tensor:
+    """Every rank's ``counts[d]`` for this rank, by source: ``counts`` is an integer tensor (n, k) of what
+    this rank sends each rank (rows, or rows per expert); returns (n, k), row q what rank q sends here.
+
+    One small whole all-to-all (``vanilla``, whatever the data's algorithm), through the executor like any
+    call: bounded, numbered, and checked once per signature, so ranks that disagree on ``k`` or on ``meta``
+    (an MoE layer's expert count and sizes) are named on every rank before anything is sent. It runs in
+    ``compute_only`` measurements too: the sizes are what the data's buffers are made of.
+    """
+    n = call.be.world_size
+    if counts.ndim != 2 or counts.shape[0] != n:
+        raise CommfuseValueError(f"rank {call.be.rank}: counts must be (world size {n}, k), got {list(counts.shape)}")
+    sizes_call = call.vanilla()
+    chunks = list(counts.to(torch.int64).unbind(0))
+    with _measured_normally():
+        got = all_to_all_consume_core(sizes_call, chunks, collect, 0, label=label,
+                                      meta=None if meta is None else [counts.shape[1], *meta])
+    return torch.stack(got)
+
+
+class _measured_normally:
+    """Run an op normally inside a ``measure`` scope (the sizes of an uneven all-to-all must really travel)."""
+
+    def __enter__(self):
+        from commfuse.runtime.executor import _mode, measuring
+        self.previous = measuring()
+        if self.previous is not None:
+            _mode.value = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            from commfuse.runtime.executor import _mode
+            _mode.value = self.previous
+        return False
 
 
 # -- how the internal ops' fingerprints read back ---------------------------------------------------------------

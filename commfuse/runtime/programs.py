@@ -24,7 +24,7 @@ from commfuse.runtime.executor import Compiled, Program, capture_probe, register
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
-    "AllToAllLayout", "AllToAllProgram", "GatherLayout", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
+    "AllToAllLayout", "AllToAllProgram", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
     "dtype_code", "dtype_name", "offsets", "split_sizes",
 ]
 
@@ -429,54 +429,105 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class AllToAllLayout(_SlotLayout):
-    """All-to-all of blocks of one ``shape`` per destination, cut along ``dim``."""
+    """All-to-all of blocks cut along ``dim``; the other dims of ``shape`` are every block's.
 
-    def __init__(self, compiled: Compiled, dim: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+    Even (``send_sizes`` None): every block has ``shape``. Uneven: this rank's
+    block for rank d has ``send_sizes[d]`` rows along ``dim`` and the block
+    from rank q ``recv_sizes[q]`` (MoE's dispatch and combine, whose sizes
+    follow the routing). An uneven layout is made per call, its buffers are
+    fresh rather than pooled (the sizes change every call), and its empty
+    slices are not sent (:attr:`sparse`).
+    """
+
+    def __init__(self, compiled: Compiled, dim: int, shape: Sequence[int], dtype: torch.dtype,
+                 send_sizes: Sequence[int] | None = None, recv_sizes: Sequence[int] | None = None) -> None:
         n = compiled.schedule.world_size
         super().__init__(compiled, [shape[dim]] * n, dim, shape, dtype, by_source=True)
         rank = compiled.rank
+        schedule = compiled.schedule
+        pieces = schedule.pieces
+        #: uneven blocks: empty slices are skipped, buffers are not pooled
+        self.sparse = send_sizes is not None
+        if self.sparse:
+            if recv_sizes is None or len(send_sizes) != n or len(recv_sizes) != n:
+                raise CommfuseValueError(f"rank {rank}: an uneven all-to-all needs {n} send and {n} receive sizes")
+            if send_sizes[rank] != recv_sizes[rank]:
+                raise CommfuseValueError(
+                    f"rank {rank}: its block for itself has {send_sizes[rank]} rows sent but {recv_sizes[rank]} "
+                    "received"
+                )
+            for s, x in enumerate(compiled.slices):
+                rows = send_sizes[x.shard] if x.source == rank else recv_sizes[x.source]
+                size = split_sizes(rows, pieces)[schedule.piece(x)]
+                self.size[s] = size
+                self.key[s] = (_shape_with(shape, dim, size), dtype)
+            self.send_sizes, self.recv_sizes = list(send_sizes), list(recv_sizes)
+        else:
+            self.send_sizes = self.recv_sizes = [shape[dim]] * n
         self.outgoing = [compiled.slots_of(d, rank) for d in range(n)]  # my block for d, slice by slice
-        self.cuts = offsets(split_sizes(shape[dim], compiled.schedule.pieces))[1:]
+        self.incoming = [compiled.slots_of(rank, q) for q in range(n)]  # the block from q, slice by slice
+        #: where tensor_split cuts this rank's block for each destination into its slices
+        self.cuts = [offsets(split_sizes(rows, pieces))[1:] for rows in self.send_sizes]
         self.source = [x.source for x in compiled.slices]
         slot = compiled.slot
         # whole collectives, by part: (my block for every d, every q's block for me)
         self.part_slots = {part: ([slot[SliceId(d, part, 0, rank)] for d in range(n)],
                                   [slot[SliceId(rank, part, 0, q)] for q in range(n)])
-                           for part in range(compiled.schedule.splits) if SliceId(0, part, 0, rank) in slot}
+                           for part in range(schedule.splits) if SliceId(0, part, 0, rank) in slot}
+
+    def fresh(self, s: int, device) -> torch.Tensor:
+        shape, dtype = self.key[s]
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
-class AllToAllProgram(_Consuming, _Base):
+class _Blocks:
+    """What both all-to-all programs share: buffers (fresh for uneven layouts), whole collectives."""
+
+    sparse = False
+
+    def buffer(self, s):
+        if self.sparse:
+            return self.layout.fresh(s, self.pool.backend.device)
+        return self.pool.get(self.layout.key[s])
+
+    def collective_io(self, call):
+        layout, rank = self.layout, self.layout.rank
+        outgoing, incoming = layout.part_slots[call.part]
+        inputs = [self.held[s] for s in outgoing]
+        outputs = [self.buffer(s) for s in incoming]
+
+        def finish(got):
+            for q, (s, tensor) in enumerate(zip(incoming, got)):
+                if q != rank:
+                    self.held[s] = tensor
+                elif self.keeps_own:  # the own block is held already
+                    if not self.sparse:
+                        self.pool.put(tensor)
+                else:
+                    self.held[s] = tensor
+
+        return inputs, outputs, finish
+
+
+class AllToAllProgram(_Blocks, _Consuming, _Base):
     """All-to-all: ``blocks[d]`` goes to rank d; rank r consumes every block destined for it."""
 
     collective = Collective.ALL_TO_ALL
+    keeps_own = True
 
     def __init__(self, layout: AllToAllLayout, pool: _Pool, blocks: Sequence[torch.Tensor], consume: Callable, *,
                  keep: bool, meta: list[int]) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
+        self.sparse = layout.sparse
         held: list = [None] * len(layout.size)
         for d, block in enumerate(blocks):
             slots = layout.outgoing[d]
             if len(slots) == 1:
                 held[slots[0]] = block if block.is_contiguous() else block.contiguous()
             else:
-                for s, p in zip(slots, torch.tensor_split(block, layout.cuts, dim=layout.dim)):
+                for s, p in zip(slots, torch.tensor_split(block, layout.cuts[d], dim=layout.dim)):
                     held[s] = p.contiguous()
         self.held = held
-
-    def collective_io(self, call):
-        layout, part, rank = self.layout, call.part, self.layout.rank
-        outgoing, incoming = layout.part_slots[part]
-        inputs = [self.held[s] for s in outgoing]
-        outputs = [self.pool.get(layout.key[s]) for s in incoming]
-
-        def finish(got):
-            for q, (s, tensor) in enumerate(zip(incoming, got)):
-                if q != rank:
-                    self.held[s] = tensor
-                else:
-                    self.pool.put(tensor)
-
-        return inputs, outputs, finish
 
     def release(self, s):
         layout = self.layout
@@ -487,8 +538,80 @@ class AllToAllProgram(_Consuming, _Base):
         elif mine and not self.keep:
             t = self.held[s]
             self.held[s] = None
-            if t is not None:
+            if t is not None and not self.sparse:
                 self.pool.put(t)
+
+
+class ProduceAllToAllProgram(_Blocks, _Base):
+    """The produce side of all-to-all: ``produce(d)`` makes this rank's block for rank d in the step the
+    schedule says, a later step sends it; rank r ends with every rank's block for it (:meth:`result`).
+
+    ``produce`` is called once per destination (a block cut into slices is
+    made whole on its first slice's step and cut). Blocks are checked against
+    the layout's shapes: a producer's wrong size is named, never sent.
+    """
+
+    collective = Collective.PRODUCE_ALL_TO_ALL
+    keeps_own = False
+
+    def __init__(self, layout: AllToAllLayout, pool: _Pool, produce: Callable[[int], torch.Tensor], *,
+                 meta: list[int], made: dict[int, torch.Tensor] | None = None) -> None:
+        self.layout, self.pool, self.produce, self._meta = layout, pool, produce, meta
+        self.sparse = layout.sparse
+        self.held: list = [None] * len(layout.size)
+        self.made: dict[int, torch.Tensor] = dict(made or {})  # blocks made before the call (its layout's source)
+        self.cut: dict[int, list[torch.Tensor]] = {}
+
+    def _block(self, d: int) -> list[torch.Tensor]:
+        got = self.cut.get(d)
+        if got is None:
+            layout = self.layout
+            t = self.made.pop(d) if d in self.made else self.produce(d)
+            if not isinstance(t, torch.Tensor):
+                raise CommfuseValueError(
+                    f"rank {layout.rank}: producer({d}) must return a torch.Tensor, got {type(t).__name__}")
+            slots = layout.outgoing[d]
+            want = [layout.key[s] for s in slots]
+            whole = list(want[0][0])
+            whole[layout.dim] = layout.send_sizes[d]
+            if list(t.shape) != whole or t.dtype != want[0][1]:
+                raise CommfuseValueError(
+                    f"rank {layout.rank}: producer({d}) returned {str(t.dtype).replace('torch.', '')}"
+                    f"{list(t.shape)}, expected {str(want[0][1]).replace('torch.', '')}{whole} (dim {layout.dim} "
+                    "is the rows this rank sends that rank)"
+                )
+            got = [t] if len(slots) == 1 else list(torch.tensor_split(t, layout.cuts[d], dim=layout.dim))
+            self.cut[d] = got
+        return got
+
+    def payload(self, s):
+        return self.held[s]
+
+    def land(self, s, tensor):
+        self.held[s] = tensor
+
+    def compute(self, slots):
+        layout, held = self.layout, self.held
+        for s in slots:
+            t = self._block(layout.shard[s])[layout.piece[s]]
+            held[s] = t if t.is_contiguous() else t.contiguous()
+
+    def skip(self, slots):  # comm_only: send uninitialised blocks of the right shape
+        for s in slots:
+            self.held[s] = self.layout.fresh(s, self.pool.backend.device)
+
+    def release(self, s):
+        layout = self.layout
+        if layout.source[s] == layout.rank and layout.shard[s] != layout.rank:
+            self.held[s] = None  # sent
+
+    def result(self) -> list[torch.Tensor]:
+        """The block from every rank, by source (slices joined along the dim)."""
+        layout, held = self.layout, self.held
+        out = []
+        for slots in layout.incoming:
+            out.append(held[slots[0]] if len(slots) == 1 else torch.cat([held[s] for s in slots], dim=layout.dim))
+        return out
 
 
 # -- how the fused ops' fingerprints read back (see executor.describe_fingerprint) --------------------------------
