@@ -1,4 +1,4 @@
-"""Layers built on the fused ops: TP with sequence parallelism, query-split attention, Ulysses, FSDP.
+"""Layers built on the fused ops: TP with sequence parallelism, query-split attention, Ulysses, FSDP, MoE.
 
 Every layer takes ``group`` (a process group, a 1-D ``DeviceMesh`` such as
 ``mesh["tp"]``, or None for the default group) and ``algorithm``, and wraps
@@ -13,15 +13,18 @@ not its process group): FSDP2 composes DTensors of sub-meshes of one mesh only.
 
 from commfuse.nn.attention import ParallelAttention, UlyssesAttention, attend, ulysses_attention
 from commfuse.nn.linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
+from commfuse.nn.moe import MoE, moe_reference
 from commfuse.nn.sharded import ShardedLinear
 
 __all__ = [
     "ColumnParallelLinear",
+    "MoE",
     "ParallelAttention",
     "ParallelMLP",
     "RowParallelLinear",
     "ShardedLinear",
     "UlyssesAttention",
     "attend",
+    "moe_reference",
     "ulysses_attention",
 ]

@@ -483,7 +483,8 @@ def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer
 def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int, *,
                             recv_sizes: Sequence[int] | None = None, send_sizes: Sequence[int] | None = None,
                             label: str = "produce_all_to_all", meta: Sequence[int] | None = None,
-                            first: torch.Tensor | None = None) -> list[torch.Tensor]:
+                            first: torch.Tensor | None = None, like: torch.Tensor | None = None
+                            ) -> list[torch.Tensor]:
     """``commfuse.produce_all_to_all`` on a resolved ``call``: every rank's block for this rank, by source.
 
     The block for the ring's first destination (rank + 1) is made before the
@@ -492,12 +493,17 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     rank q has ``recv_sizes[q]`` rows along ``dim``; this rank's block for d
     ``send_sizes[d]`` (when not given, the rows each ``producer(d)`` returns,
     which then must all be made before the first transfer: give them to keep
-    the overlap). ``first``: the block for rank + 1, made already.
+    the overlap). ``first``: the block for rank + 1, made already. ``like``
+    (uneven, with ``send_sizes``): a tensor with the blocks' dtype and other
+    dims, so that no block is made before the steps start.
     """
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
-    made = {first_dest: producer(first_dest) if first is None else first}
-    first = made[first_dest]
+    if like is not None and recv_sizes is not None and send_sizes is not None:
+        made, first = {}, like
+    else:
+        made = {first_dest: producer(first_dest) if first is None else first}
+        first = made[first_dest]
     if not isinstance(first, torch.Tensor):
         raise CommfuseTypeError(f"rank {rank}: producer({first_dest}) must return a torch.Tensor, "
                                 f"got {type(first).__name__}")

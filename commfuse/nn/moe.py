@@ -1,0 +1,403 @@
+"""Mixture-of-experts under expert parallelism, its dispatch and combine fused with the expert GEMMs.
+
+:class:`MoE` holds E SwiGLU experts, E/N on each of the N ranks of an
+expert-parallel group, behind a top-k router (softmax or sigmoid gating; the
+gate weights are applied on combine). Routing is dropless: every token goes to
+its k experts, however many land on one rank.
+
+One layer is two uneven all-to-alls, each paired with half of the experts'
+work (the split Comet, ByteDance MLSys'25, makes: dispatch with the first
+GEMM, the second GEMM with combine):
+
+* **dispatch** (``all_to_all_consume``): the token rows for each rank's
+  experts. Each source's rows, as they arrive, go through the local experts'
+  gate/up GEMM and the SwiGLU activation while the next source's fly;
+* **combine** (``produce_all_to_all``): each source's down-projection is
+  computed and sent back while the next source's is computed.
+
+The backward is the mirror: the output gradient is dispatched to the expert
+ranks, each arriving source runs the down-projection's dgrad and wgrad and the
+activation's backward; the input gradient of each source is produced (gate/up
+dgrad and wgrad) and sent back while the next is computed.
+
+Sizes are known only after routing, so each layer call first exchanges the
+per-expert row counts (one small all-to-all, which also checks that every rank
+built the same layer). That exchange reads the counts on the host: on a GPU
+it is the one host synchronisation of a call, as for any dropless MoE whose
+buffers are sized on the host.
+
+``algorithm`` as elsewhere: ``vanilla`` (a whole all-to-all, the experts,
+a whole all-to-all), ``sliced:c``, ``ring`` (pairwise, one source per step)
+and ``auto``. The grouped GEMM over a rank's local experts is torch's
+``torch.nn.functional.grouped_mm`` where this build runs it for the device and
+dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commfuse import backends
+from commfuse.errors import CommfuseValueError
+from commfuse.nn._common import resolve_group, world
+from commfuse.runtime import pipelined
+from commfuse.runtime.calls import resolve_call
+from commfuse.runtime.executor import register_format
+from commfuse.schedule import Collective
+
+__all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
+
+GATINGS = ("softmax", "sigmoid")
+
+#: What :func:`grouped_mm` ran with, by (device type, dtype), once asked: "torch.nn.functional.grouped_mm"
+#: or "loop" (this build has no grouped GEMM for that device and dtype).
+GROUPED_MM: dict[tuple[str, torch.dtype], str] = {}
+
+
+def grouped_mm_kind(device: torch.device | str, dtype: torch.dtype) -> str:
+    """Whether :func:`grouped_mm` uses torch's grouped GEMM on ``device`` for ``dtype``, or a loop (probed once:
+    a build without it, or whose kernel refuses the device or dtype, takes the loop)."""
+    device = torch.device(device)
+    key = (device.type, dtype)
+    kind = GROUPED_MM.get(key)
+    if kind is None:
+        kind = "loop"
+        op = getattr(F, "grouped_mm", None)
+        if op is not None:
+            try:
+                a = torch.ones(8, 8, device=device, dtype=dtype)
+                b = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                got = op(a, b, offs=torch.tensor([3, 8], dtype=torch.int32, device=device))
+                if bool((got == 8).all()):
+                    kind = "torch.nn.functional.grouped_mm"
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+        GROUPED_MM[key] = kind
+    return kind
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """torch's grouped GEMM wants 16-byte aligned rows."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
+    """``x`` (rows, k) grouped by expert, ``counts[e]`` rows each, times ``w[e]`` (k, m): (rows, m)."""
+    counts = list(counts)
+    rows = x.shape[0]
+    if rows and grouped_mm_kind(x.device, x.dtype) != "loop" and _aligned(x, w):
+        offs = torch.tensor(_cumulative(counts), dtype=torch.int32, device=x.device)
+        return F.grouped_mm(x, w, offs=offs)
+    out = x.new_empty(rows, w.shape[-1])
+    at = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.matmul(x.narrow(0, at, c), w[e], out=out.narrow(0, at, c))
+        at += c
+    return out
+
+
+def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, counts) -> torch.Tensor:
+    """Per expert e, ``x_e.T @ dy_e`` over its ``counts[e]`` rows: (experts, k, m)."""
+    counts = list(counts)
+    if x.shape[0] and grouped_mm_kind(x.device, x.dtype) != "loop" and _aligned(x, dy) and x.shape[0] % 8 == 0:
+        offs = torch.tensor(_cumulative(counts), dtype=torch.int32, device=x.device)
+        return F.grouped_mm(x.t(), dy, offs=offs)
+    out = x.new_zeros(len(counts), x.shape[1], dy.shape[1])
+    at = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.matmul(x.narrow(0, at, c).t(), dy.narrow(0, at, c), out=out[e])
+        at += c
+    return out
+
+
+def _cumulative(counts) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        total += c
+        out.append(total)
+    return out
+
+
+# -- routing ---------------------------------------------------------------------------------------------------
+
+
+def route(x: torch.Tensor, router: torch.Tensor, topk: int, gating: str = "softmax", normalize: bool = True):
+    """Top-k routing of tokens ``x`` (tokens, hidden) by ``router`` (experts, hidden).
+
+    Returns ``(weights, experts)``, both (tokens, topk): the gate weights in
+    ``x``'s dtype (renormalised over the k picked when ``normalize``) and the
+    experts picked. ``softmax`` (Mixtral) scores every expert with a softmax of
+    its logit, ``sigmoid`` (DeepSeek-V3) with a sigmoid.
+    """
+    logits = x @ router.t()
+    scores = torch.softmax(logits.float(), dim=-1) if gating == "softmax" else torch.sigmoid(logits.float())
+    weights, experts = torch.topk(scores, topk, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def _sort_by_expert(experts: torch.Tensor, n_experts: int):
+    """The (token, k) slots sorted by expert (stable): their order, each slot's token, rows per expert."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    return order, order // experts.shape[-1], counts
+
+
+def _swiglu(h13: torch.Tensor) -> torch.Tensor:
+    gate, up = h13.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(h13: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    gate, up = h13.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d_gate = d_act * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([d_gate, d_act * silu], dim=-1)
+
+
+def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
+                  gating: str = "softmax", normalize: bool = True) -> torch.Tensor:
+    """One process holding every expert: what :class:`MoE` computes, with plain autograd ops.
+
+    ``x`` (..., hidden); ``router`` (experts, hidden); ``w13`` (experts,
+    hidden, 2 * ffn), the gate projection's columns then the up projection's;
+    ``w2`` (experts, ffn, hidden).
+    """
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    weights, experts = route(xt, router, topk, gating, normalize)
+    order, token, counts = _sort_by_expert(experts, w13.shape[0])
+    xs = xt.index_select(0, token)
+    parts, at = [], 0
+    for e, c in enumerate(counts.tolist()):
+        rows = xs.narrow(0, at, c)
+        parts.append(_swiglu(rows @ w13[e]) @ w2[e])
+        at += c
+    ys = torch.cat(parts) * weights.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
+
+
+# -- the fused expert-parallel part -----------------------------------------------------------------------------
+
+
+class _Experts:
+    """One call's local expert work, by source rank, shared by the forward and the backward."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, recv_counts: list[list[int]]) -> None:
+        self.w13, self.w2, self.recv = w13, w2, recv_counts
+        n = len(recv_counts)
+        self.x: list = [None] * n  # each source's rows, as they arrived
+        self.h13: list = [None] * n  # their gate/up projection (the activation is recomputed from it)
+        self.act: list = [None] * n
+        self.dh13: list = [None] * n
+
+    # forward
+    def up(self, xq: torch.Tensor, q: int) -> torch.Tensor:
+        h13 = grouped_mm(xq, self.w13, self.recv[q])
+        self.x[q], self.h13[q] = xq, h13
+        act = self.act[q] = _swiglu(h13)
+        return act
+
+    def up_stand_in(self, xq: torch.Tensor, q: int) -> torch.Tensor:  # comm_only: the shapes, no work
+        self.x[q] = xq
+        self.h13[q] = xq.new_empty(xq.shape[0], self.w13.shape[-1])
+        act = self.act[q] = xq.new_empty(xq.shape[0], self.w2.shape[1])
+        return act
+
+    def down(self, q: int) -> torch.Tensor:
+        return grouped_mm(self.act[q], self.w2, self.recv[q])
+
+    # backward
+    def down_backward(self, dyq: torch.Tensor, q: int, dw2: torch.Tensor) -> None:
+        counts = self.recv[q]
+        d_act = grouped_mm(dyq, self.w2.transpose(1, 2), counts)
+        dw2 += grouped_wgrad(self.act[q], dyq, counts)
+        self.act[q] = None
+        self.dh13[q] = _swiglu_backward(self.h13[q], d_act)
+        self.h13[q] = None
+
+    def up_backward(self, q: int, dw13: torch.Tensor) -> torch.Tensor:
+        counts = self.recv[q]
+        dh13 = self.dh13[q]
+        dx = grouped_mm(dh13, self.w13.transpose(1, 2), counts)
+        dw13 += grouped_wgrad(self.x[q], dh13, counts)
+        self.dh13[q] = self.x[q] = None
+        return dx
+
+
+class _ExpertParallel(torch.autograd.Function):
+    """Rows sorted by expert (``send_counts[d]`` per expert of rank d) through the experts of their ranks and
+    back, in the same order: dispatch fused with the gate/up GEMM, the down GEMM fused with combine."""
+
+    @staticmethod
+    def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
+                meta: list[int]):
+        if call is None:
+            counts = send_counts.tolist()
+            work = _Experts(w13, w2, counts)
+            work.up(xs, 0)
+            ys = work.down(0)
+            ctx.state = (call, work, [xs.shape[0]], [xs.shape[0]])
+            return ys
+        recv_counts = pipelined.exchange_sizes(call, send_counts, label="moe.sizes", meta=meta).tolist()
+        send_rows = send_counts.sum(dim=1).tolist()
+        recv_rows = [sum(c) for c in recv_counts]
+        work = _Experts(w13, w2, recv_counts)
+        pipelined.all_to_all_consume_core(
+            call, list(xs.split(send_rows)), pipelined.StandIn(work.up, work.up_stand_in), 0,
+            recv_sizes=recv_rows, label="moe.dispatch", meta=None)
+        like = xs.new_empty(0, w2.shape[-1])
+        ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=recv_rows,
+                                               label="moe.combine", like=like)
+        ctx.state = (call, work, send_rows, recv_rows)
+        return torch.cat(ys) if len(ys) > 1 else ys[0]
+
+    @staticmethod
+    def backward(ctx, dys: torch.Tensor):
+        call, work, send_rows, recv_rows = ctx.state
+        ctx.state = None
+        dys = dys.contiguous()
+        dw13 = torch.zeros_like(work.w13)
+        dw2 = torch.zeros_like(work.w2)
+        if call is None:
+            work.down_backward(dys, 0, dw2)
+            return work.up_backward(0, dw13), dw13, dw2, None, None, None
+
+        def down_backward(dyq, q):
+            work.down_backward(dyq, q, dw2)
+
+        pipelined.all_to_all_consume_core(
+            call, list(dys.split(send_rows)), pipelined.StandIn(down_backward, _nothing), 0,
+            recv_sizes=recv_rows, label="moe.dispatch.backward", meta=None)
+        like = dys.new_empty(0, work.w13.shape[1])
+        dxs = pipelined.produce_all_to_all_core(call, lambda q: work.up_backward(q, dw13), 0, recv_sizes=send_rows,
+                                                send_sizes=recv_rows, label="moe.combine.backward", like=like)
+        return (torch.cat(dxs) if len(dxs) > 1 else dxs[0]), dw13, dw2, None, None, None
+
+
+def _nothing(tensor, source):
+    return None
+
+
+# -- the layer ---------------------------------------------------------------------------------------------------
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts layer over an expert-parallel group; input and output (..., hidden).
+
+    ``experts`` SwiGLU experts of ``ffn_size`` each, ``experts / N`` held on
+    each rank of ``group`` (rank r holds experts r*E/N .. (r+1)*E/N - 1):
+    ``w13`` (E/N, hidden, 2 * ffn), the gate then the up projection, and
+    ``w2`` (E/N, ffn, hidden). The router (``router``, (experts, hidden)) is
+    replicated: its gradient is this rank's tokens' only, to be averaged by the
+    data-parallel reduction over the same ranks (DDP or FSDP do), as the
+    other replicated parameters' are. The experts' gradients hold every token
+    routed to them, from every rank.
+
+    Every rank must build the same layer (expert count, sizes, top-k,
+    gating): each call's size exchange checks it, and a rank that differs is
+    named on every rank. ``auto`` decides on the blocks of balanced routing
+    (this rank's tokens times top-k over N ranks): ranks with different token
+    counts should name the algorithm.
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, experts: int, topk: int = 2, *, gating: str = "softmax",
+                 normalize: bool = True, group=None, algorithm: str = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        if gating not in GATINGS:
+            raise CommfuseValueError(f"gating must be one of {GATINGS}, got {gating!r}")
+        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("experts", experts),
+                            ("topk", topk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CommfuseValueError(f"MoE: {name} must be a positive int, got {value!r}")
+        if topk > experts:
+            raise CommfuseValueError(f"MoE: topk={topk} is more than the {experts} experts")
+        self.group = resolve_group(group)
+        self.rank, self.world_size = world(self.group)
+        if experts % self.world_size:
+            raise CommfuseValueError(
+                f"MoE: rank {self.rank}: {experts} experts do not divide over the {self.world_size} ranks of the "
+                "expert-parallel group")
+        self.hidden_size, self.ffn_size, self.experts, self.topk = hidden_size, ffn_size, experts, topk
+        self.gating, self.normalize, self.algorithm = gating, normalize, algorithm
+        self.local_experts = experts // self.world_size
+        self.backend = None
+        kw = dict(device=device, dtype=dtype)
+        self.router = nn.Parameter(torch.empty(experts, hidden_size, **kw))
+        self.w13 = nn.Parameter(torch.empty(self.local_experts, hidden_size, 2 * ffn_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(self.local_experts, ffn_size, hidden_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.router, std=1.0 / math.sqrt(self.hidden_size))
+            nn.init.normal_(self.w13, std=1.0 / math.sqrt(self.hidden_size))
+            nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.ffn_size))
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """The global indices [start, stop) of this rank's experts."""
+        return self.rank * self.local_experts, (self.rank + 1) * self.local_experts
+
+    def load_experts(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> "MoE":
+        """Copy this rank's share of every expert's weights (``moe_reference``'s layout) and the router."""
+        start, stop = self.expert_range
+        with torch.no_grad():
+            self.router.copy_(router)
+            self.w13.copy_(w13[start:stop])
+            self.w2.copy_(w2[start:stop])
+        return self
+
+    def _meta(self) -> list[int]:
+        return [self.experts, self.hidden_size, self.ffn_size, self.topk, GATINGS.index(self.gating),
+                int(self.normalize)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise CommfuseValueError(
+                f"MoE: rank {self.rank}: input has {x.shape[-1]} features in its last dim, the layer's hidden size "
+                f"is {self.hidden_size}")
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])
+        weights, chosen = route(xt, self.router, self.topk, self.gating, self.normalize)
+        order, token, counts = _sort_by_expert(chosen, self.experts)
+        xs = xt.index_select(0, token)
+        n = self.world_size
+        be = None if n == 1 else backends.resolve(self.backend, self.group, x.device)
+        rows = xt.shape[0] * self.topk
+        call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=x.device,
+                            slice_bytes=rows // n * self.hidden_size * x.element_size())
+        send_counts = counts.view(n, self.local_experts)
+        ys = _ExpertParallel.apply(xs, self.w13, self.w2, call, send_counts, self._meta())
+        ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, experts={self.experts} "
+                f"({self.local_experts} per rank of {self.world_size}), topk={self.topk}, gating={self.gating}, "
+                f"algorithm={self.algorithm!r}")
+
+
+def _describe_sizes(v):
+    k = v[0]
+    rest = v[1:]
+    if len(rest) >= 6:
+        experts, hidden, ffn, topk, gating, normalize = rest[:6]
+        gate = GATINGS[gating] if 0 <= gating < len(GATINGS) else f"gating#{gating}"
+        return (f"an MoE layer of {experts} experts ({k} on each rank), hidden {hidden}, ffn {ffn}, top-{topk} "
+                f"{gate} gating{'' if normalize else ', not renormalised'}")
+    return f"{k} counts per rank"
+
+
+register_format("moe.sizes", _describe_sizes)
+for _label in ("moe.dispatch", "moe.combine", "moe.dispatch.backward", "moe.combine.backward"):
+    register_format(_label, lambda v: f"token rows of {v[3:3 + v[2]]} (dim {v[1]} differs per peer)")
