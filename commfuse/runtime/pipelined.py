@@ -444,7 +444,8 @@ def _a2a_plan(call: Call, collective: Collective, label: str, shape, dtype, dim:
         values = list(meta) if meta is not None else [dtype_code(dtype), dim, len(shape), *key_shape]
         return plan, layout, _Pool.of(call.be), values
 
-    return _plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven), make)
+    return _plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven,
+                      None if meta is None else tuple(meta)), make)
 
 
 def _shape_less(shape, dim: int) -> tuple:

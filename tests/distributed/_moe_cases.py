@@ -1,0 +1,167 @@
+"""Rank-side bodies of test_moe_gloo.py (run inside ``commfuse.launch`` processes)."""
+
+from __future__ import annotations
+
+import torch
+
+import commfuse as cf
+from commfuse.errors import CommfuseError
+from commfuse.nn import MoE, moe_reference
+from commfuse.runtime.c10d import C10dBackend
+from commfuse.runtime.executor import measure
+
+HIDDEN, FFN = 8, 12
+
+
+def _weights(n: int, experts: int, *, starve_rank: int | None, starve_expert: int | None, seed: int = 1):
+    """Full router and expert weights, the same on every rank. A starved expert (and every expert of a
+    starved rank) gets a router row that no token picks."""
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(experts, HIDDEN, generator=g)
+    w13 = torch.randn(experts, HIDDEN, 2 * FFN, generator=g) / HIDDEN ** 0.5
+    w2 = torch.randn(experts, FFN, HIDDEN, generator=g) / FFN ** 0.5
+    local = experts // n
+    starved = set()
+    if starve_rank is not None:
+        starved.update(range(starve_rank * local, (starve_rank + 1) * local))
+    if starve_expert is not None:
+        starved.add(starve_expert)
+    for e in starved:
+        router[e] = -10.0  # tokens are positive: this row scores below every other
+    return router, w13, w2, sorted(starved)
+
+
+def _tokens(n: int, seed: int = 2) -> list[torch.Tensor]:
+    """Every rank's tokens; rank 1 has none (it sends nothing, and gets nothing back)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [6, 0, 9, 4][:n]
+    xs = [torch.randn(c, HIDDEN, generator=g) for c in counts]
+    return [x.abs() + 0.1 for x in xs]  # positive inputs: a negative router row scores below the rest
+
+
+def _reference(xs, router, w13, w2, topk, gating):
+    """The one-process reference over every rank's tokens: outputs by rank and gradients of the same loss."""
+    r_ = router.clone().requires_grad_()
+    w13_ = w13.clone().requires_grad_()
+    w2_ = w2.clone().requires_grad_()
+    xr = [x.clone().requires_grad_() for x in xs]
+    ys = [moe_reference(x, r_, w13_, w2_, topk, gating) for x in xr]
+    loss = sum(((y * _grad_weights(q, y)).sum() for q, y in enumerate(ys)), torch.zeros(()))
+    loss.backward()
+    # the router's gradient on each rank is its own tokens' only
+    router_grads = []
+    for x in xs:
+        r1 = router.clone().requires_grad_()
+        q = len(router_grads)
+        y = moe_reference(x, r1, w13, w2, topk, gating)
+        (y * _grad_weights(q, y)).sum().backward() if y.numel() else None
+        router_grads.append(r1.grad if r1.grad is not None else torch.zeros_like(router))
+    return ys, [x.grad for x in xr], w13_.grad, w2_.grad, router_grads
+
+
+def _grad_weights(rank: int, y: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(-1, 1, y.numel()).reshape(y.shape) * (rank + 1)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> bool:
+    if got.shape != want.shape:
+        return False
+    scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
+    return got.numel() == 0 or (got - want).abs().max().item() <= tol * scale
+
+
+def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
+    """Forward and backward of MoE against the one-process reference: top-1 and top-2, softmax and sigmoid
+    gating, skewed routing (a rank with no tokens, an expert no token picks, and at 3+ ranks a rank whose
+    experts no token picks). fp32 forward outputs exactly; gradients (sums in another order) within 2e-5."""
+    problems: list[str] = []
+    experts = 2 * n
+    starve_rank = n - 1 if n >= 3 else None
+    for topk, gating in ((1, "softmax"), (2, "softmax"), (2, "sigmoid")):
+        router, w13, w2, starved = _weights(n, experts, starve_rank=starve_rank, starve_expert=0)
+        xs = _tokens(n)
+        ys, dxs, dw13, dw2, router_grads = _reference(xs, router, w13, w2, topk, gating)
+        picked = set()
+        for x in xs:
+            if x.numel():
+                picked.update(torch.topk((x @ router.t()), topk).indices.flatten().tolist())
+        if picked & set(starved):
+            problems.append(f"the test's routing is not skewed as meant: experts {sorted(picked & set(starved))} "
+                            "were picked")
+        for algorithm in algorithms:
+            where = f"top-{topk} {gating} {algorithm}"
+            moe = MoE(HIDDEN, FFN, experts, topk, gating=gating, algorithm=algorithm).load_experts(router, w13, w2)
+            x = xs[rank].clone().requires_grad_()
+            y = moe(x)
+            if not torch.equal(y, ys[rank]):
+                problems.append(f"{where}: forward differs from the reference (max "
+                                f"{(y - ys[rank]).abs().max().item() if y.numel() else 0:g})")
+            y.backward(_grad_weights(rank, y))
+            lo, hi = moe.expert_range
+            for name, got, want in (("input", x.grad, dxs[rank]), ("w13", moe.w13.grad, dw13[lo:hi]),
+                                    ("w2", moe.w2.grad, dw2[lo:hi]), ("router", moe.router.grad, router_grads[rank])):
+                got = torch.zeros_like(want) if got is None else got
+                if not _close(got, want):
+                    problems.append(f"{where}: {name} gradient differs (max {(got - want).abs().max().item():g})")
+            # the measurement modes the benchmark uses run the same layer end to end
+            for mode in ("comm_only", "compute_only"):
+                with measure(mode):
+                    out = moe(xs[rank].clone().requires_grad_())
+                    out.backward(torch.ones_like(out))
+                if out.shape != y.shape:
+                    problems.append(f"{where}: {mode} gave shape {list(out.shape)}")
+    return problems
+
+
+def uneven_no_empty_messages(rank: int, n: int) -> dict:
+    """Uneven exchanges whose empty blocks must not reach the transport: every message the backend is asked
+    to post, by size, under each algorithm; and results exact."""
+    be = C10dBackend()
+    posted: list[int] = []
+    real_post = be.post
+
+    def counting(sends, recvs):  # the data's messages (float); the call checks' fingerprints are int64
+        posted.extend(t.numel() for _, t in sends if t.is_floating_point())
+        posted.extend(-t.numel() for _, t in recvs if t.is_floating_point())
+        return real_post(sends, recvs)
+
+    be.post = counting
+    rows = [[(s + 2 * d) % 3 if s != 0 else 0 for d in range(n)] for s in range(n)]  # rank 0 sends nothing
+    problems = []
+    for algorithm in ("ring", "ring:2"):
+        posted.clear()
+        chunks = [torch.full((rows[rank][d], 2), 10.0 * rank + d) for d in range(n)]
+        got = cf.all_to_all_consume(chunks, lambda t, s: t.clone(), uneven=True, algorithm=algorithm, backend=be)
+        for s in range(n):
+            if got[s].shape != (rows[s][rank], 2) or not bool((got[s] == 10.0 * s + rank).all()):
+                problems.append(f"{algorithm}: block from {s} is {got[s].tolist()}")
+        made = cf.produce_all_to_all(lambda d: torch.full((rows[rank][d], 2), 10.0 * rank + d),
+                                     input_splits=rows[rank], algorithm=algorithm, backend=be)
+        for s in range(n):
+            if made[s].shape != (rows[s][rank], 2) or not bool((made[s] == 10.0 * s + rank).all()):
+                problems.append(f"{algorithm} produce: block from {s} is {made[s].tolist()}")
+        if 0 in posted:
+            problems.append(f"{algorithm}: an empty message was posted: {posted}")
+        sent = sum(1 for x in posted if x > 0)
+        want_sent = 2 * sum(1 for d in range(n) if d != rank and rows[rank][d])  # consume, then produce
+        if algorithm == "ring:2":  # a block cut in two: one message per non-empty half
+            want_sent = 2 * sum(sum(1 for half in (rows[rank][d] - rows[rank][d] // 2, rows[rank][d] // 2) if half)
+                                for d in range(n) if d != rank)
+        if sent != want_sent:
+            problems.append(f"{algorithm}: {sent} data messages sent, expected {want_sent} ({posted})")
+    return {"problems": problems}
+
+
+def mismatched(rank: int, n: int, what: str) -> str:
+    """Rank 1 builds a different layer; every rank must raise, naming the difference."""
+    experts, hidden = 2 * n, HIDDEN
+    if rank == 1 and what == "experts":
+        experts = 4 * n
+    if rank == 1 and what == "hidden":
+        hidden = HIDDEN + 4
+    moe = MoE(hidden, FFN, experts, 2, algorithm="ring")
+    try:
+        moe(torch.randn(5, hidden))
+    except CommfuseError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
