@@ -46,6 +46,7 @@ from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import resolve_group, world
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import resolve_call
+from commfuse.runtime.eager import eager_only
 from commfuse.runtime.executor import register_format
 from commfuse.schedule import Collective
 
@@ -288,6 +289,19 @@ def _nothing(tensor, source):
     return None
 
 
+def _expert_parallel(xs, w13, w2, call, send_counts, meta):
+    if torch.compiler.is_compiling():
+        raise CommfuseValueError(
+            "MoE's dispatch and combine are sized on the host each call (dropless routing), so they cannot be part "
+            "of a torch.compile graph: with fullgraph=False torch.compile runs them eagerly (a graph break) and "
+            "compiles the router and the gating around them"
+        )
+    return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta)
+
+
+eager_only(_expert_parallel)
+
+
 # -- the layer ---------------------------------------------------------------------------------------------------
 
 
@@ -377,7 +391,7 @@ class MoE(nn.Module):
         call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=x.device,
                             slice_bytes=rows // n * self.hidden_size * x.element_size())
         send_counts = counts.view(n, self.local_experts)
-        ys = _ExpertParallel.apply(xs, self.w13, self.w2, call, send_counts, self._meta())
+        ys = _expert_parallel(xs, self.w13, self.w2, call, send_counts, self._meta())
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
 

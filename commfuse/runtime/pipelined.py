@@ -457,6 +457,12 @@ def _shape_less(shape, dim: int) -> tuple:
 
 def a2a_layout(plan: Plan, dim: int, shape, dtype, send_sizes, recv_sizes) -> AllToAllLayout:
     """One uneven call's layout (every slice's size), on its plan's compiled steps."""
+    if plan.traced:
+        raise CommfuseValueError(
+            f"rank {plan.rank}: {plan.label} is an uneven all-to-all, whose sizes change every call; the "
+            f"{getattr(plan.backend, 'name', 'traced')} backend traces a graph of fixed shapes: pad every block to "
+            "one capacity and call the even form"
+        )
     return AllToAllLayout(plan.compiled, dim, shape, dtype, send_sizes, recv_sizes)
 
 

@@ -165,3 +165,31 @@ def mismatched(rank: int, n: int, what: str) -> str:
     except CommfuseError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def compiled(rank: int, n: int) -> dict:
+    """torch.compile of the layer: with fullgraph=False the exchanges run at a graph break and the result and
+    gradients equal eager's exactly; fullgraph=True fails naming why."""
+    import os
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()  # the FX cache does not key on fake kernels
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, FFN, 2 * n, 2, algorithm="ring")
+    x = torch.randn(6, HIDDEN) + rank
+    xe = x.clone().requires_grad_()
+    want = moe(xe)
+    want.sum().backward()
+    eager_grads = [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    xc = x.clone().requires_grad_()
+    got = torch.compile(moe, backend="aot_eager")(xc)
+    got.sum().backward()
+    out = {"equal": torch.equal(got, want) and torch.equal(xc.grad, xe.grad)
+           and all(torch.equal(p.grad, g) for p, g in zip(moe.parameters(), eager_grads))}
+    try:
+        torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+        out["fullgraph"] = "compiled"
+    except Exception as e:  # noqa: BLE001 - Dynamo's own error type wraps ours
+        out["fullgraph"] = str(e)
+    return out

@@ -95,3 +95,9 @@ def test_bad_configurations_are_named(kwargs, message):
 def test_an_input_of_the_wrong_width_is_named():
     with pytest.raises(CommfuseValueError, match="input has 6 features in its last dim, the layer's hidden size is 8"):
         MoE(8, 4, 2, 1)(torch.randn(3, 6))
+
+
+def test_compiled_layer_runs_its_exchanges_at_a_graph_break():
+    for rank, res in enumerate(launch(_moe_cases.compiled, 2, timeout=600)):
+        assert res["equal"], f"rank {rank}: compiled MoE differs from eager"
+        assert "sized on the host each call" in res["fullgraph"], f"rank {rank}: {res['fullgraph'][:500]}"
