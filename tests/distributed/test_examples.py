@@ -35,3 +35,10 @@ def test_llama_block_example_trains_under_torchrun(plan):
     out = _torchrun(4, "llama_block.py", "--tp", "2", "--plan", plan, "--steps", "2")
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all("loss" in line and "grad norm" in line for line in steps), out
+
+
+def test_moe_example_trains_under_torchrun():
+    out = _torchrun(2, "moe.py")
+    for rank in (0, 1):
+        steps = [line for line in out.splitlines() if line.startswith(f"rank {rank}: step ")]
+        assert len(steps) == 3 and all("y (2, 64, 256)" in line for line in steps), out
