@@ -27,11 +27,21 @@ from commfuse.sim._profile import (
     shipped,
     user_dir,
 )
-from commfuse.sim._workloads import PASSES, WORKLOADS, ComputeOnly, ShardedOp, Workload, parse_algorithm
+from commfuse.sim._workloads import (
+    MOE_PRESETS,
+    PASSES,
+    WORKLOADS,
+    ComputeOnly,
+    ExpertOp,
+    ShardedOp,
+    Workload,
+    parse_algorithm,
+)
 
 __all__ = [
     "DEFAULT_ALGORITHMS",
     "MODES",
+    "MOE_PRESETS",
     "PASSES",
     "WORKLOADS",
     "CollectiveSpec",
@@ -39,6 +49,7 @@ __all__ = [
     "ComputeSpec",
     "ContentionSpec",
     "Engine",
+    "ExpertOp",
     "HostSpec",
     "Kernel",
     "LinkSpec",

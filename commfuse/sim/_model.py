@@ -15,7 +15,8 @@ Three pieces, each a small function of a :class:`~commfuse.sim.Profile`:
 * :func:`collective_time`: a whole collective over N ranks at the standard
   ring cost, ``(N - 1) * (latency + piece / (efficiency * rate))``, where
   ``rate`` is what one message of a ring step gets when every rank sends to
-  its neighbour at once.
+  its neighbour at once; an all-to-all's bytes are spread over the links
+  all its messages use at once (:func:`all_to_all_spread`).
 """
 
 from __future__ import annotations
@@ -123,9 +124,31 @@ def collective_bytes(profile: Profile, world_size: int, piece_bytes: float, coll
     """What each rank's messages of a whole collective weigh on the link: ``(N - 1) * piece / efficiency``.
 
     An efficiency under 1 is a library that moves more than the ring's bytes (gloo's reduce-scatter moves
-    twice as much: efficiency 0.5) or moves them less well.
+    twice as much: efficiency 0.5) or moves them less well. An all-to-all is not a ring: every rank sends
+    its N - 1 pieces at once, so it weighs that times :func:`all_to_all_spread`.
     """
-    return (world_size - 1) * piece_bytes / profile.collective.efficiency_of(str(collective))
+    nbytes = (world_size - 1) * piece_bytes / profile.collective.efficiency_of(str(collective))
+    if str(collective) == "all_to_all":
+        nbytes *= all_to_all_spread(profile, world_size)
+    return nbytes
+
+
+def all_to_all_spread(profile: Profile, world_size: int) -> float:
+    """A whole all-to-all's time over the ring cost of its bytes: 1 where a rank's N - 1 messages leave
+    through one port or share one medium (switch, bus), ``1 / (N - 1)`` where each goes over a link of its
+    own (``direct``: a full mesh such as HCCS in an Atlas 800T A2, where the library's all-to-all drives the
+    N - 1 links at once, while a pairwise ring step uses one of them)."""
+    n = world_size
+    if n <= 2:
+        return 1.0
+    load: dict[Key, int] = {}
+    for shift in range(1, n):  # every rank sends one piece to every other rank at once
+        for key, weight in class_resources(profile, n, shift):
+            load[key] = load.get(key, 0) + weight
+    ring: dict[Key, int] = {}
+    for key, weight in class_resources(profile, n, 1):
+        ring[key] = ring.get(key, 0) + weight
+    return max(load.values()) / ((n - 1) * max(ring.values()))
 
 
 def transfer_time(profile: Profile, nbytes: float, sharing: int = 1) -> float:

@@ -40,7 +40,8 @@ def _collective(value) -> Collective:
 def candidates(collective: str | Collective) -> tuple[str, ...]:
     """What ``auto`` chooses among for ``collective``."""
     c = _collective(collective)
-    return ("vanilla", "ring") if c is Collective.ALL_TO_ALL else ("vanilla", "ring", "bidirectional")
+    # all-to-all and its produce side: no bidirectional form (each pairwise step already uses its own link)
+    return ("vanilla", "ring") if c.blocks else ("vanilla", "ring", "bidirectional")
 
 
 def _op_phase(collective: Collective, n: int, algorithm: str, slice_bytes: float, flops: float,
@@ -217,7 +218,7 @@ def crossovers(profile: "Profile | str", workload: Workload, algorithms: Sequenc
     each change is located exactly by bisection.
     """
     profile = load_profile(profile)
-    unit = workload.tp if workload.name != "fsdp_linear" else 1
+    unit = _seq_unit(workload)
     top = max_seq or max(4 * workload.seq, 64 * unit)
     grid = []
     s = unit
@@ -245,6 +246,12 @@ def crossovers(profile: "Profile | str", workload: Workload, algorithms: Sequenc
     return merged
 
 
+def _seq_unit(workload: Workload) -> int:
+    """The step of sequence lengths that keeps every rank alike: tp for the TP workloads (fsdp_linear and moe
+    split nothing along the sequence)."""
+    return 1 if workload.name in ("fsdp_linear", "moe") else workload.tp
+
+
 def _ms(t: float) -> str:
     return f"{1e3 * t:.3f} ms"
 
@@ -253,6 +260,8 @@ def explain(profile: "Profile | str", workload: Workload, predictions: Sequence[
             algorithms: Sequence[str] = ("vanilla", "ring", "bidirectional")) -> str:
     """Why the model ranks the algorithms as it does for ``workload``, and where the ranking changes."""
     profile = load_profile(profile)
+    if workload.name == "moe":  # all-to-all has no bidirectional form
+        algorithms = tuple(a for a in algorithms if a != "bidirectional")
     predictions = list(predictions) if predictions is not None else compare(profile, workload, algorithms)
     n = workload.world_size
     best = _best(predictions)
@@ -280,7 +289,7 @@ def explain(profile: "Profile | str", workload: Workload, predictions: Sequence[
         sharing = max(w for _, w in usage)
         t_hop = transfer_time(profile, nbytes, sharing)
         verdict = "hidden behind it" if t_hop <= t_comp else f"exposed by {_ms(t_hop - t_comp)} per hop"
-        coll = collective_time(profile, n, nbytes)
+        coll = collective_time(profile, n, nbytes, phase.schedule.collective.transport.value)
         lines.append(
             f"{phase.name} ({phase.schedule.collective.value}): {n - 1} hops of {nbytes / 1e6:.4g} MB at "
             f"{_ms(t_hop)} each vs {_ms(t_comp)} of compute per step ({verdict}); vanilla's whole collective "
@@ -300,7 +309,7 @@ def explain(profile: "Profile | str", workload: Workload, predictions: Sequence[
     cross = crossovers(profile, workload, algorithms)
     parts = []
     for i, (s, a) in enumerate(cross):
-        end = cross[i + 1][0] - (workload.tp if workload.name != "fsdp_linear" else 1) if i + 1 < len(cross) else None
+        end = cross[i + 1][0] - _seq_unit(workload) if i + 1 < len(cross) else None
         span = f"seq {s}" + (f"..{end}" if end is not None and end != s else ("+" if end is None else ""))
         parts.append(f"{a} for {span}")
     lines.append("winner by sequence length (other sizes fixed): " + "; ".join(parts))

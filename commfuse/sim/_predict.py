@@ -77,13 +77,16 @@ class Prediction:
         def ms(t: float) -> float:
             return round(1e3 * t, 6)
 
+        shape = {"batch": w.batch, "seq": w.seq, "hidden": w.hidden, "ffn": w.ffn, "tp": w.tp, "dp": w.dp,
+                 "passes": w.passes}
+        if w.name == "moe":
+            shape.update(ep=w.ep, experts=w.experts, topk=w.topk, skew=w.skew, grouping=w.grouping)
         return {
             "workload": w.name,
             "algorithm": self.algorithm,
             "world_size": self.world_size,
             "dtype": w.dtype,
-            "shape": {"batch": w.batch, "seq": w.seq, "hidden": w.hidden, "ffn": w.ffn, "tp": w.tp, "dp": w.dp,
-                      "passes": w.passes},
+            "shape": shape,
             "median_ms": ms(self.time),
             "compute_only_ms": ms(self.compute_only),
             "comm_only_ms": ms(self.comm_only),

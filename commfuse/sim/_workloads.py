@@ -25,11 +25,29 @@ fsdp_linear ZeRO-3 linear over N = dp ranks: Y = X (T, h) @ W (h, f/tp), W
            sharded by output column; forward: all-gather of W fused with the
            GEMM; backward: all-gather of W with dX, reduce-scatter of dW with
            the weight-gradient GEMM
+moe        one mixture-of-experts layer under expert parallelism over N = ep
+           ranks (``commfuse.nn.MoE``): E SwiGLU experts of size f, E/N per
+           rank, top-k routing, T tokens per rank. Forward: dispatch (an
+           all-to-all of T*k token rows of h) consumed by the gate/up GEMM
+           (x @ [w1|w3], h -> 2f) and SwiGLU per arriving block; combine (the
+           produce side, ``produce_all_to_all``): the down GEMM (f -> h) of
+           each destination's rows, then sent back. Backward: the mirror (dY
+           dispatched to the down GEMM's dgrad + wgrad and SwiGLU's backward;
+           the gate/up GEMM's dgrad + wgrad make dX blocks sent back). See
+           :func:`_moe`
 ========== ================================================================
 
 TP workloads simulate one TP group: with ``dp > 1`` the data-parallel
 replicas run the same layer independently (their gradient reduction is not
 part of the layer).
+
+MoE's blocks are token rows, ``rows[source][dest]`` of them from each rank to
+each rank: balanced routing gives every pair ``T*k/N`` (``skew`` > 1 sends a
+larger share to rank 0, a hot expert rank). :class:`ExpertOp` costs them like
+:class:`ShardedOp` does slices, with a grouped GEMM over the rank's local
+experts in place of one matmul: its memory term reads the weights of every
+local expert the rows reach, once per call, which is what makes many small
+calls (fine-grained experts, many chunks) lose.
 """
 
 from __future__ import annotations
@@ -38,17 +56,36 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, ScheduleError
 from commfuse.schedule import CollectiveCall, Schedule, SliceId, Step, Transfer, build, split_sizes
 from commfuse.schedule import parse_algorithm as _parse_algorithm
 from commfuse.sim._engine import Phase
 from commfuse.sim._model import Kernel
 from commfuse.sim._profile import DTYPES
 
-WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear")
+WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe")
 PASSES = ("forward", "backward", "both")
 #: Flops per element of the MLP activation (GELU, tanh form) and of its backward.
 ACTIVATION_FLOPS = 8.0
+#: Flops per output element of SwiGLU (silu(a) * b: an exp, a divide, two multiplies) and of its backward.
+SWIGLU_FLOPS = 6.0
+SWIGLU_BACKWARD_FLOPS = 12.0
+#: How MoE's expert GEMMs are grouped into calls (:class:`ExpertOp`).
+GROUPINGS = ("step", "source")
+#: Bytes per routed-row count in the size exchange that opens every MoE call (int64).
+COUNT_BYTES = 8
+
+
+#: Shapes of two well-known MoE layers for ``commfuse simulate --preset``, each at EP 8 with 8192 tokens per rank
+#: (batch 1 x seq 8192), bf16. Mixtral-8x7B: Jiang et al., "Mixtral of Experts" (2024) and its released config
+#: (hidden 4096, intermediate 14336, 8 experts, top-2). DeepSeek-V3: the DeepSeek-V3 technical report (2024):
+#: hidden 7168, 256 routed experts of intermediate 2048, top-8; its one shared expert is left out (a dense
+#: MLP on the rank's own tokens, no all-to-all), as are its node-limited routing (moot within 8 ranks) and its
+#: dense first layers.
+MOE_PRESETS = {
+    "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, topk=2, ep=8, batch=1, seq=8192),
+    "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, topk=8, ep=8, batch=1, seq=8192),
+}
 
 
 def parse_algorithm(text: str) -> tuple[str, int, int]:
@@ -199,6 +236,119 @@ class ComputeOnly:
         return self.kernel.flops
 
 
+class ExpertOp:
+    """The costs of one fused op of MoE: all-to-all blocks of token rows and the grouped GEMMs on them.
+
+    ``rows[s][d]``: rows of the block the schedule names ``s>d`` (``SliceId``
+    source s, shard d), each ``row_bytes`` on the wire; a block of ``pieces``
+    slices is cut as ``torch.tensor_split`` cuts it. ``produce``: False for
+    the consume side (``all_to_all``: rank d computes on the blocks ``s>d``
+    it received), True for the produce side (``produce_all_to_all``: rank s
+    makes its blocks ``s>d``, which later steps send). ``kernels``: per call,
+    ``(name, flops per row, memory bytes per row, weight bytes per expert)``;
+    a call over r rows reads the weights of the ``min(local_experts, r)``
+    experts those rows reach (balanced routing) on top of its rows.
+
+    ``grouping``: ``"step"``, one grouped GEMM per step over every row the
+    step names (the schedule as drawn: sliced's chunks and ring:m's parts are
+    each computed as they come, and vanilla is one call over everything);
+    ``"source"``, what ``commfuse.nn.MoE`` does as of this writing: one call
+    per source block, the consume side calling it once all of a block's
+    slices have arrived, the produce side making the whole block when its
+    first slice is due (so sliced:c and ring:m chunk the messages but not the
+    compute).
+    """
+
+    def __init__(self, schedule: Schedule, *, rows: Sequence[Sequence[int]], row_bytes: float,
+                 kernels: Sequence[tuple[str, float, float, float]], local_experts: int, produce: bool,
+                 grouping: str = "step", name: str = "") -> None:
+        if grouping not in GROUPINGS:
+            raise CommfuseValueError(f"grouping must be one of {', '.join(GROUPINGS)}, got {grouping!r}")
+        n, pieces = schedule.world_size, schedule.pieces
+        if len(rows) != n or any(len(r) != n for r in rows):
+            raise CommfuseValueError(f"{name}: rows must be {n} x {n} (source x destination)")
+        self.schedule, self.row_bytes, self.kernels = schedule, row_bytes, tuple(kernels)
+        self.local_experts, self.produce, self.grouping, self.name = local_experts, produce, grouping, name
+        self.rows = [list(r) for r in rows]
+        self.piece_rows = [[split_sizes(b, pieces) for b in r] for r in self.rows]
+        first = self.rows[0][0]
+        self.uniform = all(b == first for r in self.rows for b in r)
+        self._calls: dict[int, tuple[Kernel, ...]] = {}
+
+    def slice_rows(self, x: SliceId) -> int:
+        return self.piece_rows[x.source][x.shard][self.schedule.piece(x)]
+
+    def _call(self, rows: int) -> tuple[Kernel, ...]:
+        """The kernels of one grouped call over ``rows`` rows."""
+        found = self._calls.get(rows)
+        if found is None:
+            experts = min(self.local_experts, rows)
+            found = self._calls[rows] = tuple(
+                Kernel(rows * flops, rows * mem + experts * weight, f"{self.name} {what}")
+                for what, flops, mem, weight in self.kernels) if rows > 0 else ()
+        return found
+
+    def compute(self, rank: int, step: Step | None) -> Sequence[Kernel]:
+        if step is None or not step.compute:
+            return ()
+        if self.grouping == "step":
+            return self._call(sum(self.slice_rows(x) for x in step.compute))
+        pieces, out = self.schedule.pieces, []
+        for x in step.compute:
+            due = self.schedule.piece(x) == (0 if self.produce else pieces - 1)
+            if due:
+                rows = self.rows[x.source][x.shard]
+                if pieces > 1 and not self.produce:  # the consumer gets the block's slices concatenated
+                    out.append(Kernel(0.0, 2.0 * rows * self.row_bytes, f"{self.name} cat"))
+                out.extend(self._call(rows))
+        return out
+
+    def add(self, rank: int, step: Step) -> Sequence[Kernel]:
+        return ()
+
+    def transfer_bytes(self, rank: int, transfer: Transfer) -> float:
+        return self.slice_rows(transfer.slice) * self.row_bytes
+
+    def collective_bytes(self, rank: int, call: CollectiveCall) -> float:
+        # a whole all-to-all is costed as (N - 1) pieces per rank: the piece that makes this rank's own
+        # traffic (the larger of what it sends and what it receives, its own block excluded)
+        n, piece = self.schedule.world_size, call.part
+        if n == 1:
+            return 0.0
+        sent = sum(self.piece_rows[rank][d][piece] for d in range(n) if d != rank)
+        got = sum(self.piece_rows[s][rank][piece] for s in range(n) if s != rank)
+        return max(sent, got) * self.row_bytes / (n - 1)
+
+    def flops(self, rank: int) -> float:
+        n = self.schedule.world_size
+        rows = sum(self.rows[rank][d] for d in range(n)) if self.produce else sum(self.rows[s][rank] for s in range(n))
+        return rows * sum(k[1] for k in self.kernels)
+
+
+class SizesOp:
+    """MoE's size exchange: one small whole all-to-all of per-expert row counts, no compute."""
+
+    uniform = True
+
+    def __init__(self, count_bytes: float) -> None:
+        self.count_bytes = count_bytes
+
+    def compute(self, rank, step):
+        return ()
+
+    def add(self, rank, step):
+        return ()
+
+    def transfer_bytes(self, rank, transfer):  # pragma: no cover - vanilla only: no point-to-point
+        return self.count_bytes
+
+    def collective_bytes(self, rank, call):
+        return self.count_bytes
+
+    def flops(self, rank):
+        return 0.0
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CommfuseValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -207,7 +357,14 @@ def _positive(name: str, value) -> int:
 
 @dataclass(frozen=True)
 class Workload:
-    """A layer and its sizes: ``name`` in :data:`WORKLOADS`, tokens = ``batch * seq`` (per DP rank)."""
+    """A layer and its sizes: ``name`` in :data:`WORKLOADS`, tokens = ``batch * seq`` (per DP rank; for ``moe``
+    per EP rank).
+
+    ``moe`` only: ``ep`` ranks, ``experts`` (a multiple of ``ep``), ``topk``
+    (at most ``experts``), ``ffn`` per expert, ``skew`` (>= 1, at most ``ep``:
+    rank 0's share of every rank's routed rows over the balanced share, a hot
+    expert rank) and ``grouping`` (:class:`ExpertOp`). ``tp`` and ``dp`` stay 1.
+    """
 
     name: str
     tp: int
@@ -218,12 +375,22 @@ class Workload:
     ffn: int | None = None
     dtype: str = "bfloat16"
     passes: str = "forward"
+    ep: int = 1
+    experts: int = 8
+    topk: int = 2
+    skew: float = 1.0
+    grouping: str = "step"
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise CommfuseValueError(f"unknown workload {self.name!r}; expected one of {', '.join(WORKLOADS)}")
-        for f in ("tp", "seq", "hidden", "batch", "dp"):
+        for f in ("tp", "seq", "hidden", "batch", "dp", "ep", "experts", "topk"):
             _positive(f, getattr(self, f))
+        if self.name == "moe":
+            self._check_moe()
+        elif self.ep != 1:
+            raise CommfuseValueError(f"{self.name}: ep={self.ep} applies to the moe workload only (the ring of "
+                                     f"{self.name} is tp, or dp for fsdp_linear)")
         if self.ffn is None:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         _positive("ffn", self.ffn)
@@ -236,7 +403,9 @@ class Workload:
         if self.name in ("ag_matmul", "matmul_rs") and self.passes != "forward":
             raise CommfuseValueError(f"{self.name} is one forward op; its backward is the other op "
                                      f"(use workload 'mlp' with passes={self.passes!r})")
-        if self.name == "fsdp_linear":
+        if self.name == "moe":
+            pass
+        elif self.name == "fsdp_linear":
             if self.ffn % self.tp:
                 raise CommfuseValueError(f"fsdp_linear: ffn {self.ffn} must divide by tp {self.tp} (the TP shard "
                                          f"of the weight's columns)")
@@ -246,10 +415,43 @@ class Workload:
                     raise CommfuseValueError(f"{self.name}: {f} {getattr(self, f)} must divide by tp {self.tp} "
                                              f"(weights are split evenly across TP ranks)")
 
+    def _check_moe(self) -> None:
+        if self.tp != 1 or self.dp != 1:
+            raise CommfuseValueError(f"moe models one expert-parallel group: give its size as ep, not tp={self.tp} "
+                                     f"/ dp={self.dp} (experts are not tensor-parallel here)")
+        if self.experts % self.ep:
+            raise CommfuseValueError(f"moe: {self.experts} experts do not divide over ep={self.ep} ranks (each rank "
+                                     f"holds experts/ep of them)")
+        if self.topk > self.experts:
+            raise CommfuseValueError(f"moe: topk={self.topk} is more than the {self.experts} experts")
+        if isinstance(self.skew, bool) or not isinstance(self.skew, (int, float)) or not 1.0 <= self.skew <= self.ep:
+            raise CommfuseValueError(f"moe: skew must be a number from 1 (balanced) to ep={self.ep} (every row to "
+                                     f"rank 0), got {self.skew!r}")
+        if self.grouping not in GROUPINGS:
+            raise CommfuseValueError(f"moe: grouping must be one of {', '.join(GROUPINGS)}, got {self.grouping!r}")
+
     @property
     def world_size(self) -> int:
-        """Ranks of the group the layer's collectives run over: ``dp`` for FSDP, else ``tp``."""
-        return self.dp if self.name == "fsdp_linear" else self.tp
+        """Ranks of the group the layer's collectives run over: ``dp`` for FSDP, ``ep`` for MoE, else ``tp``."""
+        return self.dp if self.name == "fsdp_linear" else self.ep if self.name == "moe" else self.tp
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep
+
+    def routed_rows(self) -> list[list[int]]:
+        """MoE: ``rows[s][d]``, the token rows rank s sends rank d (``batch * seq * topk`` per source).
+
+        Balanced (``skew`` 1): split as evenly as ``torch.tensor_split`` would. Otherwise rank 0 takes
+        ``skew / ep`` of every source's rows and the other ranks share the rest evenly.
+        """
+        n, total = self.ep, self.tokens * self.topk
+        if self.skew == 1.0 or n == 1:
+            row = split_sizes(total, n)
+        else:
+            hot = min(total, round(total * self.skew / n))
+            row = [hot, *split_sizes(total - hot, n - 1)]
+        return [list(row) for _ in range(n)]
 
     @property
     def tokens(self) -> int:
@@ -260,6 +462,14 @@ class Workload:
         return DTYPES[self.dtype]
 
     def describe(self) -> str:
+        if self.name == "moe":
+            text = (f"moe {self.passes}, ep {self.ep}, {self.experts} experts ({self.local_experts} per rank), "
+                    f"top-{self.topk}, {self.tokens} tokens per rank, hidden {self.hidden}, expert ffn {self.ffn}")
+            if self.skew != 1.0:
+                text += f", skew {self.skew:g}"
+            if self.grouping != "step":
+                text += f", one GEMM call per {self.grouping}"
+            return text + f", {self.dtype}"
         text = (f"{self.name} {self.passes}, tp {self.tp}" + (f", dp {self.dp}" if self.dp > 1 else "")
                 + f", (b, s, h) = ({self.batch}, {self.seq}, {self.hidden})")
         if self.name in ("mlp", "ag_matmul", "matmul_rs", "fsdp_linear"):
@@ -348,10 +558,77 @@ def _fsdp_linear(w: Workload, algorithm: str) -> list[Phase]:
     return phases
 
 
+def _moe(w: Workload, algorithm: str) -> list[Phase]:
+    """One MoE layer as ``commfuse.nn.MoE`` runs it (Comet's split, ByteDance MLSys'25: dispatch fused with the
+    first expert GEMM, the second with combine).
+
+    Outside the fused ops (the same under every algorithm): the router and
+    the sort of rows by expert before dispatch, the gate-weighted sum after
+    combine, and their backwards. The size exchange opens the forward (one
+    small whole all-to-all of per-expert counts, which the backward reuses).
+    DeepSeek-V3's shared expert is not part of this layer: it is a dense MLP
+    on the rank's own tokens, outside expert parallelism.
+    """
+    d, h, f, e = w.dtype_bytes, w.hidden, w.ffn, w.experts
+    t, k, n, local = w.tokens, w.topk, w.ep, w.local_experts
+    routed = w.routed_rows()
+    back = [list(col) for col in zip(*routed)]  # combine's block r>s carries the rows s sent r
+    try:
+        dispatch = schedule_for("all_to_all", n, algorithm)
+        combine = schedule_for("produce_all_to_all", n, algorithm)
+    except ScheduleError as err:
+        raise CommfuseValueError(f"moe: {err} (the all-to-all has no bidirectional form: each pairwise step "
+                                 f"already uses a different link per rank)" if "bidirectional" in str(err)
+                                 else f"moe: {err}") from None
+
+    def op(name, schedule, rows, produce, kernels):
+        return Phase(name, ExpertOp(schedule, rows=rows, row_bytes=h * d, kernels=kernels, local_experts=local,
+                                    produce=produce, grouping=w.grouping, name=name), schedule)
+
+    # (name, flops per row, memory bytes per row, weight bytes per local expert) of each kernel of a call
+    up = ("gate/up", 2.0 * h * 2 * f, (h + 2 * f) * d, h * 2 * f * d)
+    act = ("swiglu", SWIGLU_FLOPS * f, 3.0 * f * d, 0.0)
+    down = ("down", 2.0 * f * h, (f + h) * d, f * h * d)
+    phases = []
+    if w.passes in ("forward", "both"):
+        count_bytes = local * COUNT_BYTES
+        sizes = schedule_for("all_to_all", n, "vanilla")
+        phases += [
+            # router logits (t, e) and the copy of every routed row into expert order
+            _outside("moe.route", Kernel(2.0 * t * h * e, (t * h + e * h + t * e) * d + 2.0 * t * k * h * d)),
+            Phase("moe.sizes", SizesOp(count_bytes), sizes),
+            op("moe.dispatch", dispatch, routed, False, (up, act)),
+            op("moe.combine", combine, back, True, (down,)),
+            # rows times their gate weights, summed back into token order
+            _outside("moe.unroute", Kernel(2.0 * t * k * h, 3.0 * t * k * h * d)),
+        ]
+    if w.passes in ("backward", "both"):
+        # dY dispatched; per block: d_act = dY @ w2^T, dw2 += act^T @ dY, SwiGLU's backward
+        down_dgrad = ("down.dgrad", 2.0 * h * f, (h + f) * d, f * h * d)
+        down_wgrad = ("down.wgrad", 2.0 * f * h, (f + h) * d, 3.0 * f * h * d)  # write, then += into dw2
+        act_back = ("swiglu.backward", SWIGLU_BACKWARD_FLOPS * f, 5.0 * f * d, 0.0)
+        # dX made per destination: dx = dh13 @ w13^T, dw13 += x^T @ dh13
+        up_dgrad = ("gate/up.dgrad", 2.0 * 2 * f * h, (2 * f + h) * d, h * 2 * f * d)
+        up_wgrad = ("gate/up.wgrad", 2.0 * h * 2 * f, (h + 2 * f) * d, 3.0 * h * 2 * f * d)
+        phases += [
+            _outside("moe.unroute.backward", Kernel(2.0 * t * k * h, 3.0 * t * k * h * d)),
+            op("moe.dispatch.backward", dispatch, routed, False, (down_dgrad, down_wgrad, act_back)),
+            op("moe.combine.backward", combine, back, True, (up_dgrad, up_wgrad)),
+            # dX rows summed back into token order; the router's dgrad and wgrad
+            _outside("moe.route.backward", Kernel(4.0 * t * h * e, 3.0 * t * k * h * d + (2 * t * h + e * h) * d)),
+        ]
+    return phases
+
+
+def _outside(name: str, kernel: Kernel) -> Phase:
+    return Phase(name, ComputeOnly(Kernel(kernel.flops, kernel.bytes, name)))
+
+
 _BUILD = {
     "mlp": _mlp,
     "attention": _attention,
     "ag_matmul": lambda w, a: [_ag_matmul(w, a)],
     "matmul_rs": lambda w, a: [_matmul_rs(w, a)],
     "fsdp_linear": _fsdp_linear,
+    "moe": _moe,
 }

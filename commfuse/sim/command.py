@@ -1,6 +1,7 @@
 """The ``commfuse simulate`` subcommand (also ``python -m commfuse.sim``). Imports no torch at module level.
 
     commfuse simulate --profile NAME|FILE --workload W --tp N --seq S --hidden H [--batch B] [--dp N] ...
+    commfuse simulate --profile NAME|FILE --preset mixtral-8x7b|deepseek-v3 [--ep N --experts E --topk K ...]
     commfuse simulate calibrate [--link-rate RATE] [--output FILE] [--install]
     commfuse simulate profiles
 
@@ -21,7 +22,16 @@ from pathlib import Path
 from commfuse.cli import command
 from commfuse.errors import CommfuseValueError
 
-WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear")
+WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe")
+#: ``commfuse.sim.MOE_PRESETS``'s names (repeated here: parsing imports no simulator).
+MOE_PRESETS = ("mixtral-8x7b", "deepseek-v3")
+#: The flags only the moe workload takes (their dests), and its defaults when neither they nor a preset say.
+MOE_FLAGS = ("ep", "experts", "topk", "skew", "grouping")
+MOE_DEFAULTS = {"ep": 1, "experts": 8, "topk": 2, "skew": 1.0, "grouping": "step"}
+#: What Comet (ByteDance, "Comet: Fine-grained Computation-communication Overlapping for Mixture-of-Experts",
+#: MLSys'25) reports, printed beside the moe predictions: its single-MoE-layer speed-up, its end-to-end
+#: speed-up (both averages over its models), and the largest share of a layer's time the all-to-all took.
+COMET_LAYER_SPEEDUP, COMET_E2E_SPEEDUP, COMET_A2A_SHARE = 1.96, 1.71, 0.47
 
 
 def _csv_ints(text: str, low: int = 1) -> list[int]:
@@ -55,6 +65,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "examples:\n"
         "  commfuse simulate --profile paper-table1 --workload mlp --tp 4 --batch 32 --seq 4096 --hidden 4096\n"
         "  commfuse simulate --profile h100-sxm --workload fsdp_linear --dp 1024 --seq 4096 --hidden 8192 --explain\n"
+        "  commfuse simulate --profile ascend-910b --preset deepseek-v3\n"
+        "  commfuse simulate --profile h100-sxm --workload moe --ep 8 --experts 8 --topk 2 --seq 8192 --hidden 4096 "
+        "--ffn 14336\n"
         "  commfuse simulate calibrate --link-rate 800mbit --output local.toml\n"
         "  commfuse simulate profiles\n"
         "see docs/simulator.md"
@@ -79,16 +92,34 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to simulate")
     g.add_argument("--profile", "-p", metavar="NAME|FILE", help="hardware profile: a shipped or installed name, or "
                    "a .toml file (see `commfuse simulate profiles`)")
-    g.add_argument("--workload", "-w", choices=WORKLOADS, help="the layer")
+    g.add_argument("--workload", "-w", choices=WORKLOADS, help="the layer (moe: one mixture-of-experts layer under "
+                   "expert parallelism, its dispatch and combine fused with the expert GEMMs)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the ring of the TP workloads)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree (the ring of fsdp_linear)")
-    g.add_argument("--seq", "-s", type=int, help="sequence length (the whole sequence; each TP rank holds seq/tp)")
+    g.add_argument("--seq", "-s", type=int, help="sequence length (the whole sequence; each TP rank holds seq/tp; "
+                   "moe: tokens per EP rank are batch x seq)")
     g.add_argument("--hidden", type=int, help="hidden size")
-    g.add_argument("--batch", "-b", type=int, default=1, help="batch size (per data-parallel rank)")
-    g.add_argument("--ffn", type=int, help="MLP inner size (default 4 x hidden)")
+    g.add_argument("--batch", "-b", type=int, default=None, help="batch size (per data-parallel rank; default 1)")
+    g.add_argument("--ffn", type=int, help="MLP inner size (default 4 x hidden; moe: each expert's)")
     g.add_argument("--dtype", help="element type (default: the profile's)")
-    g.add_argument("--pass", dest="passes", choices=("forward", "backward", "both"), default="forward",
-                   help="which pass of the layer (default forward; attention, ag_matmul and matmul_rs: forward)")
+    g.add_argument("--pass", dest="passes", choices=("forward", "backward", "both"), default=None,
+                   help="which pass of the layer (default forward, moe both; attention, ag_matmul and matmul_rs: "
+                   "forward)")
+    g = p.add_argument_group("mixture of experts (--workload moe)")
+    g.add_argument("--preset", choices=MOE_PRESETS,
+                   help="a known MoE layer, EP 8, 8192 tokens per rank: mixtral-8x7b (hidden 4096, ffn 14336, "
+                   "8 experts, top-2) or deepseek-v3 (hidden 7168, ffn 2048, 256 routed experts, top-8; the shared "
+                   "expert left out); implies --workload moe, and the flags given override its sizes")
+    g.add_argument("--ep", type=int, help="expert-parallel degree: the ranks of the all-to-alls (default 1)")
+    g.add_argument("--experts", type=int, help="routed experts, a multiple of --ep (default 8)")
+    g.add_argument("--topk", type=int, help="experts per token, at most --experts (default 2)")
+    g.add_argument("--skew", type=float,
+                   help="routing skew: rank 0's share of every rank's rows over the balanced share, 1 (default, "
+                   "balanced) to --ep")
+    g.add_argument("--moe-grouping", dest="grouping", choices=("step", "source"),
+                   help="how the expert GEMMs are called: step (default: one grouped GEMM per schedule step, "
+                   "chunks computed as they arrive) or source (one per source's whole block, as commfuse.nn.MoE "
+                   "does now)")
     g.add_argument("--chunks", type=_csv_ints, default=[2, 4], metavar="C,C",
                    help="the sliced rows to show (default 2,4)")
     g.add_argument("--algorithms", "-a", nargs="+", metavar="A",
@@ -132,14 +163,18 @@ def _simulate(args: argparse.Namespace) -> int:
     from commfuse import sim
     from commfuse.sim import _planner, _report
 
+    moe = _moe_arguments(args)
     _need(args, "profile", "workload", "seq", "hidden")
     profile = sim.load_profile(args.profile)
     if args.settings:
         profile = profile.replace(**dict(args.settings))
-    workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=args.batch,
-                            dp=args.dp, ffn=args.ffn, dtype=args.dtype or profile.compute.dtype, passes=args.passes)
+    passes = args.passes or ("both" if args.workload == "moe" else "forward")
+    workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=args.batch or 1,
+                            dp=args.dp, ffn=args.ffn, dtype=args.dtype or profile.compute.dtype, passes=passes, **moe)
     if args.algorithms:
         algorithms = [a for item in args.algorithms for a in item.split(",") if a]
+    elif args.workload == "moe":  # all-to-all has no bidirectional form; ring:2 shows the parts instead
+        algorithms = ["vanilla", *(f"sliced:{c}" for c in args.chunks), "ring", "ring:2"]
     else:
         algorithms = ["vanilla", *(f"sliced:{c}" for c in args.chunks), "ring", "bidirectional"]
     want_timeline = bool(args.plot or args.trace)
@@ -150,6 +185,8 @@ def _simulate(args: argparse.Namespace) -> int:
             f"{workload.world_size} ranks, " + ("every rank alike (simulated once)" if alike else
                                                 "each simulated" + ("" if args.full else " (unequal shards)")))
     text = head + "\n" + _report.table(predictions) + "\n"
+    if workload.name == "moe":
+        text += _comet_lines(predictions) + "\n"
     if args.explain:
         text += "\n" + _planner.explain(profile, workload, predictions) + "\n"
     out = sys.stderr if args.json == "-" else sys.stdout
@@ -168,6 +205,42 @@ def _simulate(args: argparse.Namespace) -> int:
         path = _report.write_plot(predictions, args.plot, args.ranks)
         print(f"wrote the predicted Gantt chart to {path}", file=sys.stderr)
     return 0
+
+
+def _moe_arguments(args: argparse.Namespace) -> dict:
+    """The moe workload's keyword arguments from its flags and ``--preset`` (which also fills the shared sizes
+    that were not given); a moe flag with another workload is an error."""
+    if args.preset:
+        from commfuse.sim import MOE_PRESETS as presets
+
+        if args.workload not in (None, "moe"):
+            raise CommfuseValueError(f"--preset {args.preset} is a moe layer; it cannot be --workload {args.workload}")
+        args.workload = "moe"
+        for key, value in presets[args.preset].items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    given = [f for f in MOE_FLAGS if getattr(args, f) is not None]
+    if args.workload != "moe":
+        if given:
+            flags = ", ".join("--" + ("moe-grouping" if f == "grouping" else f) for f in given)
+            raise CommfuseValueError(f"{flags} apply to --workload moe only, not {args.workload or 'no workload'}")
+        return {}
+    if args.tp != 1 or args.dp != 1:
+        raise CommfuseValueError(f"--workload moe simulates one expert-parallel group: give its size as --ep, not "
+                                 f"--tp {args.tp} / --dp {args.dp}")
+    return {f: MOE_DEFAULTS[f] if getattr(args, f) is None else getattr(args, f) for f in MOE_FLAGS}
+
+
+def _comet_lines(predictions) -> str:
+    """Beside the moe table: vanilla's all-to-all share and the best speed-up, with Comet's published figures."""
+    vanilla = next(p for p in predictions if p.algorithm == "vanilla")
+    share = vanilla.exposed / vanilla.time if vanilla.time > 0 else 0.0
+    best = max(predictions, key=lambda p: p.speedup_vs_vanilla or 0.0)
+    return (f"all-to-all share of vanilla's layer time: {100 * share:.1f}% (vanilla's time less its compute-only "
+            f"time; Comet reports up to {100 * COMET_A2A_SHARE:.0f}%)\n"
+            f"best: {best.algorithm} at {best.speedup_vs_vanilla:.3f}x vanilla; Comet (ByteDance, MLSys'25) reports "
+            f"{COMET_LAYER_SPEEDUP:.2f}x for a single MoE layer and {COMET_E2E_SPEEDUP:.2f}x end to end (averages, "
+            f"on its own models and cluster)")
 
 
 def _profiles() -> int:

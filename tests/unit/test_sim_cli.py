@@ -117,7 +117,7 @@ def test_bad_input_exits_2_naming_it(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv", [[*BASE, "--chunks", "0"], [*BASE, "--set", "bandwidth"], [*BASE, "--tp", "x"],
-                                  [*BASE, "--workload", "moe"]])
+                                  [*BASE, "--workload", "nope"]])
 def test_argparse_refuses_malformed_flags(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parser().parse_args(argv)
