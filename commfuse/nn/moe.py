@@ -190,48 +190,70 @@ def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: 
 # -- the fused expert-parallel part -----------------------------------------------------------------------------
 
 
+def _counts_in(counts: list[int], start: int, rows: int) -> list[int]:
+    """Rows per expert within rows ``start .. start + rows`` of a block grouped by expert (``counts`` each)."""
+    out, at, stop = [], 0, start + rows
+    for c in counts:
+        out.append(max(0, min(at + c, stop) - max(at, start)))
+        at += c
+    return out
+
+
 class _Experts:
-    """One call's local expert work, by source rank, shared by the forward and the backward."""
+    """One call's local expert work, by source rank and slice of its block, shared by forward and backward.
+
+    Each exchange hands over a block in slices (one for ``ring`` and
+    ``vanilla``, several for ``ring:m`` and ``sliced:c``): every slice is
+    computed on its own, as it arrives or before it leaves, with the experts'
+    rows it holds.
+    """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, recv_counts: list[list[int]]) -> None:
         self.w13, self.w2, self.recv = w13, w2, recv_counts
+        self.rows = [sum(c) for c in recv_counts]
         n = len(recv_counts)
         self.x: list = [None] * n  # each source's rows, as they arrived
-        self.h13: list = [None] * n  # their gate/up projection (the activation is recomputed from it)
+        self.h13: list = [None] * n  # their gate/up projection (the activation's backward reads it)
         self.act: list = [None] * n
         self.dh13: list = [None] * n
 
+    def _keep(self, table: list, q: int, start: int, t: torch.Tensor) -> None:
+        total = self.rows[q]
+        if start == 0 and t.shape[0] == total:
+            table[q] = t
+            return
+        if table[q] is None:
+            table[q] = t.new_empty(total, *t.shape[1:])
+        table[q].narrow(0, start, t.shape[0]).copy_(t)
+
     # forward
-    def up(self, xq: torch.Tensor, q: int) -> torch.Tensor:
-        h13 = grouped_mm(xq, self.w13, self.recv[q])
-        self.x[q], self.h13[q] = xq, h13
-        act = self.act[q] = _swiglu(h13)
-        return act
+    def up(self, xq: torch.Tensor, q: int, start: int) -> None:
+        h13 = grouped_mm(xq, self.w13, _counts_in(self.recv[q], start, xq.shape[0]))
+        self._keep(self.x, q, start, xq)
+        self._keep(self.h13, q, start, h13)
+        self._keep(self.act, q, start, _swiglu(h13))
 
-    def up_stand_in(self, xq: torch.Tensor, q: int) -> torch.Tensor:  # comm_only: the shapes, no work
-        self.x[q] = xq
-        self.h13[q] = xq.new_empty(xq.shape[0], self.w13.shape[-1])
-        act = self.act[q] = xq.new_empty(xq.shape[0], self.w2.shape[1])
-        return act
+    def up_stand_in(self, xq: torch.Tensor, q: int, start: int) -> None:  # comm_only: the shapes, no work
+        self._keep(self.x, q, start, xq)
+        self._keep(self.h13, q, start, xq.new_empty(xq.shape[0], self.w13.shape[-1]))
+        self._keep(self.act, q, start, xq.new_empty(xq.shape[0], self.w2.shape[1]))
 
-    def down(self, q: int) -> torch.Tensor:
-        return grouped_mm(self.act[q], self.w2, self.recv[q])
+    def down(self, q: int, start: int, rows: int) -> torch.Tensor:
+        return grouped_mm(self.act[q].narrow(0, start, rows), self.w2, _counts_in(self.recv[q], start, rows))
 
     # backward
-    def down_backward(self, dyq: torch.Tensor, q: int, dw2: torch.Tensor) -> None:
-        counts = self.recv[q]
+    def down_backward(self, dyq: torch.Tensor, q: int, start: int, dw2: torch.Tensor) -> None:
+        rows = dyq.shape[0]
+        counts = _counts_in(self.recv[q], start, rows)
         d_act = grouped_mm(dyq, self.w2.transpose(1, 2), counts)
-        dw2 += grouped_wgrad(self.act[q], dyq, counts)
-        self.act[q] = None
-        self.dh13[q] = _swiglu_backward(self.h13[q], d_act)
-        self.h13[q] = None
+        dw2 += grouped_wgrad(self.act[q].narrow(0, start, rows), dyq, counts)
+        self._keep(self.dh13, q, start, _swiglu_backward(self.h13[q].narrow(0, start, rows), d_act))
 
-    def up_backward(self, q: int, dw13: torch.Tensor) -> torch.Tensor:
-        counts = self.recv[q]
-        dh13 = self.dh13[q]
+    def up_backward(self, q: int, start: int, rows: int, dw13: torch.Tensor) -> torch.Tensor:
+        counts = _counts_in(self.recv[q], start, rows)
+        dh13 = self.dh13[q].narrow(0, start, rows)
         dx = grouped_mm(dh13, self.w13.transpose(1, 2), counts)
-        dw13 += grouped_wgrad(self.x[q], dh13, counts)
-        self.dh13[q] = self.x[q] = None
+        dw13 += grouped_wgrad(self.x[q].narrow(0, start, rows), dh13, counts)
         return dx
 
 
@@ -243,10 +265,9 @@ class _ExpertParallel(torch.autograd.Function):
     def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
                 meta: list[int]):
         if call is None:
-            counts = send_counts.tolist()
-            work = _Experts(w13, w2, counts)
-            work.up(xs, 0)
-            ys = work.down(0)
+            work = _Experts(w13, w2, send_counts.tolist())
+            work.up(xs, 0, 0)
+            ys = work.down(0, 0, xs.shape[0])
             ctx.state = (call, work, [xs.shape[0]], [xs.shape[0]])
             return ys
         recv_counts = pipelined.exchange_sizes(call, send_counts, label="moe.sizes", meta=meta).tolist()
@@ -255,10 +276,10 @@ class _ExpertParallel(torch.autograd.Function):
         work = _Experts(w13, w2, recv_counts)
         pipelined.all_to_all_consume_core(
             call, list(xs.split(send_rows)), pipelined.StandIn(work.up, work.up_stand_in), 0,
-            recv_sizes=recv_rows, label="moe.dispatch", meta=None)
+            recv_sizes=recv_rows, label="moe.dispatch", by_slice=True)
         like = xs.new_empty(0, w2.shape[-1])
         ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=recv_rows,
-                                               label="moe.combine", like=like)
+                                               label="moe.combine", like=like, by_slice=True)
         ctx.state = (call, work, send_rows, recv_rows)
         return torch.cat(ys) if len(ys) > 1 else ys[0]
 
@@ -270,23 +291,23 @@ class _ExpertParallel(torch.autograd.Function):
         dw13 = torch.zeros_like(work.w13)
         dw2 = torch.zeros_like(work.w2)
         if call is None:
-            work.down_backward(dys, 0, dw2)
-            return work.up_backward(0, dw13), dw13, dw2, None, None, None
+            work.down_backward(dys, 0, 0, dw2)
+            return work.up_backward(0, 0, dys.shape[0], dw13), dw13, dw2, None, None, None
 
-        def down_backward(dyq, q):
-            work.down_backward(dyq, q, dw2)
+        def down_backward(dyq, q, start):
+            work.down_backward(dyq, q, start, dw2)
+
+        def down_stand_in(dyq, q, start):  # comm_only: what the input gradient's slices are made of
+            work._keep(work.dh13, q, start, dyq.new_empty(dyq.shape[0], work.w13.shape[-1]))
 
         pipelined.all_to_all_consume_core(
-            call, list(dys.split(send_rows)), pipelined.StandIn(down_backward, _nothing), 0,
-            recv_sizes=recv_rows, label="moe.dispatch.backward", meta=None)
+            call, list(dys.split(send_rows)), pipelined.StandIn(down_backward, down_stand_in), 0,
+            recv_sizes=recv_rows, label="moe.dispatch.backward", by_slice=True)
         like = dys.new_empty(0, work.w13.shape[1])
-        dxs = pipelined.produce_all_to_all_core(call, lambda q: work.up_backward(q, dw13), 0, recv_sizes=send_rows,
-                                                send_sizes=recv_rows, label="moe.combine.backward", like=like)
+        dxs = pipelined.produce_all_to_all_core(call, lambda q, start, rows: work.up_backward(q, start, rows, dw13), 0,
+                                                recv_sizes=send_rows, send_sizes=recv_rows,
+                                                label="moe.combine.backward", like=like, by_slice=True)
         return (torch.cat(dxs) if len(dxs) > 1 else dxs[0]), dw13, dw2, None, None, None
-
-
-def _nothing(tensor, source):
-    return None
 
 
 def _expert_parallel(xs, w13, w2, call, send_counts, meta):

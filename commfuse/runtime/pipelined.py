@@ -311,8 +311,8 @@ class StandIn:
                  stand_in: Callable[[torch.Tensor, int], Any]) -> None:
         self.consumer, self.stand_in = consumer, stand_in
 
-    def __call__(self, tensor: torch.Tensor, source: int) -> Any:
-        return self.consumer(tensor, source)
+    def __call__(self, tensor: torch.Tensor, source: int, *more) -> Any:
+        return self.consumer(tensor, source, *more)
 
 
 def _identity(tensor: torch.Tensor, source: int) -> torch.Tensor:
@@ -466,9 +466,28 @@ def a2a_layout(plan: Plan, dim: int, shape, dtype, send_sizes, recv_sizes) -> Al
     return AllToAllLayout(plan.compiled, dim, shape, dtype, send_sizes, recv_sizes)
 
 
+class _BySlice:
+    """Calls ``consumer(slice, source, start)`` for every slice as it arrives (``start``: its first row within
+    the source's block); in ``comm_only`` runs its ``stand_in``, if it has one."""
+
+    def __init__(self, layout, consumer: Callable) -> None:
+        self.layout, self.consumer = layout, consumer
+
+    def __call__(self, slots, tensors, consumer=None) -> None:
+        layout = self.layout
+        consumer = consumer or self.consumer
+        for s, t in zip(slots, tensors):
+            consumer(t, layout.source[s], layout.offset[s])
+
+    def skip(self, slots, tensors) -> None:
+        stand_in = getattr(self.consumer, "stand_in", None)
+        if stand_in is not None:
+            self(slots, tensors, stand_in)
+
+
 def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
                             recv_sizes: Sequence[int] | None = None, label: str = "all_to_all_consume",
-                            meta: Sequence[int] | None = None) -> list[Any]:
+                            meta: Sequence[int] | None = None, by_slice: bool = False) -> list[Any]:
     """``commfuse.all_to_all_consume`` on a resolved ``call``.
 
     Even (``recv_sizes`` None): every rank's chunks have one shape. Uneven:
@@ -482,6 +501,9 @@ def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer
                                            uneven, meta)
     if uneven:
         layout = a2a_layout(plan, dim, first.shape, first.dtype, [c.shape[dim] for c in chunks], recv_sizes)
+    if by_slice:
+        execute(plan, AllToAllProgram(layout, pool, chunks, _BySlice(layout, consumer), keep=True, meta=values))
+        return None
     assembler = _Assembler(layout, consumer, call.be.world_size, layout.source, plan.schedule.pieces)
     execute(plan, AllToAllProgram(layout, pool, chunks, assembler, keep=True, meta=values))
     return assembler.results
@@ -490,8 +512,8 @@ def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer
 def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int, *,
                             recv_sizes: Sequence[int] | None = None, send_sizes: Sequence[int] | None = None,
                             label: str = "produce_all_to_all", meta: Sequence[int] | None = None,
-                            first: torch.Tensor | None = None, like: torch.Tensor | None = None
-                            ) -> list[torch.Tensor]:
+                            first: torch.Tensor | None = None, like: torch.Tensor | None = None,
+                            by_slice: bool = False) -> list[torch.Tensor]:
     """``commfuse.produce_all_to_all`` on a resolved ``call``: every rank's block for this rank, by source.
 
     The block for the ring's first destination (rank + 1) is made before the
@@ -502,7 +524,9 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     which then must all be made before the first transfer: give them to keep
     the overlap). ``first``: the block for rank + 1, made already. ``like``
     (uneven, with ``send_sizes``): a tensor with the blocks' dtype and other
-    dims, so that no block is made before the steps start.
+    dims, so that no block is made before the steps start. ``by_slice``
+    (with ``like`` and both sizes): ``producer(d, start, rows)`` makes each
+    slice of the block for d in the step that the schedule says.
     """
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
@@ -529,7 +553,7 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
                     made[d] = producer(d)
             send_sizes = [made[d].shape[dim] if isinstance(made[d], torch.Tensor) else -1 for d in range(n)]
         layout = a2a_layout(plan, dim, first.shape, first.dtype, send_sizes, recv_sizes)
-    program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made)
+    program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made, by_slice=by_slice)
     execute(plan, program)
     return program.result()
 

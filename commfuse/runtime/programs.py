@@ -464,6 +464,13 @@ class AllToAllLayout(_SlotLayout):
             self.send_sizes, self.recv_sizes = list(send_sizes), list(recv_sizes)
         else:
             self.send_sizes = self.recv_sizes = [shape[dim]] * n
+        #: where each slice starts within its block, along ``dim``
+        self.offset = [0] * len(self.size)
+        for slots in (compiled.slots_of(d, q) for d in range(n) for q in range(n) if rank in (d, q)):
+            at = 0
+            for s in slots:
+                self.offset[s] = at
+                at += self.size[s]
         self.outgoing = [compiled.slots_of(d, rank) for d in range(n)]  # my block for d, slice by slice
         self.incoming = [compiled.slots_of(rank, q) for q in range(n)]  # the block from q, slice by slice
         #: where tensor_split cuts this rank's block for each destination into its slices
@@ -555,8 +562,11 @@ class ProduceAllToAllProgram(_Blocks, _Base):
     keeps_own = False
 
     def __init__(self, layout: AllToAllLayout, pool: _Pool, produce: Callable[[int], torch.Tensor], *,
-                 meta: list[int], made: dict[int, torch.Tensor] | None = None) -> None:
+                 meta: list[int], made: dict[int, torch.Tensor] | None = None, by_slice: bool = False) -> None:
         self.layout, self.pool, self.produce, self._meta = layout, pool, produce, meta
+        #: ``produce(d, start, rows)`` makes each slice of the block for d in its own step (else the whole block
+        #: is made on its first slice's step)
+        self.by_slice = by_slice
         self.sparse = layout.sparse
         self.held: list = [None] * len(layout.size)
         self.made: dict[int, torch.Tensor] = dict(made or {})  # blocks made before the call (its layout's source)
@@ -593,7 +603,15 @@ class ProduceAllToAllProgram(_Blocks, _Base):
     def compute(self, slots):
         layout, held = self.layout, self.held
         for s in slots:
-            t = self._block(layout.shard[s])[layout.piece[s]]
+            if self.by_slice:
+                t = self.produce(layout.shard[s], layout.offset[s], layout.size[s])
+                if tuple(t.shape) != layout.key[s][0] or t.dtype != layout.key[s][1]:
+                    raise CommfuseValueError(
+                        f"rank {layout.rank}: the producer's slice of rows {layout.offset[s]}.."
+                        f"{layout.offset[s] + layout.size[s]} for rank {layout.shard[s]} is {t.dtype}"
+                        f"{list(t.shape)}, expected {layout.key[s][1]}{list(layout.key[s][0])}")
+            else:
+                t = self._block(layout.shard[s])[layout.piece[s]]
             held[s] = t if t.is_contiguous() else t.contiguous()
 
     def skip(self, slots):  # comm_only: send uninitialised blocks of the right shape

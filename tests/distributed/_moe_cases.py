@@ -73,7 +73,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-5) -> bool:
 def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
     """Forward and backward of MoE against the one-process reference: top-1 and top-2, softmax and sigmoid
     gating, skewed routing (a rank with no tokens, an expert no token picks, and at 3+ ranks a rank whose
-    experts no token picks). fp32 forward outputs exactly; gradients (sums in another order) within 2e-5."""
+    experts no token picks). fp32 forward outputs exactly (within 1e-6 where blocks are cut in slices);
+    gradients (sums in another order) within 2e-5."""
     problems: list[str] = []
     experts = 2 * n
     starve_rank = n - 1 if n >= 3 else None
@@ -93,7 +94,10 @@ def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
             moe = MoE(HIDDEN, FFN, experts, topk, gating=gating, algorithm=algorithm).load_experts(router, w13, w2)
             x = xs[rank].clone().requires_grad_()
             y = moe(x)
-            if not torch.equal(y, ys[rank]):
+            # whole blocks run the experts' GEMMs on the reference's rows, exactly; blocks cut in slices
+            # (ring:m, sliced:c) run them on fewer rows at a time, which the BLAS may block differently
+            exact = ":" not in algorithm or algorithm.endswith(":1")
+            if not (torch.equal(y, ys[rank]) if exact else _close(y, ys[rank], 1e-6)):
                 problems.append(f"{where}: forward differs from the reference (max "
                                 f"{(y - ys[rank]).abs().max().item() if y.numel() else 0:g})")
             y.backward(_grad_weights(rank, y))
