@@ -340,9 +340,8 @@ class MoE(nn.Module):
 
     Every rank must build the same layer (expert count, sizes, top-k,
     gating): each call's size exchange checks it, and a rank that differs is
-    named on every rank. ``auto`` decides on the blocks of balanced routing
-    (this rank's tokens times top-k over N ranks): ranks with different token
-    counts should name the algorithm.
+    named on every rank. ``auto`` decides once, on its first call, on the
+    blocks of balanced routing for the most tokens any rank has then.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, experts: int, topk: int = 2, *, gating: str = "softmax",
@@ -366,6 +365,7 @@ class MoE(nn.Module):
         self.gating, self.normalize, self.algorithm = gating, normalize, algorithm
         self.local_experts = experts // self.world_size
         self.backend = None
+        self._calls: dict = {}
         kw = dict(device=device, dtype=dtype)
         self.router = nn.Parameter(torch.empty(experts, hidden_size, **kw))
         self.w13 = nn.Parameter(torch.empty(self.local_experts, hidden_size, 2 * ffn_size, **kw))
@@ -407,14 +407,31 @@ class MoE(nn.Module):
         order, token, counts = _sort_by_expert(chosen, self.experts)
         xs = xt.index_select(0, token)
         n = self.world_size
-        be = None if n == 1 else backends.resolve(self.backend, self.group, x.device)
-        rows = xt.shape[0] * self.topk
-        call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=x.device,
-                            slice_bytes=rows // n * self.hidden_size * x.element_size())
+        call = self._call(xt)
         send_counts = counts.view(n, self.local_experts)
         ys = _expert_parallel(xs, self.w13, self.w2, call, send_counts, self._meta())
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
+
+    def _call(self, xt: torch.Tensor):
+        """The exchanges' resolved options. ``auto`` decides once per layer, device and dtype, on the blocks of
+        balanced routing for the most tokens any rank has on that first call (agreed by one all-reduce), so
+        that every rank decides alike however its own token count differs."""
+        key = (self.algorithm, self.backend, xt.device, xt.dtype)
+        found = self._calls.get(key)
+        if found is not None:
+            return found[0]
+        be = None if self.world_size == 1 else backends.resolve(self.backend, self.group, xt.device)
+        rows = xt.shape[0]
+        if be is not None and self.algorithm == "auto":
+            most = torch.tensor([rows], dtype=torch.int64, device=getattr(be, "device", None) or xt.device)
+            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            rows = int(most.item())
+        slice_bytes = rows * self.topk // self.world_size * self.hidden_size * xt.element_size()
+        call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=xt.device,
+                            slice_bytes=slice_bytes)
+        self._calls[key] = (call,)
+        return call
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, experts={self.experts} "
