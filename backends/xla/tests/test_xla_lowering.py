@@ -140,3 +140,34 @@ def test_default_fingerprint_check_does_not_execute_a_traced_graph():
     done = subprocess.run([sys.executable, "-c", _DEFAULT_CHECK], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert "TRACED-ONLY" in done.stdout, done.stderr[-2000:]
+
+
+_UNEVEN = """
+import torch, torch_xla, commfuse as cf
+from commfuse.errors import CommfuseValueError
+from commfuse_xla.backend import XlaBackend
+d = torch_xla.device()
+be = XlaBackend(rank=1, world_size=2, device=d)
+chunks = [torch.ones(3, 4).to(d), torch.ones(1, 4).to(d)]
+for call in (lambda: cf.all_to_all_consume(chunks, lambda t, s: t, backend=be, algorithm="ring",
+                                           output_splits=[2, 1]),
+             lambda: cf.produce_all_to_all(lambda q: chunks[q], backend=be, algorithm="ring",
+                                           output_splits=[2, 1], input_splits=[3, 1])):
+    try:
+        call()
+        print("NOT REFUSED")
+    except CommfuseValueError as e:
+        assert "traces a graph of fixed shapes" in str(e) and "pad every block to one capacity" in str(e), e
+        print("REFUSED")
+"""
+
+
+def test_an_uneven_all_to_all_is_refused_on_a_traced_backend():
+    """Uneven sizes change every call; a traced graph has fixed shapes: the ops name the padded even form."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _UNEVEN], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.stdout.split() == ["REFUSED", "REFUSED"], done.stdout + done.stderr[-2000:]
