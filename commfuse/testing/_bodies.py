@@ -50,6 +50,8 @@ def _case(results: dict, name: str, fn) -> None:
         if isinstance(out, dict):
             figures.update(out)
         results[name] = {"error": None, "figures": figures}
+        if "skip" in figures:  # a capability the case found on the backend object itself
+            results[name]["skip"] = figures.pop("skip")
     except Exception as e:  # reported per case
         results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}", "figures": figures}
 
@@ -171,18 +173,216 @@ def schedules(rank: int, n: int, ref: str, caps: dict) -> dict:
                     _same(got, want, exact, "reduced shard")
 
                 def a2a(alg=alg, dtype=dtype, exact=exact):
-                    if alg.startswith("bidirectional"):
-                        return
                     blocks = [_values((3, 4), dtype, 1000 * rank + d, exact, dev) for d in range(n)]
                     got = cf.all_to_all_consume(blocks, lambda t, s: t.clone(), algorithm=alg, backend=be,
                                                 timeout=timeout)
                     for s in range(n):
                         _same(got[s], _values((3, 4), dtype, 1000 * s + rank, exact, dev), True, f"block from {s}")
 
+                def pa2a(alg=alg, dtype=dtype, exact=exact):
+                    made = []
+
+                    def producer(d):
+                        made.append(d)
+                        return _values((3, 4), dtype, 2000 * rank + d, exact, dev)
+
+                    got = cf.produce_all_to_all(producer, algorithm=alg, backend=be, timeout=timeout)
+                    _made_once(made, n)
+                    for s in range(n):
+                        _same(got[s], _values((3, 4), dtype, 2000 * s + rank, exact, dev), True, f"block from {s}")
+
                 _case(results, f"all_gather-{alg}-{dname}-{tier}", ag)
                 _case(results, f"reduce_scatter-{alg}-{dname}-{tier}", rs)
-                _case(results, f"all_to_all-{alg}-{dname}-{tier}", a2a)
+                if alg in a2a_algorithms(caps["algorithms"]):
+                    _case(results, f"all_to_all-{alg}-{dname}-{tier}", a2a)
+                    _case(results, f"produce_all_to_all-{alg}-{dname}-{tier}", pa2a)
+            if alg in a2a_algorithms(caps["algorithms"]):
+                # the same schedules over blocks of different sizes, empty ones among them (the own block too),
+                # the sizes exchanged first
+                _case(results, f"all_to_all-uneven-{alg}-{dname}",
+                      lambda alg=alg, dtype=dtype: _uneven_consume(rank, n, be, alg, dtype, dev, timeout, "mixed",
+                                                                   "exchanged", dim=0))
+                _case(results, f"produce_all_to_all-uneven-{alg}-{dname}",
+                      lambda alg=alg, dtype=dtype: _uneven_produce(rank, n, be, alg, dtype, dev, timeout, "mixed",
+                                                                   "input-splits", dim=0))
     return results
+
+
+# -- all-to-all over per-peer sizes: uneven and empty blocks ---------------------------------------------------
+
+#: Who sends whom how many rows in the uneven all-to-all cases (:func:`a2a_rows`): sizes that differ with
+#: empty blocks among them (the own block of some ranks too), a rank that receives nothing, a rank that
+#: sends nothing, nothing at all, and one rank (0) whose blocks both ways all have one size while the
+#: others' differ (every rank must still take the same path through the backend).
+A2A_PATTERNS = ("mixed", "rank1-receives-nothing", "rank0-sends-nothing", "all-empty", "rank0-balanced")
+#: How the uneven ``all_to_all_consume`` cases learn the sizes: ``output_splits`` given, or exchanged.
+CONSUME_SPLITS = ("given", "exchanged")
+#: How the uneven ``produce_all_to_all`` cases learn them: ``input_splits`` only (the sizes exchanged),
+#: ``output_splits`` only (the producer's blocks say what is sent), or both.
+PRODUCE_SPLITS = ("input-splits", "output-splits", "both-splits")
+#: The algorithms whose messages the executor posts one by one, so that an empty block's absence shows.
+POSTING_ALGORITHMS = ("ring", "ring:2")
+
+
+def a2a_algorithms(algorithms) -> list[str]:
+    """The algorithms of ``algorithms`` the all-to-alls have (no bidirectional ring)."""
+    return [a for a in algorithms if not a.startswith("bidirectional")]
+
+
+def uneven_op_cases(algorithms, dtypes) -> list[str]:
+    """The ops tier's all-to-all cases: ``all_to_all_consume-{splits}-{pattern}-{algorithm}-{dtype}``,
+    ``produce_all_to_all-even-{algorithm}-{dtype}``, ``produce_all_to_all-{splits}-{pattern}-{algorithm}-{dtype}``
+    and ``empty-blocks-not-posted-{algorithm}``."""
+    out = [f"all_to_all_consume-{m}-{p}-{a}-{d}" for m in CONSUME_SPLITS for p in A2A_PATTERNS for a in algorithms
+           for d in dtypes]
+    out += [f"produce_all_to_all-even-{a}-{d}" for a in algorithms for d in dtypes]
+    out += [f"produce_all_to_all-{m}-{p}-{a}-{d}" for m in PRODUCE_SPLITS for p in A2A_PATTERNS for a in algorithms
+            for d in dtypes]
+    out += [f"empty-blocks-not-posted-{a}" for a in POSTING_ALGORITHMS]
+    return out + [f"first-all_to_all-of-a-group-rank0-balanced-{a}" for a in algorithms]
+
+
+def a2a_rows(pattern: str, n: int) -> list[list[int]]:
+    """``rows[s][d]``: how many rows rank s sends rank d in the uneven all-to-all ``pattern``."""
+    def rows(s: int, d: int) -> int:
+        if pattern == "mixed":  # 0 to 3 rows: rank 0's own block is empty, from 3 ranks on some others too
+            return (s + 2 * d) % 4
+        if pattern == "rank1-receives-nothing":
+            return 0 if d == 1 else 1 + (s + d) % 3
+        if pattern == "rank0-sends-nothing":
+            return 0 if s == 0 else 1 + (s + d) % 3
+        if pattern == "all-empty":
+            return 0
+        if pattern == "rank0-balanced":
+            return 2 if 0 in (s, d) else (s + 2 * d + 1) % 4
+        raise ValueError(f"unknown all-to-all pattern {pattern!r}")
+
+    return [[rows(s, d) for d in range(n)] for s in range(n)]
+
+
+def _block(src: int, dst: int, rows: int, dtype, dev, dim: int, salt: int) -> torch.Tensor:
+    """The block rank ``src`` sends rank ``dst``: ``rows`` rows along ``dim`` (of 1 or 2) of random values."""
+    shape = (rows, 3) if dim == 0 else (2, rows, 3)
+    return _values(shape, dtype, 100_003 * salt + 1009 * src + dst, False, dev)
+
+
+def _made_once(made: list, n: int) -> None:
+    if sorted(made) != list(range(n)):
+        raise AssertionError(f"the producer was called for destinations {made}, not once for each of {n}")
+
+
+def _uneven_consume(rank, n, be, alg, dtype, dev, timeout, pattern, splits, dim=1, salt=1):
+    """``all_to_all_consume`` over the blocks of ``pattern``: every block arrives exactly, the consumer sees each
+    source once, an empty tensor of the right shape for an empty block."""
+    import commfuse as cf
+
+    rows = a2a_rows(pattern, n)
+    chunks = [_block(rank, d, rows[rank][d], dtype, dev, dim, salt) for d in range(n)]
+    seen = []
+
+    def consumer(t, s):
+        seen.append(s)
+        return t.clone()
+
+    kwargs = {"output_splits": [rows[s][rank] for s in range(n)]} if splits == "given" else {"uneven": True}
+    got = cf.all_to_all_consume(chunks, consumer, dim=dim, algorithm=alg, backend=be, timeout=timeout, **kwargs)
+    if sorted(seen) != list(range(n)):
+        raise AssertionError(f"the consumer was called for sources {seen}, not once for each of {n}")
+    for s in range(n):
+        _same(got[s], _block(s, rank, rows[s][rank], dtype, dev, dim, salt), True,
+              f"block from rank {s} ({rows[s][rank]} rows)")
+
+
+def _uneven_produce(rank, n, be, alg, dtype, dev, timeout, pattern, splits, dim=1, salt=2):
+    """``produce_all_to_all`` over the blocks of ``pattern`` (``splits`` says which sizes it is given; ``even``:
+    none, every block of 2 rows): every block arrives exactly, each made once."""
+    import commfuse as cf
+
+    rows = [[2] * n for _ in range(n)] if splits == "even" else a2a_rows(pattern, n)
+    made = []
+
+    def producer(d):
+        made.append(d)
+        return _block(rank, d, rows[rank][d], dtype, dev, dim, salt)
+
+    kwargs = {}
+    if splits in ("input-splits", "both-splits"):
+        kwargs["input_splits"] = rows[rank]
+    if splits in ("output-splits", "both-splits"):
+        kwargs["output_splits"] = [rows[s][rank] for s in range(n)]
+    got = cf.produce_all_to_all(producer, dim=dim, algorithm=alg, backend=be, timeout=timeout, **kwargs)
+    _made_once(made, n)
+    if len(got) != n:
+        raise AssertionError(f"{len(got)} blocks came back, expected one from each of {n} ranks")
+    for s in range(n):
+        _same(got[s], _block(s, rank, rows[s][rank], dtype, dev, dim, salt), True,
+              f"block from rank {s} ({rows[s][rank]} rows)")
+
+
+def _empty_blocks_not_posted(rank, n, be, alg, dev, timeout) -> dict:
+    """Uneven all-to-alls, both sides, every pattern, sizes given: what reaches the backend's ``post`` (the call
+    check's fingerprints aside) is exactly the non-empty blocks' data, never a message of no elements; where
+    every block is empty, nothing at all."""
+    from commfuse.runtime.executor import FINGERPRINT_CHANNEL
+
+    own = "post" in getattr(be, "__dict__", {})  # a post set on the object itself is put back as it was
+    original = be.post
+    seen = {"send": 0, "recv": 0, "messages": 0}
+    empty: list[str] = []
+
+    def counting(sends, recvs):
+        for side, messages in (("send", sends), ("recv", recvs)):
+            for t, x in messages:
+                if t.channel == FINGERPRINT_CHANNEL:
+                    continue
+                seen["messages"] += 1
+                seen[side] += x.numel()
+                if not x.numel():
+                    empty.append(f"a {side} of {t.slice} {'to' if side == 'send' else 'from'} rank {t.peer}")
+        return original(sends, recvs)
+
+    try:
+        be.post = counting
+    except AttributeError:  # __slots__ without __dict__
+        return {"skip": "the backend's object takes no attributes; the suite cannot observe its post"}
+    figures = {}
+    try:
+        for pattern in A2A_PATTERNS:
+            rows = a2a_rows(pattern, n)
+            for side in ("all_to_all_consume", "produce_all_to_all"):
+                seen.update(send=0, recv=0, messages=0)
+                if side == "all_to_all_consume":
+                    _uneven_consume(rank, n, be, alg, torch.float32, dev, timeout, pattern, "given", salt=3)
+                else:
+                    _uneven_produce(rank, n, be, alg, torch.float32, dev, timeout, pattern, "both-splits", salt=4)
+                if empty:
+                    raise AssertionError(f"{side}, pattern {pattern}: the backend was asked to post messages of no "
+                                         f"elements: {', '.join(empty[:4])}")
+                want_send = 6 * sum(rows[rank][d] for d in range(n) if d != rank)  # blocks are (2, rows, 3)
+                want_recv = 6 * sum(rows[s][rank] for s in range(n) if s != rank)
+                if (seen["send"], seen["recv"]) != (want_send, want_recv):
+                    raise AssertionError(f"{side}, pattern {pattern}: the backend posted {seen['send']} elements to "
+                                         f"send and {seen['recv']} to receive, expected {want_send} and {want_recv}")
+                if pattern == "all-empty" and seen["messages"]:
+                    raise AssertionError(f"{side}: an all-to-all of empty blocks posted {seen['messages']} "
+                                         "messages, expected none")
+                figures[f"{side}.{pattern}.messages"] = seen["messages"]
+    finally:
+        if own:
+            be.post = original
+        else:
+            del be.post
+    return figures
+
+
+def _first_on_a_fresh_group(rank, n, ref, alg, dev, timeout) -> None:
+    """The first all-to-all ever made on a new group is uneven with the sizes given, and rank 0's blocks are even
+    both ways while the others' are not: a backend that picks its transport by what one rank's blocks look like
+    (or learns on the first call what its group lacks) must still pair every rank's part of it."""
+    group = dist.new_group(list(range(n)))
+    be = backend_from(ref, group=group, device=dev)
+    _uneven_consume(rank, n, be, alg, torch.float32, dev, timeout, "rank0-balanced", "given", salt=5)
+    _uneven_produce(rank, n, be, alg, torch.float32, dev, timeout, "rank0-balanced", "both-splits", salt=6)
 
 
 # -- ops and autograd -----------------------------------------------------------------------------------
@@ -218,6 +418,28 @@ def ops(rank: int, n: int, ref: str, caps: dict) -> dict:
 
                 _case(results, f"all_gather_matmul-{alg}-{dname}-{tier}", agmm)
                 _case(results, f"matmul_reduce_scatter-{alg}-{dname}-{tier}", mmrs)
+    for alg in a2a_algorithms(caps["algorithms"]):
+        for dname in caps["dtypes"]:
+            dtype = EXACT_DTYPES[dname]
+            for splits in CONSUME_SPLITS:
+                for pattern in A2A_PATTERNS:
+                    _case(results, f"all_to_all_consume-{splits}-{pattern}-{alg}-{dname}",
+                          lambda a=alg, t=dtype, m=splits, p=pattern: _uneven_consume(rank, n, be, a, t, dev, timeout,
+                                                                                      p, m))
+            _case(results, f"produce_all_to_all-even-{alg}-{dname}",
+                  lambda a=alg, t=dtype: _uneven_produce(rank, n, be, a, t, dev, timeout, None, "even"))
+            for splits in PRODUCE_SPLITS:
+                for pattern in A2A_PATTERNS:
+                    _case(results, f"produce_all_to_all-{splits}-{pattern}-{alg}-{dname}",
+                          lambda a=alg, t=dtype, m=splits, p=pattern: _uneven_produce(rank, n, be, a, t, dev, timeout,
+                                                                                      p, m))
+    for alg in POSTING_ALGORITHMS:
+        if alg in caps["algorithms"]:
+            _case(results, f"empty-blocks-not-posted-{alg}",
+                  lambda a=alg: _empty_blocks_not_posted(rank, n, be, a, dev, timeout))
+    for alg in a2a_algorithms(caps["algorithms"]):
+        _case(results, f"first-all_to_all-of-a-group-rank0-balanced-{alg}",
+              lambda a=alg: _first_on_a_fresh_group(rank, n, ref, a, dev, timeout))
     if caps["autograd"]:
         for alg in ("ring", "vanilla"):
             if alg in caps["algorithms"]:

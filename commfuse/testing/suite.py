@@ -3,8 +3,15 @@
 Tiers: transport (ring shifts both ways, pairwise exchange at every distance,
 self-exchange, large messages), schedules (every collective x algorithm x
 dtype against the reference, bit-exact for moved data and integer-valued
-sums, within tolerance otherwise), ops and autograd (the fused ops and the
-layers' gradients against unsharded references), robustness (each case its
+sums, within tolerance otherwise; the all-to-alls, consume and produce side,
+also over blocks of different sizes with empty ones among them), ops and
+autograd (the fused ops and the layers' gradients against unsharded
+references; all_to_all_consume and produce_all_to_all over uneven splits,
+given or exchanged, with a rank that receives nothing, one that sends
+nothing and all blocks empty, bit-exact; and, through a wrapper of the
+backend's ``post``, that an empty block is never posted; and an uneven
+all-to-all, one rank's blocks all one size, as the first of a new group),
+robustness (each case its
 own launch, so it runs outside torchrun: mismatched shapes or algorithms, an
 absent peer, a peer killed mid-schedule: every surviving rank ends in an error
 within the timeout; two threads on one group: refused or exact, never wrong,
@@ -35,6 +42,10 @@ from commfuse.testing.capabilities import Capabilities
 
 ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")
 ALL_ALGORITHMS = ("ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "vanilla")
+#: The all-to-all collectives (consume and produce sides) and the algorithms they have: no bidirectional
+#: ring, the pairwise exchange has no direction to split.
+A2A_COLLECTIVES = ("all_to_all", "produce_all_to_all")
+A2A_ALGORITHMS = tuple(a for a in ALL_ALGORITHMS if not a.startswith("bidirectional"))
 ROBUSTNESS = ("mismatched-shapes", "mismatched-algorithms", "absent-peer", "peer-death", "two-threads-one-group",
               "skipped-call", "symmetric-consumer-error", "mismatch-promptness")
 
@@ -45,12 +56,16 @@ def cases(tier: str, n: int) -> list[str]:
         return (["ring-shift-forward", "ring-shift-backward", "ring-shift-both-directions"]
                 + [f"pairwise-distance-{k}" for k in range(1, n)] + ["large-message", "self-exchange"])
     if tier == "schedules":
-        return [f"{c}-{a}-{d}-{t}" for c in ("all_gather", "reduce_scatter", "all_to_all") for a in ALL_ALGORITHMS
-                for d in ALL_DTYPES for t in ("exact", "tolerance")]
+        return ([f"{c}-{a}-{d}-{t}" for c in ("all_gather", "reduce_scatter") for a in ALL_ALGORITHMS
+                 for d in ALL_DTYPES for t in ("exact", "tolerance")]
+                + [f"{c}-{a}-{d}-{t}" for c in A2A_COLLECTIVES for a in A2A_ALGORITHMS for d in ALL_DTYPES
+                   for t in ("exact", "tolerance")]
+                + [f"{c}-uneven-{a}-{d}" for c in A2A_COLLECTIVES for a in A2A_ALGORITHMS for d in ALL_DTYPES])
     if tier == "ops":
         return ([f"{o}-{a}-{d}-{t}" for o in ("all_gather_matmul", "matmul_reduce_scatter") for a in ALL_ALGORITHMS
                  for d in ALL_DTYPES for t in ("exact", "tolerance")]
-                + [f"autograd-{w}-{a}" for w in ("mlp", "ops") for a in ("ring", "vanilla")])
+                + [f"autograd-{w}-{a}" for w in ("mlp", "ops") for a in ("ring", "vanilla")]
+                + _bodies.uneven_op_cases(A2A_ALGORITHMS, ALL_DTYPES))
     if tier == "determinism":
         return [f"determinism-{a}" for a in ALL_ALGORITHMS]
     if tier == "overlap":

@@ -17,11 +17,12 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def _conformance(tmp_path, backend: str, *extra: str, n: int = 3) -> dict:
+def _conformance(tmp_path, backend: str, *extra: str, n: int = 3,
+                 capabilities: str = "toy_backends:FastCapabilities") -> dict:
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "commfuse", "conformance", "--backend", backend, "-n", str(n),
-           "--capabilities", "toy_backends:FastCapabilities", "--report", str(report), *extra]
+           "--capabilities", capabilities, "--report", str(report), *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert report.exists(), f"no report written:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     data = json.loads(report.read_text())
@@ -60,6 +61,19 @@ def test_wrong_reduction_is_caught_by_the_reduce_scatter_schedules_only(tmp_path
     assert _outcome(data, "reduce_scatter-ring-float32-exact") == "passed"
     assert _outcome(data, "all_gather-vanilla-float32-exact") == "passed"
     assert _outcome(data, "all_to_all-vanilla-float32-exact") == "passed"
+
+
+def test_dropped_empty_blocks_are_caught_by_the_uneven_all_to_all_schedules(tmp_path):
+    data = _conformance(tmp_path, "toy_backends:drops_empty_blocks", "--tier", "schedules", "-k", "to_all",
+                        capabilities="toy_backends:AllToAllCapabilities")
+    assert data["exit_code"] != 0
+    # even blocks have no empty ones, and the ring posts no empty message: both right
+    for case in ("all_to_all-vanilla-float32-exact", "produce_all_to_all-vanilla-float32-exact",
+                 "all_to_all-uneven-ring-float32", "produce_all_to_all-uneven-ring-float32"):
+        assert _outcome(data, case) == "passed", (case, data["by_case"][case]["reason"])
+    # an uneven whole all-to-all whose empty blocks lose their places hands blocks to the wrong sources
+    for case in ("all_to_all-uneven-vanilla-float32", "produce_all_to_all-uneven-vanilla-float32"):
+        assert _outcome(data, case) == "failed", case
 
 
 def test_corrupted_data_is_caught_by_the_robustness_cases_that_compare_results(tmp_path):

@@ -6,7 +6,9 @@ step, ``wrong_reduction`` reduces whole reduce-scatters (of tensor lists or
 into one tensor) with max instead of sum, ``corrupt_data`` adds 1 to every
 floating-point message it receives (not the call check's fingerprints),
 ``falsely_capturable`` declares ``Capabilities.capturable`` on CPU, where
-there is no device graph to capture into.
+there is no device graph to capture into, ``drops_empty_blocks`` hands back
+only the non-empty blocks of a whole all-to-all (a transport that forgets
+that an uneven exchange's empty blocks still hold their places).
 """
 
 from __future__ import annotations
@@ -63,12 +65,30 @@ class CorruptData(C10dBackend):
         return _Corrupting(super().post(sends, recvs), [t.channel != FINGERPRINT_CHANNEL for t, _ in recvs])
 
 
+class _NonEmptyOnly:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def wait(self, timeout):
+        return [t for t in self.handle.wait(timeout) if t.numel()]
+
+
+class DropsEmptyBlocks(C10dBackend):
+    def collective(self, kind, inputs, outputs):
+        handle = super().collective(kind, inputs, outputs)
+        return _NonEmptyOnly(handle) if kind is Collective.ALL_TO_ALL else handle
+
+
 class FalselyCapturable(C10dBackend):
     capabilities = Capabilities(bidirectional_links=True, overlap=True, capturable=True)
 
 
 def falsely_capturable(group=None, device=None):
     return FalselyCapturable(group, device, name="toy-falsely-capturable")
+
+
+def drops_empty_blocks(group=None, device=None):
+    return DropsEmptyBlocks(group, device, name="toy-drops-empty-blocks")
 
 
 def wrong_peer(group=None, device=None):
@@ -95,4 +115,14 @@ class FastCapabilities:
 
         caps = Capabilities()
         caps.timeout_s = 3.0
+        return caps
+
+
+class AllToAllCapabilities:
+    """Short timeouts, float32, the ring and vanilla only: the all-to-all schedules of a broken whole
+    all-to-all in seconds, the ring's (point-to-point) before any whole one."""
+
+    def __new__(cls):
+        caps = FastCapabilities()
+        caps.dtypes, caps.algorithms = ("float32",), ("ring", "vanilla")
         return caps
