@@ -148,7 +148,8 @@ def _sort_by_expert(experts: torch.Tensor, n_experts: int):
     """The (token, k) slots sorted by expert (stable): their order, each slot's token, rows per expert."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # scatter_add, not bincount: a shape fixed by n_experts (torch.compile traces it)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, order // experts.shape[-1], counts
 
 

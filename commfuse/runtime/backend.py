@@ -62,11 +62,20 @@ class Backend(Protocol):
 
         all_gather: ``inputs = [mine]``, ``outputs`` one per rank;
         reduce_scatter: ``inputs`` one partial per rank, ``outputs = [mine]`` (sum);
-        all_to_all: ``inputs`` one block per destination, ``outputs`` one per source.
+        all_to_all: ``inputs`` one block per destination, ``outputs`` one per source. When the blocks may
+        differ in size (an uneven all-to-all), ``inputs`` and ``outputs`` are :class:`Uneven` lists on every
+        rank of the call, even a rank whose own blocks happen to be alike: a backend that runs uneven
+        exchanges another way must decide on that, never on its own blocks' shapes.
         """
 
     def empty(self, shape: Sequence[int], dtype: "torch.dtype") -> "torch.Tensor":
         """A receive buffer on the backend's device."""
+
+
+class Uneven(list):
+    """The blocks of an uneven whole all-to-all (see :meth:`Backend.collective`): a list, marked."""
+
+    __slots__ = ()
 
 
 # Optional: ``collective_into(kind, input, output) -> Handle`` runs one whole all-gather or reduce-scatter

@@ -58,6 +58,7 @@ from commfuse.runtime.executor import (
     group_state,
 )
 from commfuse.runtime.watchdog import Posting, watchdog
+from commfuse.runtime.backend import Uneven
 from commfuse.schedule import Collective, Ring, Transfer
 
 log = logging.getLogger("commfuse")
@@ -420,7 +421,7 @@ class C10dBackend:
             lacking = group_state(self).lacking
             if kind in lacking:
                 return self._pairwise(kind, inputs, outputs, lacking[kind])
-            if len({t.shape for t in inputs}) > 1 or len({t.shape for t in outputs}) > 1:
+            if isinstance(inputs, Uneven):  # every rank of the call takes this path, alike or not here
                 return self._uneven_all_to_all(inputs, outputs)
             try:
                 work = self._issue(dist.all_to_all, list(outputs), list(inputs), group=g, async_op=True)

@@ -436,7 +436,11 @@ class _SkippedEmpty:
         self.handle, self.buffers = handle, buffers
 
     def wait(self, timeout: float):
-        got = iter(self.handle.wait(timeout))
+        got = self.handle.wait(timeout)
+        live = sum(1 for b in self.buffers if b.numel())
+        if len(got) != live:
+            raise CommunicationError(f"the backend's post gave {len(got)} tensors for {live} receives")
+        got = iter(got)
         return [next(got) if b.numel() else b for b in self.buffers]
 
 

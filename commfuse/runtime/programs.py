@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, CommunicationError
+from commfuse.runtime.backend import Uneven
 from commfuse.runtime.executor import Compiled, Program, capture_probe, register_format
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
@@ -502,8 +503,14 @@ class _Blocks:
         outgoing, incoming = layout.part_slots[call.part]
         inputs = [self.held[s] for s in outgoing]
         outputs = [self.buffer(s) for s in incoming]
+        if self.sparse:  # every rank of an uneven call marks its blocks, whatever their sizes here
+            inputs, outputs = Uneven(inputs), Uneven(outputs)
 
         def finish(got):
+            if len(got) != len(incoming):
+                raise CommunicationError(
+                    f"rank {rank}: the backend's whole all_to_all gave {len(got)} blocks for {len(incoming)} "
+                    f"sources ({type(self.pool.backend).__name__})")
             for q, (s, tensor) in enumerate(zip(incoming, got)):
                 if q != rank:
                     self.held[s] = tensor
