@@ -104,17 +104,28 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
 
 def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, counts) -> torch.Tensor:
     """Per expert e, ``x_e.T @ dy_e`` over its ``counts[e]`` rows: (experts, k, m)."""
+    out = x.new_zeros(len(list(counts)), x.shape[1], dy.shape[1])
+    grouped_wgrad_add_(out, x, dy, counts)
+    return out
+
+
+def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts) -> None:
+    """``out[e] += x_e.T @ dy_e`` per expert: a weight gradient accumulated over the slices of a call.
+
+    On a CPU each expert's product is added in place (``addmm_``: no temporary the size of the weights per
+    slice); elsewhere torch's grouped GEMM makes every expert's at once, then one add.
+    """
     counts = list(counts)
-    if x.shape[0] and grouped_mm_kind(x.device, x.dtype) != "loop" and _aligned(x, dy) and x.shape[0] % 8 == 0:
+    if (x.shape[0] and x.device.type != "cpu" and grouped_mm_kind(x.device, x.dtype) != "loop"
+            and _aligned(x, dy) and x.shape[0] % 8 == 0):
         offs = torch.tensor(_cumulative(counts), dtype=torch.int32, device=x.device)
-        return F.grouped_mm(x.t(), dy, offs=offs)
-    out = x.new_zeros(len(counts), x.shape[1], dy.shape[1])
+        out += F.grouped_mm(x.t(), dy, offs=offs)
+        return
     at = 0
     for e, c in enumerate(counts):
         if c:
-            torch.matmul(x.narrow(0, at, c).t(), dy.narrow(0, at, c), out=out[e])
+            out[e].addmm_(x.narrow(0, at, c).t(), dy.narrow(0, at, c))
         at += c
-    return out
 
 
 def _cumulative(counts) -> list[int]:
@@ -247,14 +258,14 @@ class _Experts:
         rows = dyq.shape[0]
         counts = _counts_in(self.recv[q], start, rows)
         d_act = grouped_mm(dyq, self.w2.transpose(1, 2), counts)
-        dw2 += grouped_wgrad(self.act[q].narrow(0, start, rows), dyq, counts)
+        grouped_wgrad_add_(dw2, self.act[q].narrow(0, start, rows), dyq, counts)
         self._keep(self.dh13, q, start, _swiglu_backward(self.h13[q].narrow(0, start, rows), d_act))
 
     def up_backward(self, q: int, start: int, rows: int, dw13: torch.Tensor) -> torch.Tensor:
         counts = _counts_in(self.recv[q], start, rows)
         dh13 = self.dh13[q].narrow(0, start, rows)
         dx = grouped_mm(dh13, self.w13.transpose(1, 2), counts)
-        dw13 += grouped_wgrad(self.x[q].narrow(0, start, rows), dh13, counts)
+        grouped_wgrad_add_(dw13, self.x[q].narrow(0, start, rows), dh13, counts)
         return dx
 
 
