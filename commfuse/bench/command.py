@@ -34,6 +34,8 @@ from commfuse.bench.config import (
     COMPILE_DEFAULT_ALGORITHMS,
     COMPILE_DEFAULT_WORKLOADS,
     COMPILE_WORKLOADS,
+    MOE_EXPERTS,
+    MOE_TOPK,
     PRESETS,
     WORKLOADS,
     BenchConfig,
@@ -73,6 +75,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse bench                                   # ag_matmul + matmul_rs, 2 ranks, plain loopback\n"
         "  commfuse bench --link-rate 2gbit --plot gantt.png --trace trace.json\n"
         "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
+        "  commfuse bench -w moe --link-rate 350mbit --plot moe.png   # mixture of experts, 4 experts, top-2\n"
         "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
         "  commfuse bench --fake-pg 8 --device cuda --tokens 8192 --hidden 8192 --ffn 28672   # one GPU, no transfers\n"
         "  commfuse bench --compile                         # mlp, attention, fsdp_linear: eager vs torch.compile\n"
@@ -107,6 +110,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn", type=int, help="MLP inner size (each rank holds ffn/N columns)")
     g.add_argument("--heads", type=int, help="attention heads")
     g.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    g.add_argument("--experts", type=int, default=None,
+                   help=f"moe: experts, experts/N on each rank (default {MOE_EXPERTS}); their FFN size is --ffn")
+    g.add_argument("--topk", type=int, default=None, help=f"moe: experts each token is routed to (default {MOE_TOPK})")
     g.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
                    help="default float32; with --fake-pg bfloat16 on CUDA")
     g = p.add_argument_group("how to run")
@@ -192,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout=args.timeout,
         seed=args.seed,
         compile_backend=compile_backend,
+        **{name: getattr(args, name) for name in ("experts", "topk") if getattr(args, name, None) is not None},
     )
 
 
@@ -211,6 +218,9 @@ def to_argv(args: argparse.Namespace) -> list[str]:
             out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if getattr(args, "tokens", None) is not None:
         out += ["--tokens", str(args.tokens)]
+    for name in ("experts", "topk"):
+        if getattr(args, name, None) is not None:
+            out += ["--" + name, str(getattr(args, name))]
     if args.dtype:
         out += ["--dtype", args.dtype]
     if args.forward_only:

@@ -68,8 +68,16 @@ WORKLOADS = {
                      "commfuse.models.llama) forward + backward on (b, s/N, h): vanilla is torch's own styles "
                      "(DTensor's collectives, then the GEMMs), every other algorithm commfuse.tp's block styles",
                      "mixed", None, True),
+        WorkloadInfo("moe", "MoE(h, ffn, experts, topk) forward + backward on (b, s/N, h) under expert parallelism: "
+                     "the token dispatch (an uneven all-to-all) fused with the experts' gate/up GEMM per arriving "
+                     "source, the down GEMM with the combine per destination; checked against moe_reference",
+                     "all_to_all", "MoE", True),
     )
 }
+
+#: The ``moe`` workload's expert count and top-k (``--experts``, ``--topk``); its expert FFN size is ``ffn``.
+MOE_EXPERTS = 4
+MOE_TOPK = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +174,9 @@ class BenchConfig:
     #: ``--compile``: time each workload eager against ``torch.compile(..., fullgraph=True, backend=this)``
     #: instead of the algorithms against each other (``commfuse.bench.compiled``); None: the overlap benchmark
     compile_backend: str | None = None
+    #: ``moe``: experts over the ranks (experts / N on each) and experts per token
+    experts: int = MOE_EXPERTS
+    topk: int = MOE_TOPK
 
     def __post_init__(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -190,12 +201,14 @@ class BenchConfig:
             specs.insert(0, parse_algorithm("vanilla"))
         if len(set(specs)) != len(specs):  # the same algorithm written twice, also 'sliced' and 'sliced:2'
             raise CommfuseValueError(f"algorithms {list(self.algorithms)} name one algorithm twice")
-        for name in ("world_size", "threads", "repeats"):
+        for name in ("world_size", "threads", "repeats", "experts", "topk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CommfuseValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise CommfuseValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.topk > self.experts:
+            raise CommfuseValueError(f"topk must be at most experts, got topk={self.topk} with {self.experts} experts")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise CommfuseValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
         for f in dataclasses.fields(Shape):
@@ -226,6 +239,8 @@ class BenchConfig:
                     needs.append(("kv_heads", s.kv_heads))
             if w == "fsdp_linear":
                 needs.append(("ffn (the sharded weight's rows)", s.ffn))
+            if w == "moe":
+                needs.append(("experts (--experts)", self.experts))
             for what, size in needs:
                 if size % n:
                     raise CommfuseValueError(
@@ -257,7 +272,7 @@ def describe_rate(rate: str | None) -> str:
 
 
 __all__ = [
-    "ALGORITHMS", "COMPILE_BACKENDS", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
+    "ALGORITHMS", "COMPILE_BACKENDS", "MOE_EXPERTS", "MOE_TOPK", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
     "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
     "scaled", "element_size", "describe_rate",
 ]

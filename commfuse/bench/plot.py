@@ -20,6 +20,24 @@ class PlotError(CommfuseError, RuntimeError):
     """The plot cannot be drawn here (matplotlib missing)."""
 
 
+def _name_ops(ax, events: list[dict]) -> None:
+    """Where an iteration runs several fused ops (a layer's forward and backward), name each above the lanes
+    at its first step (the lowest rank's), without the layer's prefix: ``moe.dispatch.backward`` is written
+    ``dispatch.backward``. A count exchange (``*.sizes``) is left unnamed."""
+    starts: dict[str, float] = {}
+    for e in events:
+        label = e.get("label", "")
+        if label and not label.endswith(".sizes"):
+            starts[label] = min(starts.get(label, e["post"][0]), e["post"][0])
+    if len(starts) < 2:
+        return
+    for i, (label, start) in enumerate(sorted(starts.items(), key=lambda kv: kv[1])):
+        short = label.split(".", 1)[1] if "." in label else label
+        # two rows, alternating, so that the names of ops that start close together do not overlap
+        ax.text(1e3 * start, -0.78 if i % 2 else -0.5, short, fontsize=5.5, va="center", ha="left",
+                color="#444444")
+
+
 def write(run: dict, path: str | Path) -> Path:
     try:
         import matplotlib
@@ -49,6 +67,7 @@ def write(run: dict, path: str | Path) -> Path:
                 ax.set_title(f"{res['workload']} {alg}: not applicable", fontsize=9)
                 continue
             end = max(t["end"] for t in per_rank)
+            _name_ops(ax, min(per_rank, key=lambda t: t["rank"])["events"])
             labels = []
             for t in sorted(per_rank, key=lambda t: t["rank"]):
                 r = t["rank"]
@@ -63,7 +82,7 @@ def write(run: dict, path: str | Path) -> Path:
             ax.axvline(1e3 * end, color="black", linewidth=0.8, linestyle="--")
             ax.set_yticks(range(2 * n))
             ax.set_yticklabels(labels, fontsize=7)
-            ax.set_ylim(2 * n - 0.5, -0.5)
+            ax.set_ylim(2 * n - 0.5, -1.0)
             ax.set_title(f"{res['workload']}  {alg}: {1e3 * end:.1f} ms", fontsize=9, loc="left")
             ax.tick_params(axis="x", labelsize=7)
             ax.grid(axis="x", linewidth=0.3, alpha=0.5)
@@ -72,9 +91,10 @@ def write(run: dict, path: str | Path) -> Path:
         handles=[Patch(color=COLORS["compute"], label="compute (one shard or chunk)"),
                  Patch(color=COLORS["transfer"], label="transfer: posted until known done (upper bound)"),
                  Patch(color=COLORS["wait"], label="host waits on it: exposed communication")],
-        loc="lower center", ncol=3, fontsize=8, frameon=False,
+        loc="lower center", ncol=3 if cols > 1 else 2, fontsize=8, frameon=False,
     )
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    legend_rows = 1 if cols > 1 else 2
+    fig.tight_layout(rect=(0, (0.12 + 0.2 * legend_rows) / fig_h, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

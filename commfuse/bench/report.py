@@ -27,7 +27,11 @@ Per algorithm, over the repeats (each repeat's figure is the slowest rank's):
   the same on each of its records; ``null`` unless vanilla, serial and ring
   all ran;
 - ``correct``: the first (checked) run's result equals vanilla's within the
-  dtype's tolerance on every rank (``max_rel_error`` says by how much).
+  dtype's tolerance on every rank (``max_rel_error`` says by how much); for
+  ``moe`` every algorithm's, vanilla's included, equals the one-process
+  ``moe_reference``'s;
+- ``routing`` (``moe`` only, else null): per source rank, the token rows
+  (top-k slots) its tokens send to each rank's experts.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ SCHEMA_KEYS = (
     "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
     "median_ms", "p25_ms", "p75_ms", "min_ms", "max_ms", "compute_only_ms", "comm_only_ms", "outside_ms",
     "exposed_ms", "exposed_fraction", "speedup_vs_vanilla", "collective_effect", "overlap_effect",
-    "hidden_fraction", "correct", "max_rel_error", "unmeasured", "load", "cpus",
+    "hidden_fraction", "correct", "max_rel_error", "unmeasured", "load", "cpus", "routing",
 )
 
 
@@ -96,7 +100,8 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
                 "device": run["device"],
                 "dtype": config.dtype,
                 "shape": {"batch": config.shape.batch, "seq": config.shape.seq, "hidden": config.shape.hidden,
-                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads},
+                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads,
+                          **({"experts": config.experts, "topk": config.topk} if res["workload"] == "moe" else {})},
                 "link_rate": config.link_rate,
                 "repeats": len(total),
                 "median_ms": _r(med),
@@ -119,6 +124,7 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
                 "unmeasured": dict(res.get("unusable_modes", {})),
                 "load": run.get("load"),
                 "cpus": run.get("cpus"),
+                "routing": res.get("routing"),
             })
         vanilla = next(r["median_ms"] for r in rows if r["algorithm"] == "vanilla")
         for r in rows:
@@ -198,8 +204,12 @@ def table(recs: list[dict], config: BenchConfig) -> str:
     lines = []
     for workload, rows in _by_workload(recs).items():
         r0 = rows[0]
+        what = config.shape.text()
+        if workload == "moe":
+            what = (f"b={config.shape.batch} s={config.shape.seq} h={config.shape.hidden} expert ffn="
+                    f"{config.shape.ffn} experts={config.experts} top-{config.topk}")
         lines.append(
-            f"{workload}: {config.shape.text()}, {r0['world_size']} ranks, {r0['backend']} on {r0['device']}, "
+            f"{workload}: {what}, {r0['world_size']} ranks, {r0['backend']} on {r0['device']}, "
             f"{r0['dtype']}, {describe_rate(config.link_rate)}; {r0['repeats']} interleaved repeats, each the "
             "slowest rank's time"
         )
@@ -219,6 +229,10 @@ def table(recs: list[dict], config: BenchConfig) -> str:
                 ("ok" if r["correct"] else "WRONG") + (" (ref)" if r["algorithm"] == "vanilla" else ""),
             ))
         lines.extend(aligned(header, body))
+        if r0.get("routing"):
+            sent = "; ".join(f"rank {q}: {', '.join(str(v) for v in row)}" for q, row in enumerate(r0["routing"]))
+            lines.append(f"  results checked against moe_reference (one process, every expert), vanilla's too; "
+                         f"token rows routed to ranks 0..{len(r0['routing']) - 1}, by source: {sent}")
         split = effects_line(rows)
         if split:
             lines.append("  " + split)
@@ -324,7 +338,8 @@ def compile_records(run: dict, config: BenchConfig) -> list[dict]:
                 "device": run["device"],
                 "dtype": config.dtype,
                 "shape": {"batch": config.shape.batch, "seq": config.shape.seq, "hidden": config.shape.hidden,
-                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads},
+                          "ffn": config.shape.ffn, "heads": config.shape.heads, "kv_heads": config.shape.kv_heads,
+                          **({"experts": config.experts, "topk": config.topk} if res["workload"] == "moe" else {})},
                 "link_rate": config.link_rate,
                 "backward": bool(layer),
                 "repeats": len(eager),

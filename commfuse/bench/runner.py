@@ -89,7 +89,9 @@ def _load() -> float | None:
 
 
 def _executor_seconds(events: list[dict]) -> float:
-    return sum(e["wait"][1] - e["post"][0] for e in events)
+    """Seconds spent inside the fused ops' steps: each step from its post to its end, which is its wait's end
+    when it overlaps (post, compute, wait) and its compute's end under ``serial`` (post, wait, compute)."""
+    return sum(max(e["wait"][1], e["compute"][1]) - e["post"][0] for e in events)
 
 
 def _relative(events: list[dict], t_ref: float) -> list[dict]:
@@ -139,8 +141,14 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         workload = make(name, config, rank, world_size, dev)
         bar.advance(f"{name}: set up")
 
-        # correctness (and a first warm-up): every algorithm against vanilla, checked calls
-        ref = workload.run("vanilla")
+        # correctness (and a first warm-up): every algorithm against vanilla, checked calls; a workload with a
+        # one-process reference (moe) checks every algorithm, vanilla included, against that instead
+        reference = getattr(workload, "reference", None)
+        ref = reference() if reference is not None else workload.run("vanilla")
+        routing = None
+        if hasattr(workload, "routing"):  # rows each rank's tokens send to each rank (moe)
+            routing = [None] * world_size
+            dist.all_gather_object(routing, workload.routing())
         ok, err, taken = [], [], []
         for alg in algs:
             with record_events() as events, _fingerprints(True):
@@ -150,6 +158,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             ok.append(1.0 if good else 0.0)
             err.append(worst)
             seen = sorted({(e["label"], e["algorithm"]) for e in events})
+            if any(not l.endswith(".sizes") for l, _ in seen):  # moe's count exchange: always one small all-to-all
+                seen = [(l, a) for l, a in seen if not l.endswith(".sizes")]
             schedules = sorted({a for _, a in seen})
             taken.append(",".join(schedules) if len(schedules) <= 1 else ",".join(f"{l}:{a}" for l, a in seen))
             bar.advance(f"{name} {alg}: checked")
@@ -233,6 +243,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             "unusable_modes": {MODES[m]: why[m] or "failed on another rank" for m in range(len(MODES))
                                if not usable[m]},
             "traces": traces,
+            **({"routing": routing} if routing is not None else {}),
         })
         del workload
     return {**run_info(load_before, world_size, dev), "results": results}

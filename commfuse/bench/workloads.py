@@ -235,13 +235,97 @@ class LlamaBlock(Workload):
         return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
 
 
+class MixtureOfExperts(Workload):
+    """``commfuse.nn.MoE`` under expert parallelism over every rank, forward + backward on (b, s/N, h).
+
+    Every rank holds ``experts / N`` SwiGLU experts of size ``ffn`` and routes
+    its own (b, s/N) tokens top-k to all of them. The full router and expert
+    weights are drawn once from the seed (the same on every rank) and loaded
+    with ``MoE.load_experts``, so the experts differ from each other and the
+    one-process reference (``moe_reference``) can hold them all.
+
+    ``reference()``: what every algorithm is checked against, vanilla
+    included: ``moe_reference`` on this rank's tokens with every expert, its
+    output and input gradient, and the experts' gradients summed over every
+    rank's tokens (an all-reduce of the full-size gradients, once, in set-up)
+    then cut to this rank's experts. The router's gradient is this rank's
+    tokens' only, as the layer's is.
+    """
+
+    name = "moe"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        from commfuse.nn import MoE
+
+        s, c = self.config.shape, self.config
+        g = torch.Generator().manual_seed(1_000_003 * c.seed + 999_983)  # the same full weights on every rank
+
+        def full(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * scale).to(device=self.device, dtype=self.dtype)
+
+        self.weights = (full(c.experts, s.hidden, scale=1 / math.sqrt(s.hidden)),
+                        full(c.experts, s.hidden, 2 * s.ffn, scale=1 / math.sqrt(s.hidden)),
+                        full(c.experts, s.ffn, s.hidden, scale=1 / math.sqrt(s.ffn)))
+        self.module = MoE(s.hidden, s.ffn, c.experts, c.topk, algorithm="vanilla", device=self.device,
+                          dtype=self.dtype).load_experts(*self.weights)
+        self.backward = c.backward
+        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
+        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        self.module.algorithm = algorithm
+        if not self.backward:
+            with torch.no_grad():
+                return [self.module(self.x)]
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+        y = self.module(self.x)
+        y.backward(self.dy)
+        return [y.detach(), self.x.grad] + [p.grad for p in self.params]
+
+    def reference(self) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        from commfuse.nn import moe_reference
+
+        c = self.config
+        if not self.backward:
+            with torch.no_grad():
+                return [moe_reference(self.x, *self.weights, c.topk)]
+        router, w13, w2 = (w.detach().clone().requires_grad_() for w in self.weights)
+        x = self.x.detach().clone().requires_grad_()
+        y = moe_reference(x, router, w13, w2, c.topk)
+        y.backward(self.dy)
+        # every rank's tokens reach every expert: the experts' gradients are the sum over ranks
+        experts = torch.cat([w13.grad.flatten(), w2.grad.flatten()])
+        dist.all_reduce(experts)
+        dw13, dw2 = experts.split([w13.numel(), w2.numel()])
+        start, stop = self.module.expert_range
+        grads = {"router": router.grad, "w13": dw13.view_as(w13)[start:stop], "w2": dw2.view_as(w2)[start:stop]}
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        return [y.detach(), x.grad] + [grads[names[id(p)]] for p in self.params]
+
+    def routing(self) -> list[int]:
+        """Rows this rank's tokens send to each rank (top-k slots per expert, summed over each rank's experts)."""
+        from commfuse.nn.moe import route
+
+        with torch.no_grad():
+            xt = self.x.reshape(-1, self.x.shape[-1])
+            _, chosen = route(xt, self.module.router, self.config.topk)
+            per_expert = torch.bincount(chosen.reshape(-1), minlength=self.config.experts)
+        return per_expert.view(self.n, -1).sum(dim=1).tolist()
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's piece of a DTensor gradient (the blocks' parameters are DTensors); a tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear,
-                               LlamaBlock)}
+                               LlamaBlock, MixtureOfExperts)}
 
 
 def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:

@@ -123,6 +123,29 @@ def test_llama_block_workload_times_both_plans(tmp_path, capsys):
     assert "commfuse.tp's block styles against torch's styles" in printed.out + printed.err
 
 
+def test_moe_workload_every_algorithm_against_the_reference(tmp_path, capsys):
+    """`-w moe`: the mixture-of-experts layer forward + backward under every algorithm that applies to its
+    all-to-alls, each checked against the one-process moe_reference (vanilla too), measured in all three modes,
+    traced; the routing is reported per source rank."""
+    out, tr = tmp_path / "records.json", tmp_path / "trace.json"
+    algs = ["vanilla", "sliced:2", "serial", "ring", "auto"]
+    rc = main(["bench", *TINY, "--repeats", "1", "--seq", "32", "--hidden", "16", "--ffn", "32", "--experts", "4",
+               "--topk", "2", "-w", "moe", "-a", *algs, "bidirectional", "--json", str(out), "--trace", str(tr)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    recs = json.loads(out.read_text())
+    _check_records(recs, ["moe"], algs, 2)  # bidirectional does not apply to an all-to-all: left out
+    _check_trace(tr, ["moe"], algs, 2)
+    by = {r["algorithm"]: r for r in recs}
+    for r in recs:
+        assert r["comm_only_ms"] > 0 and not r["unmeasured"], r
+        assert r["shape"]["experts"] == 4 and r["shape"]["topk"] == 2
+        # top-2 of 16 tokens per rank: 32 rows from each rank, split over the two ranks' experts
+        assert [sum(row) for row in r["routing"]] == [32, 32], r["routing"]
+    assert by["ring"]["taken"] == "ring" and by["serial"]["taken"] == "serial" and by["vanilla"]["taken"] == "vanilla"
+    assert "checked against moe_reference" in printed.out and "experts=4 top-2" in printed.out
+
+
 def test_json_to_stdout_is_only_json(capsys):
     rc = main(["bench", *TINY, "-w", "ag_matmul", "-a", "vanilla", "ring", "--json"])
     printed = capsys.readouterr()

@@ -45,7 +45,38 @@ def test_flags_reach_the_config():
 
 def test_all_workloads():
     cfg = command.config_from_args(_args("-w", "all"))
-    assert cfg.workloads == ("ag_matmul", "matmul_rs", "mlp", "attention", "ulysses", "fsdp_linear", "llama_block")
+    assert cfg.workloads == ("ag_matmul", "matmul_rs", "mlp", "attention", "ulysses", "fsdp_linear", "llama_block",
+                             "moe")
+
+
+def test_moe_workload_is_accepted_with_its_sizes():
+    """`-w moe`: the mixture-of-experts layer, every algorithm that applies to an all-to-all (not bidirectional);
+    --experts and --topk reach the config (defaults 4 and 2), travel through to_argv and are checked."""
+    from commfuse.bench.config import MOE_EXPERTS, MOE_TOPK, WORKLOADS
+
+    cfg = command.config_from_args(_args("-w", "moe"))
+    assert cfg.workloads == ("moe",) and cfg.algorithms == ALGORITHMS and cfg.backward
+    assert (cfg.experts, cfg.topk) == (MOE_EXPERTS, MOE_TOPK) == (4, 2)
+    assert WORKLOADS["moe"].layer == "MoE" and WORKLOADS["moe"].collective == "all_to_all"
+    run = [a for a in cfg.algorithms if applies("moe", a)]
+    assert run == ["vanilla", "sliced:2", "sliced:4", "serial", "ring", "auto"]
+    cfg.check_world(2)
+    args = _args("-w", "moe", "--experts", "8", "--topk", "1", "-a", "ring:2", "sliced:4", "--link-rate", "350mbit")
+    cfg = command.config_from_args(args)
+    assert (cfg.experts, cfg.topk, cfg.algorithms) == (8, 1, ("vanilla", "ring:2", "sliced:4"))
+    assert command.config_from_args(_args(*command.to_argv(args))) == cfg
+    with pytest.raises(CommfuseValueError, match="workload moe: experts \\(--experts\\) = 6 does not divide over "
+                       "world size 4"):
+        command.config_from_args(_args("-w", "moe", "--experts", "6")).check_world(4)
+    with pytest.raises(CommfuseValueError, match="topk must be at most experts"):
+        command.config_from_args(_args("-w", "moe", "--experts", "2", "--topk", "3"))
+    with pytest.raises(CommfuseValueError, match="experts must be an integer >= 1"):
+        command.config_from_args(_args("-w", "moe", "--experts", "0"))
+
+
+def test_moe_is_not_a_compiled_workload():
+    with pytest.raises(CommfuseValueError, match="not moe"):
+        command.config_from_args(_args("--compile", "-w", "moe"))
 
 
 def test_scale_keeps_head_dim_at_least_16():
@@ -258,6 +289,23 @@ def test_serial_takes_ring_speedup_apart():
     van_ring = report.records(*_result())
     assert all(r["collective_effect"] is None and r["overlap_effect"] is None for r in van_ring)
     assert "collective" not in "\n".join(report.targets(van_ring))
+
+
+def test_moe_records_carry_experts_and_routing():
+    run, _ = _result()
+    cfg = BenchConfig(workloads=("moe",), algorithms=("vanilla", "ring"), repeats=3, experts=8, topk=2)
+    res = run["results"][0]
+    res["workload"], res["routing"] = "moe", [[1030, 1018], [990, 1058]]
+    recs = report.records(run, cfg)
+    assert [set(r) for r in recs] == [set(report.SCHEMA_KEYS)] * 2
+    assert all(r["routing"] == [[1030, 1018], [990, 1058]] for r in recs)
+    assert all(r["shape"]["experts"] == 8 and r["shape"]["topk"] == 2 for r in recs)
+    text = report.table(recs, cfg)
+    assert "experts=8 top-2" in text and "checked against moe_reference" in text
+    assert "rank 0: 1030, 1018; rank 1: 990, 1058" in text
+    assert "moe: comm-only / compute-only" in "\n".join(report.targets(recs))
+    # the other workloads carry no routing
+    assert all(r["routing"] is None and "experts" not in r["shape"] for r in report.records(*_result()))
 
 
 def test_chrome_trace_has_compute_and_transfer_spans_per_rank():
