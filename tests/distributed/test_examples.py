@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,6 @@ def test_llama_block_example_trains_under_torchrun(plan):
 
 def test_moe_example_trains_under_torchrun():
     out = _torchrun(2, "moe.py")
-    for rank in (0, 1):
-        steps = [line for line in out.splitlines() if line.startswith(f"rank {rank}: step ")]
-        assert len(steps) == 3 and all("y (2, 64, 256)" in line for line in steps), out
+    for rank in (0, 1):  # the two ranks' lines may interleave in the captured output: match, don't split
+        steps = re.findall(rf"rank {rank}: step (\d) y \(2, 64, 256\) loss \d", out)
+        assert steps == ["0", "1", "2"], out
