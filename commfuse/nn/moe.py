@@ -27,8 +27,12 @@ it is the one host synchronisation of a call, as for any dropless MoE whose
 buffers are sized on the host.
 
 ``algorithm`` as elsewhere: ``vanilla`` (a whole all-to-all, the experts,
-a whole all-to-all), ``sliced:c``, ``ring`` (pairwise, one source per step)
-and ``auto``. The grouped GEMM over a rank's local experts is torch's
+a whole all-to-all), ``sliced:c``, ``ring`` (pairwise, one source per step),
+``ring:m`` (each source's rows in m slices, each computed in the step after it
+arrived, so a transfer leads its compute by one slice, not one block) and
+``auto``. At two ranks plain ``ring`` has one hop per exchange, which hides
+only behind the own block's compute; ``auto`` takes ``ring:2`` there when it
+takes the ring. The grouped GEMM over a rank's local experts is torch's
 ``torch.nn.functional.grouped_mm`` where this build runs it for the device and
 dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
 """
@@ -45,7 +49,7 @@ from commfuse import backends
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import resolve_group, world
 from commfuse.runtime import pipelined
-from commfuse.runtime.calls import resolve_call
+from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, resolve_call
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.executor import register_format
 from commfuse.schedule import Collective
@@ -442,6 +446,18 @@ class MoE(nn.Module):
         slice_bytes = rows * self.topk // self.world_size * self.hidden_size * xt.element_size()
         call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=xt.device,
                             slice_bytes=slice_bytes)
+        if self.algorithm == "auto" and self.world_size == 2 and call is not None and call.spec.name == "ring":
+            # One hop per exchange, which plain ring hides behind the own block only: cut each block in two and
+            # lead each half's compute by one half (schedules/all_to_all/README.md), when half a block still
+            # carries MIN_SLICE_BYTES (or the backend's own bar, if higher): below that a step's fixed cost
+            # outweighs what the second half hides.
+            bar = max(MIN_SLICE_BYTES, getattr(getattr(be, "capabilities", None), "auto_min_slice_bytes", None) or 0)
+            if slice_bytes // 2 >= bar:
+                ring2 = resolve_call(Collective.ALL_TO_ALL, "ring:2", group=self.group, backend=be,
+                                     device=xt.device, slice_bytes=slice_bytes)
+                call = Call(ring2.be, ring2.spec, ring2.timeout, ring2.check,
+                            f"{call.reason}; two ranks, and half a block carries {slice_bytes // 2} bytes "
+                            f"(>= {bar}): each block in two halves (ring:2)")
         self._calls[key] = (call,)
         return call
 

@@ -188,19 +188,32 @@ def _ring_all_to_all(s: Schedule) -> list[Step]:
     At hop k rank r computes on the block that came from r - k (its own at hop
     0) while sending its block for r + k + 1 there and receiving the block of
     r - k - 1. The last hop only computes.
+
+    With ``parts`` m > 1 every block travels as m slices, one per step, in hop
+    order, and each received slice is computed in the very next step: the
+    transfer leads the compute by one slice, not by one block. The own
+    block's slices are spread over the first m steps, one each, beside the
+    received slices. So at two ranks, where the one hop could otherwise hide
+    only behind the own block, the peer's slice j + 1 flies while its slice
+    j is computed (m + 1 steps instead of 2m). With m = 1 this is the
+    schedule above.
     """
-    n, o = s.world_size, _offset(s.world_size)
+    n, o, m = s.world_size, _offset(s.world_size), s.parts
     sl = _interned()
+    items = [(k, p) for k in range(1, n) for p in range(m)]  # hop k's slice p, in the order they travel
     steps: list[Step] = []
-    for k in range(n):
-        for p in range(s.parts):
-            compute = (sl(0, p, 0, o(-k)),)
-            sends, recvs = (), ()
-            if k < n - 1:
-                shift = o(k + 1)
-                sends = (Transfer(sl(shift, p, 0, 0), shift, shift, 0),)
-                recvs = (Transfer(sl(0, p, 0, o(-k - 1)), o(-k - 1), shift, 0),)
-            steps.append(Step(len(steps), sends, recvs, (), compute))
+    for t in range(len(items) + 1):
+        sends, recvs, compute = (), (), []
+        if t < m:
+            compute.append(sl(0, t, 0, 0))  # own block, slice t
+        if t >= 1:
+            k, p = items[t - 1]
+            compute.append(sl(0, p, 0, o(-k)))  # the slice received in the step before
+        if t < len(items):
+            k, p = items[t]
+            sends = (Transfer(sl(o(k), p, 0, 0), o(k), o(k), 0),)
+            recvs = (Transfer(sl(0, p, 0, o(-k)), o(-k), o(k), 0),)
+        steps.append(Step(t, sends, recvs, (), tuple(compute)))
     return steps
 
 
@@ -212,18 +225,29 @@ def _ring_produce_all_to_all(s: Schedule) -> list[Step]:
     (its own block, which goes nowhere, at the last hop) and receiving the
     block of r - k. Only the first block's compute has nothing to hide behind;
     the last transfer flies under the last compute.
+
+    With ``parts`` m > 1, the mirror image of :func:`_ring_all_to_all`'s: every
+    slice is sent in the step after the one that made it, and the own block's
+    slices are spread over the last m steps, so that only the first slice's
+    compute is exposed and the last transfers fly under the own block.
     """
-    n, o = s.world_size, _offset(s.world_size)
+    n, o, m = s.world_size, _offset(s.world_size), s.parts
     sl = _interned()
+    items = [(k, p) for k in range(1, n) for p in range(m)]  # the block for r + k, slice p, in send order
+    first_own = len(items) + 1 - m
     steps: list[Step] = []
-    for k in range(n):
-        for p in range(s.parts):
-            compute = (sl(o(k + 1) if k < n - 1 else 0, p, 0, 0),)
-            sends, recvs = (), ()
-            if k >= 1:
-                sends = (Transfer(sl(o(k), p, 0, 0), o(k), k, 0),)
-                recvs = (Transfer(sl(0, p, 0, o(-k)), o(-k), k, 0),)
-            steps.append(Step(len(steps), sends, recvs, (), compute))
+    for t in range(len(items) + 1):
+        sends, recvs, compute = (), (), []
+        if t < len(items):
+            k, p = items[t]
+            compute.append(sl(o(k), p, 0, 0))
+        if t >= first_own:
+            compute.append(sl(0, t - first_own, 0, 0))  # own block, which goes nowhere
+        if t >= 1:
+            k, p = items[t - 1]
+            sends = (Transfer(sl(o(k), p, 0, 0), o(k), k, 0),)
+            recvs = (Transfer(sl(0, p, 0, o(-k)), o(-k), k, 0),)
+        steps.append(Step(t, sends, recvs, (), tuple(compute)))
     return steps
 
 

@@ -18,7 +18,7 @@ from commfuse.launch import launch  # noqa: E402
 from commfuse.nn import MoE, moe_reference  # noqa: E402
 from commfuse.nn.moe import grouped_mm, grouped_mm_kind, grouped_wgrad  # noqa: E402
 
-ALGORITHMS = ["vanilla", "sliced:2", "ring", "ring:2", "auto"]
+ALGORITHMS = ["vanilla", "sliced:2", "ring", "ring:2", "ring:3", "auto"]
 
 
 @pytest.mark.parametrize("n", (2, 3, 4))
@@ -27,6 +27,19 @@ def test_moe_forward_and_backward_equal_the_reference(n):
                      timeout=600)
     for rank, problems in enumerate(results):
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
+
+
+def test_auto_cuts_each_block_in_two_at_two_ranks_when_half_a_block_still_clears_the_bar():
+    """At two ranks the ring's one hop hides only behind the own block; auto takes ring:2 (each half's compute
+    led by one half) when half a block still carries MIN_SLICE_BYTES, plain ring (gloo takes the ring at every
+    size) below."""
+    from commfuse.runtime.calls import MIN_SLICE_BYTES
+
+    small, large = MIN_SLICE_BYTES * 2 // (2 * 64 * 4), 2 * MIN_SLICE_BYTES * 2 // (2 * 64 * 4)
+    for rank, got in enumerate(launch(_moe_cases.auto_takes, 2, timeout=300)):
+        assert got[small]["taken"] == "ring", (rank, got)
+        assert got[large]["taken"] == "ring:2" and "in two halves" in got[large]["reason"], (rank, got)
+        assert got[small]["close"] and got[large]["close"], (rank, got)
 
 
 def test_moe_forward_and_backward_equal_the_reference_with_the_pairwise_whole_all_to_all():

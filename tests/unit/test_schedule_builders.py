@@ -176,6 +176,48 @@ def test_ring_produce_all_to_all_sends_the_block_made_one_hop_before(n):
         assert steps[-1].communicates and steps[-1].compute == (SliceId(r, source=r),)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("m", [2, 3])
+def test_ring_all_to_all_in_parts_computes_each_part_the_step_after_it_arrives(n, m):
+    """ring:m leads each received part's compute by one step, not one block: (n - 1) m + 1 steps, the own
+    block's parts one per step over the first m, every other step's compute the part received just before."""
+    s = build("all_to_all", n, algorithm="ring", parts=m)
+    for r in range(n):
+        steps = s.steps(r)
+        assert len(steps) == (n - 1) * m + 1
+        arrived = {}
+        for t, step in enumerate(steps):
+            for recv in step.recvs:
+                arrived[recv.slice] = t
+            own = [x for x in step.compute if x.source == r]
+            assert own == ([SliceId(r, t, source=r)] if t < m else []), (r, t, step.compute)
+            for x in step.compute:
+                if x.source != r:
+                    assert arrived[x] == t - 1, (r, t, x)
+        assert not steps[-1].communicates and len(steps[-1].compute) == 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("m", [2, 3])
+def test_ring_produce_all_to_all_in_parts_sends_each_part_the_step_after_it_is_made(n, m):
+    """The mirror image: each part made for a peer travels in the next step, and the own block's parts fill
+    the last m steps, so the last transfers fly under them."""
+    s = build("produce_all_to_all", n, algorithm="ring", parts=m)
+    for r in range(n):
+        steps = s.steps(r)
+        assert len(steps) == (n - 1) * m + 1
+        made = {}
+        for t, step in enumerate(steps):
+            for send in step.sends:
+                assert made[send.slice] == t - 1, (r, t, send.slice)
+            for x in step.compute:
+                made[x] = t
+            own = [x for x in step.compute if x.shard == r]
+            first_own = len(steps) - m
+            assert own == ([SliceId(r, t - first_own, source=r)] if t >= first_own else []), (r, t, step.compute)
+        assert not steps[0].communicates and steps[-1].communicates
+
+
 def test_validator_rejects_a_produce_all_to_all_that_sends_a_block_as_it_makes_it():
     """The payload of a send is read at the start of its step: a block made in that step is not there yet."""
     good = build("produce_all_to_all", 3, algorithm="ring")
