@@ -32,7 +32,7 @@ a whole all-to-all), ``sliced:c``, ``ring`` (pairwise, one source per step),
 arrived, so a transfer leads its compute by one slice, not one block) and
 ``auto``. At two ranks plain ``ring`` has one hop per exchange, which hides
 only behind the own block's compute; ``auto`` takes ``ring:2`` there when it
-takes the ring. The grouped GEMM over a rank's local experts is torch's
+takes the ring and half a block carries at least 64 KiB. The grouped GEMM over a rank's local experts is torch's
 ``torch.nn.functional.grouped_mm`` where this build runs it for the device and
 dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
 """
@@ -49,7 +49,7 @@ from commfuse import backends
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import resolve_group, world
 from commfuse.runtime import pipelined
-from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, resolve_call
+from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, min_slice_bytes, resolve_call
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.executor import register_format
 from commfuse.schedule import Collective
@@ -451,7 +451,7 @@ class MoE(nn.Module):
             # lead each half's compute by one half (schedules/all_to_all/README.md), when half a block still
             # carries MIN_SLICE_BYTES (or the backend's own bar, if higher): below that a step's fixed cost
             # outweighs what the second half hides.
-            bar = max(MIN_SLICE_BYTES, getattr(getattr(be, "capabilities", None), "auto_min_slice_bytes", None) or 0)
+            bar = max(MIN_SLICE_BYTES, min_slice_bytes(getattr(be, "capabilities", None)))
             if slice_bytes // 2 >= bar:
                 ring2 = resolve_call(Collective.ALL_TO_ALL, "ring:2", group=self.group, backend=be,
                                      device=xt.device, slice_bytes=slice_bytes)

@@ -90,6 +90,13 @@ def choose_algorithm(collective: str | Collective, world_size: int, slice_bytes:
     return name, reason
 
 
+def min_slice_bytes(capabilities) -> int:
+    """The smallest ring hop ``auto`` takes the ring for: the backend's ``auto_min_slice_bytes``, else
+    :data:`MIN_SLICE_BYTES`."""
+    limit = getattr(capabilities, "auto_min_slice_bytes", None)
+    return MIN_SLICE_BYTES if limit is None else limit
+
+
 def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -> tuple[str, str, str]:
     """:func:`choose_algorithm`'s (algorithm, reason), and what the hardware model had to do with it."""
     if world_size == 1:
@@ -110,8 +117,7 @@ def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -
             return (*planned, "decided (its reason names the profile)")
         model = ("no profile applies (COMMFUSE_PROFILE is unset or off, and none is installed for this backend "
                  "or shipped for its device)")
-    limit = getattr(capabilities, "auto_min_slice_bytes", None)
-    limit = MIN_SLICE_BYTES if limit is None else limit
+    limit = min_slice_bytes(capabilities)
     if slice_bytes < limit:
         return "vanilla", (
             f"a ring hop would carry {slice_bytes} bytes, under {limit}: per-step latency would "

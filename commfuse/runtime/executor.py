@@ -67,7 +67,7 @@ from commfuse.errors import (
     ConcurrentUseError,
     MismatchError,
 )
-from commfuse.schedule import Algorithm, Collective, Schedule, SliceId, Step, Transfer, build
+from commfuse.schedule import Algorithm, AlgorithmSpec, Collective, Schedule, SliceId, Step, Transfer, build
 
 #: Default bound on every wait, in seconds, when neither ``timeout=`` nor
 #: ``COMMFUSE_TIMEOUT_S`` says otherwise. A ring step that has not completed in
@@ -976,14 +976,6 @@ def _failed_waiting(plan: Plan, st: CStep, call, detail: str) -> str:
             f"waiting for {_what(st.step, call)}: {detail}")
 
 
-def _shown(schedule, overlap: bool) -> str:
-    """A plan's algorithm as a user writes it (``ring:2``, ``sliced:4``; ``serial`` when it does not overlap)."""
-    name = schedule.algorithm.value if overlap else "serial"
-    if name == "sliced":
-        return name if schedule.chunks == 2 else f"{name}:{schedule.chunks}"
-    return name if schedule.parts == 1 else f"{name}:{schedule.parts}"
-
-
 def _run_observed(plan: Plan, program: Program, mode: str | None, events: list | None) -> None:
     """:func:`_run`'s loop with measurement modes, profiler annotations, per-step timings and the trace log."""
     backend = plan.backend
@@ -994,7 +986,9 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
     compute = program.compute if mode != "comm_only" else program.skip
     prof = _profiler_on()
     name, rank, timeout, overlap = plan.name, plan.rank, plan.timeout, plan.overlap
-    tags = {"label": plan.label, "algorithm": _shown(plan.schedule, overlap)}
+    sched = plan.schedule  # the algorithm as a user writes it: ring:2, sliced:4, serial
+    shown = AlgorithmSpec(sched.algorithm.value if overlap else "serial", sched.parts, sched.chunks).shown
+    tags = {"label": plan.label, "algorithm": shown}
     trace = plan.trace
     clock = time.perf_counter
     for st in plan.compiled.steps:
