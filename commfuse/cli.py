@@ -8,12 +8,14 @@ library (backends, bench, conformance, simulate) add theirs the same way.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from commfuse import __version__
-from commfuse.errors import CommfuseError
+from commfuse.errors import CommfuseError, CommfuseValueError
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: list[Command] = []
@@ -27,22 +29,160 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
     return register
 
 
+# -- argument types and output paths, for every subcommand -----------------
+
+#: The most ranks a command launches as processes on this one machine (``bench -n``, ``conformance -n``):
+#: each is a Python process with torch loaded (a few hundred MB), so more would exhaust a large host's memory
+#: before a transfer ran. Larger worlds run one process per device under torchrun.
+MAX_LAUNCHED_RANKS = 64
+
+
+#: The most digits an integer argument may have (``int()`` itself refuses more than 4300).
+_MAX_DIGITS = 1000
+
+
+def integer(low: int, high: int | None = None, *, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` to ``high`` (no upper bound when None), in ASCII digits.
+
+    argparse names the option beside the message: ``argument --batch/-b: expected an integer >= 1, got '0'``.
+    ``why`` says where the upper bound comes from.
+    """
+    def parse(text: str) -> int:
+        shown = f"from {low} to {high}" if high is not None else f">= {low}"
+        stripped = text.strip()
+        body = stripped[1:] if stripped[:1] in "+-" else stripped
+        if not (body.isascii() and body.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected an integer {shown}, got {text!r}")
+        if len(body) > _MAX_DIGITS:
+            raise argparse.ArgumentTypeError(f"expected an integer {shown} of at most {_MAX_DIGITS} digits, got "
+                                             f"{len(body)} digits")
+        value = int(stripped)
+        if value < low or (high is not None and value > high):
+            reason = why if high is not None and value > high else ""
+            raise argparse.ArgumentTypeError(f"expected an integer {shown}{reason}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def seconds(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number of seconds from ``low`` to ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"expected seconds from {low:g} to {high:g}, got {text!r}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _first_existing(path: Path) -> tuple[Path, list[Path]]:
+    """The nearest of ``path`` and its parents that exists, and the missing ones below it, top first."""
+    missing = []
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    return path, missing[::-1]
+
+
+def check_output_file(option: str, path: str | os.PathLike) -> None:
+    """Refuse, naming ``option`` and ``path``, an output file that could not be written; leave nothing behind.
+
+    Called before any work, so that a run never ends in a traceback over where its output goes: the path
+    must not be a folder, nothing above it may be a file, and this user must be able to create or
+    overwrite it. Missing folders are created to find out, and removed again with the probe file.
+    """
+    p = Path(path)
+    shown = f"{option} {os.fspath(path)}"
+    if p.is_dir():
+        raise CommfuseValueError(f"{shown}: is a folder; give the path of a file in it")
+    _probe(shown, p)
+
+
+def check_outputs(args: argparse.Namespace, *dests: str) -> None:
+    """:func:`check_output_file` for each of ``dests`` given in ``args`` (as ``--dest``), but ``-`` (stdout)."""
+    for dest in dests:
+        path = getattr(args, dest, None)
+        if path and path != "-":
+            check_output_file(f"--{dest.replace('_', '-')}", path)
+
+
+def check_output_dir(option: str, path: str | os.PathLike) -> None:
+    """Refuse, naming ``option`` and ``path``, an output folder that could not be written; leave nothing
+    behind (see :func:`check_output_file`)."""
+    p = Path(path)
+    shown = f"{option} {os.fspath(path)}"
+    if os.path.lexists(p) and not p.is_dir():
+        raise CommfuseValueError(f"{shown}: is a file, not a folder")
+    _probe(shown, p / ".commfuse-write-probe")
+
+
+def _probe(shown: str, p: Path) -> None:
+    """Open ``p`` for appending if it exists (which changes nothing), else create it and the folders above it
+    that are missing, and remove all of that again; an error names ``shown`` and why it failed."""
+    top, missing = _first_existing(p)
+    if missing and not top.is_dir():
+        raise CommfuseValueError(f"{shown}: {top} is a file, not a folder, so nothing can be written under it")
+    made: list[Path] = []
+    try:
+        if not missing:
+            with open(p, "ab"):
+                pass
+            return
+        for folder in missing[:-1]:
+            folder.mkdir()
+            made.append(folder)
+        try:
+            with open(p, "xb"):
+                pass
+            made.append(p)
+        except FileExistsError:  # made by someone else meanwhile: writable all the same
+            pass
+    except OSError as e:
+        raise CommfuseValueError(f"{shown}: cannot be written ({e.strerror or e})") from None
+    finally:
+        for created in reversed(made):
+            try:
+                created.rmdir() if created.is_dir() else created.unlink()
+            except OSError:  # something else wrote there meanwhile: theirs now
+                pass
+
+
 # -- commfuse schedule -----------------------------------------------------
+
+
+#: The largest schedule ``schedule show`` renders. Its table has a column per rank and about world size x
+#: parts rows: 64 ranks at 16 parts is ~2 MB of text in under a second, 1024 ranks at one part already 37 MB
+#: and seconds, 100000 ranks minutes. Bigger schedules: ``commfuse.schedule.build(...)`` in Python, then
+#: ``.steps(rank)`` for the ranks you want (or ``render`` on the whole, if you mean it).
+SHOW_MAX_WORLD_SIZE = 64
+SHOW_MAX_PARTS = 16
+SHOW_MAX_CHUNKS = 64
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     from commfuse.schedule import Algorithm, Collective
 
+    bigger = " (bigger: commfuse.schedule.build in Python)"
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION", help="what to do")
     show = sub.add_parser("show", help="print the step table of one schedule")
     show.add_argument("collective", choices=[c.value for c in Collective],
                       help="the collective to decompose: %(choices)s")
-    show.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
+    show.add_argument("--world-size", "-n", type=integer(1, SHOW_MAX_WORLD_SIZE, why=bigger), required=True,
+                      help=f"number of ranks, 1 to {SHOW_MAX_WORLD_SIZE} (a column each; for more, "
+                      "commfuse.schedule.build in Python)")
     show.add_argument("--algorithm", "-a", default="ring", choices=[a.value for a in Algorithm],
                       help="ring (CommFuse's hops), bidirectional (half of each slice each way round), sliced "
                       "(whole collectives on chunks) or vanilla (one collective, then the compute); default ring")
-    show.add_argument("--parts", type=int, default=1, help="slices per shard (ring algorithms; the paper's m)")
-    show.add_argument("--chunks", type=int, default=1, help="collectives the data is sliced into (sliced)")
+    show.add_argument("--parts", type=integer(1, SHOW_MAX_PARTS, why=bigger), default=1,
+                      help=f"slices per shard (ring algorithms; the paper's m), 1 to {SHOW_MAX_PARTS}")
+    show.add_argument("--chunks", type=integer(1, SHOW_MAX_CHUNKS, why=bigger), default=1,
+                      help=f"collectives the data is sliced into (sliced), 1 to {SHOW_MAX_CHUNKS}")
     dump = sub.add_parser("dump", help="regenerate the schedules/ catalog from the builders")
     dump.add_argument("--dir", type=Path, default=Path("schedules"), help="catalog folder (default: ./schedules)")
     dump.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
@@ -56,6 +196,17 @@ def _schedule(args: argparse.Namespace) -> int:
         s = build(args.collective, args.world_size, algorithm=args.algorithm, parts=args.parts, chunks=args.chunks)
         sys.stdout.write(render(s))
         return 0
+    if os.path.lexists(args.dir) and not args.dir.is_dir():
+        raise CommfuseValueError(f"--dir {args.dir}: is a file, not a folder")
+    if not args.check:
+        check_output_dir("--dir", args.dir)
+        for entry in _catalog.entries():  # what the catalog's files would collide with
+            for n in _catalog.WORLD_SIZES:
+                path = entry.path(args.dir, n)
+                if path.is_dir() or (os.path.lexists(path.parent) and not path.parent.is_dir()):
+                    what = path if path.is_dir() else path.parent
+                    raise CommfuseValueError(f"--dir {args.dir}: {what} is a {'folder' if path.is_dir() else 'file'} "
+                                             f"where the catalog needs a {'file' if path.is_dir() else 'folder'}")
     if args.check:
         stale = _catalog.check(args.dir)
         for rel in stale:
@@ -160,4 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # ``python -m commfuse.cli`` runs this file as ``__main__``, a second copy of the module: the subcommand
+    # modules register into ``commfuse.cli.COMMANDS``, so the command must be that module's
+    from commfuse.cli import main as _main
+
+    sys.exit(_main())

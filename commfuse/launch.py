@@ -10,7 +10,9 @@ exits at once with ``os._exit``: a gloo thread stuck in a collective that a
 peer abandoned keeps ``destroy_process_group`` (and a group left alive keeps
 the interpreter's exit) waiting until the group's own timeout. The parent
 waits at most ``timeout`` seconds, then kills every child that is still
-running and says which ranks did not finish: a launch never hangs and never leaves processes behind.
+running and says which ranks did not finish: a launch never hangs and never leaves processes behind. On
+Linux each rank also asks the kernel to kill it when its parent ends (``PR_SET_PDEATHSIG``), so a parent
+that is itself killed (SIGTERM, SIGKILL) takes its ranks with it.
 """
 
 from __future__ import annotations
@@ -108,7 +110,32 @@ def rank_environment(rank: int) -> dict[str, str]:
             "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
 
 
+#: ``prctl`` option (linux/prctl.h): the signal this process gets when the thread that started it ends.
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this rank when the process that launched it ends (Linux; elsewhere nothing).
+
+    The parent's ``finally`` kills its ranks when it returns or raises, but not when it is killed itself
+    (SIGTERM, SIGKILL): its ranks would run on, waiting on peers, with nobody to report to.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl (another libc): the parent's own cleanup still applies
+        return
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _child(fn, rank, world_size, port, args, results, threads, backend, env) -> None:
+    _die_with_parent()
     os.environ.update(env)
     os.environ.update(rank_environment(rank))
     initialised = False

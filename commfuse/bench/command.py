@@ -42,13 +42,20 @@ from commfuse.bench.config import (
     Shape,
     scaled,
 )
-from commfuse.cli import command
+from commfuse.cli import MAX_LAUNCHED_RANKS, check_outputs, command, integer, seconds
 from commfuse.errors import CommfuseError, CommfuseValueError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _SIZE_FLAGS = (("batch", "b"), ("seq", "s"), ("hidden", "h"), ("ffn", "ffn"), ("heads", "heads"),
                ("kv_heads", "kv_heads"))
+
+
+def _timeout(text: str) -> float:
+    """``--timeout``: seconds within the bounds the library puts on every wait."""
+    from commfuse.runtime.executor import MAX_TIMEOUT_S, MIN_TIMEOUT_S  # imports torch: only when one is given
+
+    return seconds(MIN_TIMEOUT_S, MAX_TIMEOUT_S)(text)
 
 
 class _FakeGroupMode(argparse.Action):
@@ -100,33 +107,38 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "the first, untimed, correctness run of each algorithm exchanges it)")
     g = p.add_argument_group("sizes (a preset, divided by --scale, then single sizes overridden)")
     g.add_argument("--preset", choices=list(PRESETS), default="small", help="starting sizes (default: small)")
-    g.add_argument("--scale", type=int, default=1, metavar="F",
+    g.add_argument("--scale", type=integer(1), default=1, metavar="F",
                    help="divide the preset's b, s, h and ffn by F (default 1), e.g. --preset paper-mlp --scale 8")
-    g.add_argument("-b", "--batch", type=int, help="batch size b")
-    g.add_argument("-s", "--seq", type=int, help="whole sequence length s (each rank holds s/N)")
-    g.add_argument("--tokens", type=int, metavar="T",
+    g.add_argument("-b", "--batch", type=integer(1), help="batch size b")
+    g.add_argument("-s", "--seq", type=integer(1), help="whole sequence length s (each rank holds s/N)")
+    g.add_argument("--tokens", type=integer(1), metavar="T",
                    help="tokens b*s of the GEMM workloads, as batch 1 and seq T (not with -b or -s)")
-    g.add_argument("--hidden", type=int, help="hidden size h")
-    g.add_argument("--ffn", type=int, help="MLP inner size (each rank holds ffn/N columns)")
-    g.add_argument("--heads", type=int, help="attention heads")
-    g.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
-    g.add_argument("--experts", type=int, default=None,
+    g.add_argument("--hidden", type=integer(1), help="hidden size h")
+    g.add_argument("--ffn", type=integer(1), help="MLP inner size (each rank holds ffn/N columns)")
+    g.add_argument("--heads", type=integer(1), help="attention heads")
+    g.add_argument("--kv-heads", type=integer(1), help="key/value heads (grouped-query attention)")
+    g.add_argument("--experts", type=integer(1), default=None,
                    help=f"moe: experts, experts/N on each rank (default {MOE_EXPERTS}); their FFN size is --ffn")
-    g.add_argument("--topk", type=int, default=None, help=f"moe: experts each token is routed to (default {MOE_TOPK})")
+    g.add_argument("--topk", type=integer(1), default=None,
+                   help=f"moe: experts each token is routed to (default {MOE_TOPK})")
     g.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
                    help="default float32; with --fake-pg bfloat16 on CUDA")
     g = p.add_argument_group("how to run")
-    g.add_argument("-n", "--world-size", type=int, default=2,
-                   help="ranks to launch (default 2; torchrun decides there)")
-    g.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU (default 1)")
-    g.add_argument("-r", "--repeats", type=int, default=10, help="timed repeats per algorithm and mode (default 10)")
-    g.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
+    g.add_argument("-n", "--world-size", default=2,
+                   type=integer(1, MAX_LAUNCHED_RANKS, why=" (more ranks: one process per device under torchrun)"),
+                   help=f"ranks to launch, 1 to {MAX_LAUNCHED_RANKS} (default 2; torchrun decides there)")
+    g.add_argument("--threads", type=integer(1), default=1, help="torch threads per rank on CPU (default 1)")
+    g.add_argument("-r", "--repeats", type=integer(1), default=10,
+                   help="timed repeats per algorithm and mode (default 10)")
+    g.add_argument("--warmup", type=integer(0), default=2, help="untimed repeats first (default 2)")
     g.add_argument("--device", help="device of the tensors (default: cpu when launching ranks; under torchrun the "
                    "accelerator if there is one)")
     g.add_argument("--link-rate", metavar="RATE",
                    help="run the ranks behind a loopback limited to RATE (tc units: 800mbit, 2gbit, ...) in a "
                    "private network namespace; needs root (default: plain loopback)")
-    g.add_argument("--timeout", type=float, default=1800.0, help="seconds before the launched ranks are killed")
+    g.add_argument("--timeout", type=_timeout, default=1800.0,
+                   help="seconds before the launched ranks are killed (default 1800; within the library's bounds "
+                   "on a wait, commfuse.runtime.executor.MIN_TIMEOUT_S to MAX_TIMEOUT_S)")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the inputs, the layers' parameters and the order the algorithms run in each repeat "
                    "(default 0)")
@@ -139,11 +151,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "fake process group: one process, every transfer completes at once without moving data; times each "
         "algorithm of all_gather_matmul and matmul_reduce_scatter against the unsliced GEMM (docs/benchmarks.md)")
-    g.add_argument("--fake-pg", type=int, metavar="N", action=_FakeGroupMode,
+    g.add_argument("--fake-pg", type=integer(1), metavar="N", action=_FakeGroupMode,
                    help="run as rank 0 of a fake group of N ranks in this process (no launch, no torchrun); "
                    "--device cuda or cpu (default: cuda if there is one), -a, -w, sizes, --dtype, -r, --warmup, "
                    "--threads and --json apply")
-    g.add_argument("--calls", type=int, metavar="K",
+    g.add_argument("--calls", type=integer(1), metavar="K",
                    help="with --fake-pg: calls per timed batch (default 20 on CUDA, 2 on CPU)")
 
 
@@ -359,9 +371,11 @@ def _emit_compiled(result: dict, config: BenchConfig, args: argparse.Namespace) 
 def run(args: argparse.Namespace) -> int:
     from commfuse.bench import netns
 
+    torchrun = under_torchrun()
+    if not torchrun or os.environ.get("RANK") == "0":  # before any work; rank 0 writes them
+        check_outputs(args, "json", "trace", "plot")
     config = config_from_args(args)
     progress = not args.no_progress
-    torchrun = under_torchrun()
     if config.link_rate:
         if torchrun:
             raise CommfuseValueError(
@@ -416,6 +430,7 @@ def fake_config(args: argparse.Namespace) -> tuple[BenchConfig, int]:
 def run_fake(args: argparse.Namespace) -> int:
     """``commfuse bench --fake-pg N ...``: one process, the fake group; table (and JSON) of rank 0's op times."""
     config, calls = fake_config(args)
+    check_outputs(args, "json")  # before any work
     from commfuse.bench import fakepg
 
     result = fakepg.run(config, calls, progress=not args.no_progress)

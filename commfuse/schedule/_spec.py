@@ -36,6 +36,9 @@ from commfuse.schedule._ir import Algorithm, Collective
 ALGORITHM_NAMES = ("auto", "ring", "bidirectional", "serial", "sliced", "vanilla", "native")
 #: Names whose ``:N`` is the number of slices per shard (the rest: ``sliced``'s chunks; none for others).
 _PARTED = ("ring", "bidirectional", "serial")
+#: The largest ``:N`` the grammar reads: no tensor has more rows than an int64 counts, so no shard has more
+#: slices and no collective more chunks.
+MAX_COUNT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class AlgorithmSpec:
 
 @functools.lru_cache(maxsize=512)
 def _parse(text: str, collective: Collective | None) -> AlgorithmSpec:
-    name, _, count = text.partition(":")
+    name, colon, count = text.partition(":")
     if name not in ALGORITHM_NAMES:
         raise CommfuseValueError(
             f"unknown algorithm {text!r}; expected one of {', '.join(ALGORITHM_NAMES)} (optionally ':N')"
@@ -75,12 +78,19 @@ def _parse(text: str, collective: Collective | None) -> AlgorithmSpec:
         raise CommfuseValueError(f"algorithm 'bidirectional' is not defined for {collective}; it has ring, serial, "
                                  "sliced, vanilla")
     k = 0
-    if count:
-        if not count.isdigit() or int(count) < 1 or name in ("auto", "vanilla", "native"):
+    if colon:
+        # ASCII digits only: str.isdigit also takes '٢' and '²' (int() reads the first as 2 and fails on the
+        # second); an empty count is an error, not "no count"
+        digits = count.isascii() and count.isdigit()
+        if not digits or name in ("auto", "vanilla", "native"):
             raise CommfuseValueError(
-                f"bad algorithm {text!r}: only {', '.join(_PARTED)} and sliced take ':N' with N >= 1"
+                f"bad algorithm {text!r}: only {', '.join(_PARTED)} and sliced take ':N', N written in the digits "
+                "0-9 and >= 1"
             )
-        k = int(count)
+        # past MAX_COUNT's digits it is too big; and int() refuses 4300+ digits
+        k = int(count) if len(count.lstrip("0")) <= len(str(MAX_COUNT)) else MAX_COUNT + 1
+        if not 1 <= k <= MAX_COUNT:
+            raise CommfuseValueError(f"bad algorithm {text!r}: N must be from 1 to {MAX_COUNT}")
     if name == "sliced":
         return AlgorithmSpec(name, 1, k or 2)
     return AlgorithmSpec(name, k or 1, 1)

@@ -243,7 +243,7 @@ def fit(raw: dict, *, name: str = "", link_rate: str | None = None) -> tuple[Pro
     compute = ComputeSpec(peak_flops=_sig(rate), memory_bandwidth=_sig(mem), efficiency=1.0,
                           half_efficiency_flops=_sig(half), dtype="float32")
     # host: compute_only ring:m on 4x4 tensors; per step, less what the model gives the tiny matmul
-    probe = Profile("probe", compute, LinkSpec(bandwidth=1.0, latency=0.0))
+    probe = Profile("probe", compute, LinkSpec(bandwidth=1e9, latency=0.0))  # its link is not asked
     steps_x = [n * int(p) for p in raw["steps"]]
     steps_y = [med(v) for v in raw["steps"].values()]
     call, per_step = _fit_line(steps_x, steps_y, relative=False)

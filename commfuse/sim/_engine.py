@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from commfuse.errors import CommfuseValueError
 from commfuse.schedule import CollectiveCall, Schedule, Step, Transfer
 from commfuse.sim._model import Kernel, class_resources, collective_bytes, collective_time, kernel_time, resources
 from commfuse.sim._profile import Profile
@@ -63,6 +64,14 @@ MODES = ("overlap", "compute_only", "comm_only")
 #: How much faster than its rate a shaped link moves the bytes its token bucket lets through (a loopback's
 #: raw speed over the rates it is shaped to: GB/s against 100s of MB/s).
 BURST_SPEEDUP = 20.0
+
+#: The most actions one run of the engine simulates: a step, and each send, receive, collective, computed
+#: slice and added slice in it, summed over the phases and the simulated ranks. An action costs the full
+#: engine 1 to 15 us and ~50 B of records, and a table runs the engine three times per algorithm: at this
+#: bound (e.g. 1024 ranks of a 1024-step ring op, each rank simulated) a run takes up to about a minute. The
+#: symmetric engine simulates one rank, so only unequal shards, skewed routing or ``--full`` come near it;
+#: where every rank is simulated a whole collective costs each rank its world size in computed slices.
+MAX_SIMULATED_ACTIONS = 1 << 22
 
 
 class OpCost(Protocol):
@@ -206,13 +215,7 @@ class Engine:
             if p.schedule is not None and p.schedule.world_size != world_size:
                 raise ValueError(f"phase {p.name!r} has a schedule over {p.schedule.world_size} ranks, "
                                  f"but the simulation is over {world_size}")
-        uniform = all(p.cost.uniform for p in phases)
-        if symmetric is None:
-            symmetric = uniform
-        elif symmetric and not uniform:
-            bad = next(p.name for p in phases if not p.cost.uniform)
-            raise ValueError(f"phase {bad!r} has unequal shards across ranks: the symmetric engine needs every rank "
-                             f"alike; run with symmetric=False")
+        symmetric = check_size(phases, world_size, symmetric)
         self.phases, self.profile, self.n, self.mode = list(phases), profile, world_size, mode
         self.sym, self.check, self.record = bool(symmetric), check, record
         self.now = 0.0
@@ -582,6 +585,34 @@ class Engine:
             x.pending -= 1
             if x.pending == 0:
                 self._maybe_wait_done(x)
+
+
+def check_size(phases: Sequence[Phase], world_size: int, symmetric: bool | None = None) -> bool:
+    """Whether the engine runs ``phases`` symmetric (None: when every phase is uniform); raises when it cannot,
+    and when the run would be over :data:`MAX_SIMULATED_ACTIONS`, saying what to give instead."""
+    uniform = all(p.cost.uniform for p in phases)
+    if symmetric is None:
+        symmetric = uniform
+    elif symmetric and not uniform:
+        bad = next(p.name for p in phases if not p.cost.uniform)
+        raise ValueError(f"phase {bad!r} has unequal shards across ranks: the symmetric engine needs every rank "
+                         f"alike; run with symmetric=False")
+    actions = sum(1 + len(s.sends) + len(s.recvs) + len(s.collectives) + len(s.compute) + len(s.accumulate)
+                  for p in phases if p.schedule is not None for s in p.schedule.steps(0))
+    ranks = 1 if symmetric else world_size
+    if ranks * actions > MAX_SIMULATED_ACTIONS:
+        if symmetric:
+            advice = "give fewer ranks or parts"
+        elif uniform:
+            advice = "every rank is alike, so let one stand for all: drop --full (symmetric=False)"
+        else:
+            advice = ("make every shard the same size (sizes that divide by the world size) so that one rank "
+                      "stands for all, or give fewer ranks")
+        raise CommfuseValueError(
+            f"simulating {ranks} rank(s) x {actions} actions (steps, and the sends, receives, collectives and "
+            f"slices computed in them) is over the engine's limit of {MAX_SIMULATED_ACTIONS} "
+            f"(commfuse.sim._engine.MAX_SIMULATED_ACTIONS): {advice}")
+    return bool(symmetric)
 
 
 def simulate_phases(phases: Sequence[Phase], profile: Profile, world_size: int, *, mode: str = "overlap",

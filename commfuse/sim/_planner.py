@@ -22,7 +22,7 @@ from commfuse.schedule import Collective
 from commfuse.sim._engine import Phase, simulate_phases
 from commfuse.sim._model import class_resources, collective_time, kernel_time, transfer_time
 from commfuse.sim._predict import Prediction, compare, predict
-from commfuse.sim._profile import Profile, load_profile, shipped, user_dir
+from commfuse.sim._profile import Profile, ProfileError, load_profile, shipped, user_dir
 from commfuse.sim._workloads import ShardedOp, Workload, schedule_for
 
 #: Rows every shard is cut into for an op-level plan: divisible by the 2 halves of bidirectional.
@@ -118,12 +118,16 @@ def _load_cached(spec: str, mtime: float) -> Profile:
     return load_profile(spec)
 
 
-def _load(spec: str) -> Profile:
+def _load(spec: str, via: str) -> Profile:
+    """``spec``'s profile for ``auto``; a :class:`ProfileError` also says ``via`` what it was asked for."""
     try:
         mtime = os.stat(spec).st_mtime if spec.endswith(".toml") else 0.0
-    except OSError:
+    except (OSError, ValueError):
         mtime = 0.0
-    return _load_cached(spec, mtime)
+    try:
+        return _load_cached(spec, mtime)
+    except ProfileError as e:
+        raise ProfileError(f"{via}: {e}") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -160,7 +164,9 @@ def profile_for(backend=None) -> Profile | None:
     """The profile ``auto`` uses for ``backend``, or None when none applies (see the module docstring)."""
     env = os.environ.get("COMMFUSE_PROFILE")
     if env is not None:
-        return None if env.strip().lower() in _OFF else _load(env.strip())
+        if env.strip().lower() in _OFF:
+            return None
+        return _load(env.strip(), f"COMMFUSE_PROFILE={env!r}")
     if backend is None:
         return None
     name = getattr(backend, "name", None)
@@ -168,7 +174,7 @@ def profile_for(backend=None) -> Profile | None:
         env = os.environ
         installed = _installed_path(name, (env.get("COMMFUSE_PROFILE_DIR"), env.get("XDG_CONFIG_HOME"), env.get("HOME")))
         if os.path.isfile(installed):
-            return _load(installed)
+            return _load(installed, f"the profile installed for backend {name!r}")
     device = _device_name(getattr(backend, "device", None))
     if device:
         for p in _shipped_profiles():

@@ -9,12 +9,13 @@ figures: the time, compute-only, comm-only, the exposed communication
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from commfuse.sim._engine import Timeline, simulate_phases
+from commfuse.sim._engine import Timeline, check_size, simulate_phases
 from commfuse.sim._model import kernel_time
-from commfuse.sim._profile import Profile, load_profile
+from commfuse.sim._profile import Profile, ProfileError, load_profile
 from commfuse.sim._workloads import Workload, parse_algorithm
 
 #: What ``compare`` predicts when not told: the issue's table rows.
@@ -130,6 +131,10 @@ def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring
     comm = simulate_phases(phases, profile, n, mode="comm_only", symmetric=symmetric, check=check, record=False)
     outside = sum(kernel_time(profile, k) for p in phases if p.schedule is None for k in p.cost.compute(0, None))
     flops = sum(p.cost.flops(0) for p in phases)
+    if not all(math.isfinite(x) for x in (main.total, compute.total, comm.total, outside, flops)):
+        # the bounds on profiles and sizes keep every figure finite; a table of inf or NaN would be a lie
+        raise ProfileError(f"profile {profile.name!r} ({profile.source or 'in memory'}) gives {workload.describe()} "
+                           f"under {algorithm} a time that is not a finite number")
     return Prediction(workload, algorithm, profile.name, main.total, compute.total, comm.total, outside, flops,
                       profile.compute.peak_flops, timeline=main if record else None)
 
@@ -141,6 +146,9 @@ def compare(profile: "Profile | str", workload: Workload, algorithms: Sequence[s
     names = list(dict.fromkeys(algorithms))
     if "vanilla" not in names:
         names.insert(0, "vanilla")
+    for a in names:  # refuse a run over the engine's limits before running any
+        parse_algorithm(a)
+        check_size(workload.phases(a), workload.world_size, symmetric)
     out = [predict(profile, workload, a, record=record, symmetric=symmetric, check=check) for a in names]
     vanilla = next(p for p in out if p.algorithm == "vanilla")
     return [replace(p, speedup_vs_vanilla=vanilla.time / p.time if p.time > 0 else None) for p in out]

@@ -71,6 +71,30 @@ DUPLEX = ("full", "half")
 #: Element types and their size in bytes.
 DTYPES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
 
+# Bounds on a profile's numbers, checked when one is made (loaded, replaced, calibrated). Each is far outside
+# any device or link there is, so a real profile never meets one; together they keep the model's arithmetic
+# finite: with every size of a workload within ``commfuse.sim._workloads.MAX_DIM`` (2**32) no kernel exceeds
+# ~1e49 flops or ~1e40 bytes, and no rate or divisor falls under 1e-3, so every time stays below ~1e55 s and
+# no division is by zero, where 1e308 s of latency or 5e-324 flop/s made an inf/NaN table.
+#: flop/s of one device: a microcontroller's to 200x a B200's dense FP8 (~5e15).
+PEAK_FLOPS_RANGE = (1e6, 1e18)
+#: bytes/s of device memory: 1 MB/s to 100x HBM3e (~8e12).
+MEMORY_BANDWIDTH_RANGE = (1e6, 1e15)
+#: bytes/s of a link, per direction: 8 kbit/s (a tc-shaped test loopback) to 100x NVLink 5 (~9e11).
+LINK_BANDWIDTH_RANGE = (1e3, 1e14)
+#: The least fraction of peak, of a link's rate or of a ring step a profile may claim (what a kernel, a message
+#: or a collective is divided by).
+MIN_EFFICIENCY = 1e-3
+#: Seconds a message, a ring step, a schedule step or an op call may cost at most: a geostationary round trip
+#: is 0.6 s.
+MAX_LATENCY_S = 10.0
+#: The flops at which a kernel reaches half its efficiency, at most: a whole large training step's GEMM.
+MAX_HALF_EFFICIENCY_FLOPS = 1e18
+#: Bytes a token bucket may let through at once: 1 TB.
+MAX_BURST_BYTES = 1e12
+#: The largest profile file read: a profile is a few KB of TOML; anything bigger is not one.
+MAX_PROFILE_BYTES = 1 << 20
+
 
 class ProfileError(CommfuseValueError):
     """A profile is missing, malformed, or has a field with a bad value."""
@@ -80,7 +104,11 @@ def _number(where: str, name: str, value, *, positive: bool = False, low: float 
             high: float | None = None, unit: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProfileError(f"{where}: {name} must be a number{unit}, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past what a float holds
+        raise ProfileError(f"{where}: {name} must be a number a float can hold{unit}, got an integer of "
+                           f"{value.bit_length()} bits") from None
     if not math.isfinite(value):
         raise ProfileError(f"{where}: {name} must be finite, got {value!r}")
     if positive and not value > 0:
@@ -116,10 +144,13 @@ class ComputeSpec:
     dtype: str = "bfloat16"
 
     def _check(self, where: str) -> None:
-        _number(where, "[compute].peak_flops", self.peak_flops, positive=True, unit=" flop/s")
-        _number(where, "[compute].memory_bandwidth", self.memory_bandwidth, positive=True, unit=" bytes/s")
-        _number(where, "[compute].efficiency", self.efficiency, positive=True, high=1.0)
-        _number(where, "[compute].half_efficiency_flops", self.half_efficiency_flops, low=0.0, unit=" flops")
+        _number(where, "[compute].peak_flops", self.peak_flops, positive=True, low=PEAK_FLOPS_RANGE[0],
+                high=PEAK_FLOPS_RANGE[1], unit=" flop/s")
+        _number(where, "[compute].memory_bandwidth", self.memory_bandwidth, positive=True,
+                low=MEMORY_BANDWIDTH_RANGE[0], high=MEMORY_BANDWIDTH_RANGE[1], unit=" bytes/s")
+        _number(where, "[compute].efficiency", self.efficiency, positive=True, low=MIN_EFFICIENCY, high=1.0)
+        _number(where, "[compute].half_efficiency_flops", self.half_efficiency_flops, low=0.0,
+                high=MAX_HALF_EFFICIENCY_FLOPS, unit=" flops")
         _choice(where, "[compute].dtype", self.dtype, tuple(DTYPES))
 
 
@@ -146,12 +177,13 @@ class LinkSpec:
     burst: float = 0.0
 
     def _check(self, where: str) -> None:
-        _number(where, "[link].bandwidth", self.bandwidth, positive=True, unit=" bytes/s")
-        _number(where, "[link].latency", self.latency, low=0.0, unit=" s")
-        _number(where, "[link].burst", self.burst, low=0.0, unit=" bytes")
+        _number(where, "[link].bandwidth", self.bandwidth, positive=True, low=LINK_BANDWIDTH_RANGE[0],
+                high=LINK_BANDWIDTH_RANGE[1], unit=" bytes/s")
+        _number(where, "[link].latency", self.latency, low=0.0, high=MAX_LATENCY_S, unit=" s")
+        _number(where, "[link].burst", self.burst, low=0.0, high=MAX_BURST_BYTES, unit=" bytes")
         _choice(where, "[link].topology", self.topology, TOPOLOGIES)
         _choice(where, "[link].duplex", self.duplex, DUPLEX)
-        _number(where, "[link].efficiency", self.efficiency, positive=True, high=1.0)
+        _number(where, "[link].efficiency", self.efficiency, positive=True, low=MIN_EFFICIENCY, high=1.0)
 
     @property
     def rate(self) -> float:
@@ -178,11 +210,11 @@ class CollectiveSpec:
 
     def _check(self, where: str) -> None:
         if self.latency is not None:
-            _number(where, "[collective].latency", self.latency, low=0.0, unit=" s")
-        _number(where, "[collective].efficiency", self.efficiency, positive=True, high=4.0)
+            _number(where, "[collective].latency", self.latency, low=0.0, high=MAX_LATENCY_S, unit=" s")
+        _number(where, "[collective].efficiency", self.efficiency, positive=True, low=MIN_EFFICIENCY, high=4.0)
         if self.reduce_scatter_efficiency is not None:
             _number(where, "[collective].reduce_scatter_efficiency", self.reduce_scatter_efficiency, positive=True,
-                    high=4.0)
+                    low=MIN_EFFICIENCY, high=4.0)
 
     def efficiency_of(self, collective: str) -> float:
         if collective == "reduce_scatter" and self.reduce_scatter_efficiency is not None:
@@ -198,8 +230,8 @@ class HostSpec:
     call_overhead: float = 0.0
 
     def _check(self, where: str) -> None:
-        _number(where, "[host].step_overhead", self.step_overhead, low=0.0, unit=" s")
-        _number(where, "[host].call_overhead", self.call_overhead, low=0.0, unit=" s")
+        _number(where, "[host].step_overhead", self.step_overhead, low=0.0, high=MAX_LATENCY_S, unit=" s")
+        _number(where, "[host].call_overhead", self.call_overhead, low=0.0, high=MAX_LATENCY_S, unit=" s")
 
 
 @dataclass(frozen=True)
@@ -409,12 +441,35 @@ def load_profile(spec: "str | os.PathLike | Profile") -> Profile:
                 + (f"; installed in {user_dir()}: {', '.join(installed)}" if installed else "")
                 + " (or give the path of a .toml file)"
             )
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ProfileError(f"profile file {text!r} does not exist")
+    if not path.is_file():
+        raise ProfileError(f"profile file {text!r} is not a regular file (a folder, a device, a broken link)")
     if tomllib is None:  # pragma: no cover
         raise ProfileError(f"reading profile {path} needs Python 3.11 (tomllib) or `pip install tomli`")
+    return from_dict(_parse(path), source=str(path))
+
+
+def _parse(path: Path) -> dict:
+    """The TOML table in ``path``; every way a file can fail to be one is a :class:`ProfileError` naming it."""
     try:
-        data = tomllib.loads(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+    except OSError as e:
+        raise ProfileError(f"profile file {path} cannot be read: {e.strerror or e}") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"profile file {path} is over {MAX_PROFILE_BYTES} bytes; a profile is a few KB of TOML")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"profile file {path} is not UTF-8 text (TOML is): byte {e.start} is {raw[e.start]:#04x}"
+                           ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"profile file {path} is not valid TOML: {e}") from None
-    return from_dict(data, source=str(path))
+    except RecursionError:
+        raise ProfileError(f"profile file {path} nests arrays or tables too deeply to read (a profile is flat)"
+                           ) from None
+    except ValueError as e:  # a number the parser refuses to convert (e.g. an integer over 4300 digits)
+        raise ProfileError(f"profile file {path} is not valid TOML: {e}") from None

@@ -75,6 +75,22 @@ GROUPINGS = ("step", "source")
 #: Bytes per routed-row count in the size exchange that opens every MoE call (int64).
 COUNT_BYTES = 8
 
+# Limits that refuse, before anything is built, what would take absurd memory or time (``--ep 100000`` was a
+# MemoryError after a minute).
+#: The largest size a workload takes (tp, dp, ep, seq, hidden, batch, ffn, experts, topk): four billion,
+#: beyond any model's dim, and small enough that the products the model forms (at most ~1e49 flops, a MoE
+#: layer's) stay finite as floats against any profile's rates (``commfuse.sim._profile``'s bounds).
+MAX_DIM = 1 << 32
+#: The largest schedule the simulator builds: this many ranks, and about this many steps (world size x parts
+#: for the rings, chunks for sliced). Building and validating one takes up to ~30 us a step for the rings and
+#: ~0.5 ms a chunk for sliced (~10 s at this bound), and the engine walks every step of every rank it
+#: simulates (``commfuse.sim._engine.MAX_SIMULATED_ACTIONS``).
+MAX_SCHEDULE_STEPS = 1 << 14
+#: The most slices one MoE op's routing table may hold: ep x ep blocks, each cut into the schedule's slices.
+#: The table is Python lists (~100 B a slice) walked step by step: ep 1024 with 4 slices a block is ~0.5 GB
+#: and about a minute for a table; so this also bounds ep at 2048 (DeepSeek-V3 is served at EP 32 to 320).
+MAX_ROUTED_PIECES = 1 << 22
+
 
 #: Shapes of two well-known MoE layers for ``commfuse simulate --preset``, each at EP 8 with 8192 tokens per rank
 #: (batch 1 x seq 8192), bf16. Mixtral-8x7B: Jiang et al., "Mixtral of Experts" (2024) and its released config
@@ -110,6 +126,13 @@ VALIDATE_LIMIT = 1024
 def schedule_for(collective: str, world_size: int, algorithm: str) -> Schedule:
     """The schedule the ops would run for ``algorithm``: ``commfuse.schedule.build``'s, cached."""
     name, parts, chunks = parse_algorithm(algorithm)
+    steps = world_size * parts if name in ("ring", "bidirectional") else chunks if name == "sliced" else 1
+    if max(world_size, steps) > MAX_SCHEDULE_STEPS:
+        what = f"{world_size} ranks" if world_size > MAX_SCHEDULE_STEPS else f"about {steps} steps"
+        raise CommfuseValueError(
+            f"{collective} over {world_size} ranks with {algorithm!r} is a schedule of {what}, over the simulator's "
+            f"limit of {MAX_SCHEDULE_STEPS} (commfuse.sim._workloads.MAX_SCHEDULE_STEPS): give fewer ranks, parts "
+            "or chunks")
     return build(collective, world_size, algorithm=name, parts=parts, chunks=chunks,
                  validate=world_size <= VALIDATE_LIMIT)
 
@@ -265,6 +288,11 @@ class ExpertOp:
         if grouping not in GROUPINGS:
             raise CommfuseValueError(f"grouping must be one of {', '.join(GROUPINGS)}, got {grouping!r}")
         n, pieces = schedule.world_size, schedule.pieces
+        if n * n * pieces > MAX_ROUTED_PIECES:
+            raise CommfuseValueError(
+                f"{name}: {n} x {n} blocks of {pieces} slices each is over the simulator's limit of "
+                f"{MAX_ROUTED_PIECES} routed slices (commfuse.sim._workloads.MAX_ROUTED_PIECES): give fewer ranks, "
+                "parts or chunks")
         if len(rows) != n or any(len(r) != n for r in rows):
             raise CommfuseValueError(f"{name}: rows must be {n} x {n} (source x destination)")
         self.schedule, self.row_bytes, self.kernels = schedule, row_bytes, tuple(kernels)
@@ -350,8 +378,9 @@ class SizesOp:
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CommfuseValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIM:
+        raise CommfuseValueError(f"{name} must be an integer from 1 to {MAX_DIM} (commfuse.sim._workloads.MAX_DIM), "
+                                 f"got {value!r}")
     return value
 
 
@@ -419,6 +448,11 @@ class Workload:
         if self.tp != 1 or self.dp != 1:
             raise CommfuseValueError(f"moe models one expert-parallel group: give its size as ep, not tp={self.tp} "
                                      f"/ dp={self.dp} (experts are not tensor-parallel here)")
+        if self.ep * self.ep > MAX_ROUTED_PIECES:
+            raise CommfuseValueError(
+                f"moe: ep={self.ep} routes over a table of {self.ep} x {self.ep} blocks, over the simulator's limit of "
+                f"{MAX_ROUTED_PIECES} (commfuse.sim._workloads.MAX_ROUTED_PIECES; ep up to "
+                f"{int(MAX_ROUTED_PIECES ** 0.5)})")
         if self.experts % self.ep:
             raise CommfuseValueError(f"moe: {self.experts} experts do not divide over ep={self.ep} ranks (each rank "
                                      f"holds experts/ep of them)")

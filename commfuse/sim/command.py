@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from commfuse.cli import command
+from commfuse.cli import check_output_file, check_outputs, command, integer
 from commfuse.errors import CommfuseValueError
 
 WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe")
@@ -83,7 +83,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     cal.add_argument("--install", action="store_true",
                      help="also install it as the profile `algorithm=\"auto\"` uses for the gloo backend")
     cal.add_argument("--name", help="the profile's name (default: local-HOST[-RATE])")
-    cal.add_argument("--repeats", type=int, default=7, help="repeats per figure (default 7)")
+    cal.add_argument("--repeats", type=integer(1), default=7, help="repeats per figure (default 7)")
     cal.add_argument("--quick", action="store_true", help="fewer GEMM shapes (a rougher compute fit)")
     cal.add_argument("--raw", metavar="FILE", help="also write the raw measurements as JSON")
     sub.add_parser("profiles", help="list the shipped and installed profiles",
@@ -94,13 +94,15 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "a .toml file (see `commfuse simulate profiles`)")
     g.add_argument("--workload", "-w", choices=WORKLOADS, help="the layer (moe: one mixture-of-experts layer under "
                    "expert parallelism, its dispatch and combine fused with the expert GEMMs)")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the ring of the TP workloads)")
-    g.add_argument("--dp", type=int, default=1, help="data-parallel degree (the ring of fsdp_linear)")
-    g.add_argument("--seq", "-s", type=int, help="sequence length (the whole sequence; each TP rank holds seq/tp; "
+    g.add_argument("--tp", type=integer(1), default=1, help="tensor-parallel degree (the ring of the TP workloads)")
+    g.add_argument("--dp", type=integer(1), default=1, help="data-parallel degree (the ring of fsdp_linear)")
+    g.add_argument("--seq", "-s", type=integer(1),
+                   help="sequence length (the whole sequence; each TP rank holds seq/tp; "
                    "moe: tokens per EP rank are batch x seq)")
-    g.add_argument("--hidden", type=int, help="hidden size")
-    g.add_argument("--batch", "-b", type=int, default=None, help="batch size (per data-parallel rank; default 1)")
-    g.add_argument("--ffn", type=int, help="MLP inner size (default 4 x hidden; moe: each expert's)")
+    g.add_argument("--hidden", type=integer(1), help="hidden size")
+    g.add_argument("--batch", "-b", type=integer(1), default=None,
+                   help="batch size (per data-parallel rank; default 1)")
+    g.add_argument("--ffn", type=integer(1), help="MLP inner size (default 4 x hidden; moe: each expert's)")
     g.add_argument("--dtype", help="element type (default: the profile's)")
     g.add_argument("--pass", dest="passes", choices=("forward", "backward", "both"), default=None,
                    help="which pass of the layer (default forward, moe both; attention, ag_matmul and matmul_rs: "
@@ -110,9 +112,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="a known MoE layer, EP 8, 8192 tokens per rank: mixtral-8x7b (hidden 4096, ffn 14336, "
                    "8 experts, top-2) or deepseek-v3 (hidden 7168, ffn 2048, 256 routed experts, top-8; the shared "
                    "expert left out); implies --workload moe, and the flags given override its sizes")
-    g.add_argument("--ep", type=int, help="expert-parallel degree: the ranks of the all-to-alls (default 1)")
-    g.add_argument("--experts", type=int, help="routed experts, a multiple of --ep (default 8)")
-    g.add_argument("--topk", type=int, help="experts per token, at most --experts (default 2)")
+    g.add_argument("--ep", type=integer(1), help="expert-parallel degree: the ranks of the all-to-alls (default 1)")
+    g.add_argument("--experts", type=integer(1), help="routed experts, a multiple of --ep (default 8)")
+    g.add_argument("--topk", type=integer(1), help="experts per token, at most --experts (default 2)")
     g.add_argument("--skew", type=float,
                    help="routing skew: rank 0's share of every rank's rows over the balanced share, 1 (default, "
                    "balanced) to --ep")
@@ -165,11 +167,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
     moe = _moe_arguments(args)
     _need(args, "profile", "workload", "seq", "hidden")
+    check_outputs(args, "json", "plot", "trace")  # before any work
     profile = sim.load_profile(args.profile)
     if args.settings:
         profile = profile.replace(**dict(args.settings))
     passes = args.passes or ("both" if args.workload == "moe" else "forward")
-    workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=args.batch or 1,
+    batch = 1 if args.batch is None else args.batch
+    workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=batch,
                             dp=args.dp, ffn=args.ffn, dtype=args.dtype or profile.compute.dtype, passes=passes, **moe)
     if args.algorithms:
         algorithms = [a for item in args.algorithms for a in item.split(",") if a]
@@ -268,6 +272,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from commfuse.sim import _calibrate, _profile
 
     rate = args.link_rate
+    check_outputs(args, "output", "raw")  # before any work
+    if args.install:
+        check_output_file("--install", _profile.user_dir() / "gloo.toml")
     if rate and not _calibrate.inside(rate):
         argv = ["calibrate", "--link-rate", rate, "--repeats", str(args.repeats)]
         for flag in ("output", "name", "raw"):

@@ -27,7 +27,14 @@ import pytest
 
 from commfuse.testing.capabilities import Capabilities
 
-__all__ = ["Capabilities"]
+__all__ = ["MIN_WORLD_SIZE", "Capabilities"]
+
+#: The least world size the suite runs at. A world of one rank sends nothing (every op resolves to no call at
+#: world size 1, the transport tier's ring shifts go to the rank itself), so the transport, schedule, ops
+#: and overlap tiers would pass without a transfer; and at world size 0 no rank is launched and every test
+#: passes on no results at all. Two ranks exercise every path; the robustness cases that need more say so
+#: and skip (``mismatch-promptness`` needs 4).
+MIN_WORLD_SIZE = 2
 
 _REPORT: list[dict] = []
 
@@ -44,6 +51,10 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "commfuse_tier(name): a conformance test whose cases come from that tier")
+    n = config.getoption("--commfuse-world-size", default=MIN_WORLD_SIZE)
+    if n < MIN_WORLD_SIZE:
+        raise pytest.UsageError(f"--commfuse-world-size {n}: the conformance suite needs at least {MIN_WORLD_SIZE} "
+                                "ranks (one rank sends nothing, so the tiers would pass without testing a transfer)")
 
 
 @pytest.fixture(scope="session")
