@@ -177,7 +177,7 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
     def forward(a, b):
         if (whole or ring) and plan.lean():  # signature agreed: no program
             if whole:  # vanilla: one GEMM, one reduce-scatter
-                return run_scatter_whole(prepared, torch.matmul(a, b))
+                return run_scatter_whole(prepared, lambda: torch.matmul(a, b))
             if last:
                 def part(start, size, _):
                     return torch.matmul(a, b[:, start:start + size])

@@ -34,8 +34,8 @@ KNOWN_BACKENDS = {
 }
 
 __all__ = [
-    "KNOWN_BACKENDS", "availability", "available", "get", "install_hint", "on_release", "release", "resolve", "spec",
-    "specs",
+    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "refuse_destroyed",
+    "release", "resolve", "spec", "specs",
 ]
 
 
@@ -188,6 +188,43 @@ def on_release(forget) -> None:
     _ON_RELEASE.append(forget)
 
 
+#: The default process group commfuse last planned against (see :func:`fresh`), in a list so that it is
+#: replaced as one value; None: none seen yet, or released.
+_SEEN: list = [None]
+
+
+def _default_group():
+    """torch.distributed's default process group object, or None (not initialised, or no torch.distributed)."""
+    import sys
+
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None) if c10d is not None else None
+    if world is None:
+        return None
+    found = getattr(world, "_default_pg", None)
+    return found if found is not None or hasattr(world, "_default_pg") else getattr(world, "default_pg", None)
+
+
+def fresh() -> None:
+    """Forget everything planned on an earlier default process group (:func:`release`) when
+    torch.distributed's default group is not the one commfuse last saw: it was destroyed, or destroyed and
+    made again (perhaps with other ranks in other places). Plans, call numbers and fingerprints of calls with
+    ``group=None`` then follow the group in place now, never an old one's rank order. Cheap: one attribute
+    read and one identity test; the ops call it before looking up a planned signature."""
+    current = _default_group()
+    seen = _SEEN[0]
+    if current is not seen:
+        if seen is not None:
+            release()
+        _SEEN[0] = current
+        if current is None and seen is not None:
+            _SEEN[0] = _DESTROYED
+
+
+#: What :data:`_SEEN` holds once the default group that commfuse saw was destroyed and none replaced it.
+_DESTROYED = object()
+
+
 def resolve(backend=None, group=None, device=None):
     """The backend object an op call runs on, or None for a single process without torch.distributed.
 
@@ -195,13 +232,15 @@ def resolve(backend=None, group=None, device=None):
     one that fits ``device``). Objects are made once per (name, group, device)
     and kept until :func:`release`. With ``group=None`` and no initialised
     process group the call runs as world size 1, unless ``WORLD_SIZE`` > 1
-    says the user meant a group: then this raises instead of giving a wrong,
-    unsharded result.
+    says the user meant a group, or this process had a default group that
+    was destroyed: then this raises instead of giving a wrong, unsharded
+    result. A group that was destroyed is refused by name.
     """
     if backend is not None and not isinstance(backend, str):
         return backend
     import torch.distributed as dist
 
+    fresh()
     if group is None and not (dist.is_available() and dist.is_initialized()):
         size = os.environ.get("WORLD_SIZE", "")
         if size.isdigit() and int(size) > 1:
@@ -210,8 +249,17 @@ def resolve(backend=None, group=None, device=None):
                 "initialised and no group was given: call torch.distributed.init_process_group(...) first "
                 "(running as a single process would give a wrong, unsharded result)"
             )
+        if _SEEN[0] is _DESTROYED:
+            raise CommfuseValueError(
+                "torch.distributed's default process group was destroyed, and no group was given: initialise it "
+                "again (torch.distributed.init_process_group(...)) before calling commfuse, or call "
+                "commfuse.backends.release() first to run as a single process (running unsharded now would give "
+                "a wrong result where the caller meant several ranks)"
+            )
         if backend is None:
             return None
+    if group is not None:
+        refuse_destroyed(group)
     key = (backend, group if group is not None else dist.group.WORLD, str(device))
     found = _CACHE.get(key)
     if found is None:
@@ -221,6 +269,21 @@ def resolve(backend=None, group=None, device=None):
                 _CACHE.clear()
             _CACHE[key] = found
     return found
+
+
+def refuse_destroyed(group) -> None:
+    """Raise, by name, when ``group`` is a c10d process group that was destroyed."""
+    import sys
+
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or not isinstance(group, c10d.ProcessGroup):
+        return
+    if group not in c10d._world.pg_map:
+        raise CommfuseValueError(
+            f"process group {getattr(group, 'group_name', '') or group!r} was destroyed "
+            "(torch.distributed.destroy_process_group): give a live group (a module made on the old group must be "
+            "made again)"
+        )
 
 
 def release() -> None:
@@ -234,6 +297,7 @@ def release() -> None:
 
     with _CACHE_LOCK:
         _CACHE.clear()
+    _SEEN[0] = None
     calls.forget_calls()
     pipelined.forget_plans()
     executor.forget_groups()

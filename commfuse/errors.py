@@ -56,3 +56,13 @@ class MismatchError(CommunicationError, ValueError):
 class ConcurrentUseError(CommfuseError, RuntimeError):
     """An op was started on a process group while another op was in flight on it (another thread, or a
     consumer calling an op); the message names the group and the op in flight."""
+
+
+class PeerFailedError(CommunicationError):
+    """Another rank's part of the same call failed (its compute, its policy, its transport, or it was
+    interrupted); the message names that rank, the op, the call number and the exception type it raised."""
+
+
+class GroupDeadError(CommunicationError):
+    """A process group that a rank declared unusable: every later commfuse call on it raises this, and the
+    message says which rank declared it, why, and how to recover (re-create the group)."""

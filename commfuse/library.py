@@ -348,13 +348,17 @@ def _attention_producer(q, k, v, wo, causal: bool, n: int):
     return producer
 
 
-def _attention_call(q, wo, name, algorithm, n):
+def _attention_call(q, k, wo, causal, name, algorithm, n):
     """The reduce-scatter call of the query-split attention: ``auto`` decides on one partial's bytes, which
-    every rank knows (as ``ParallelAttention`` decides in eager mode)."""
+    every rank knows (as ``ParallelAttention`` decides in eager mode); the mask and the heads, which the
+    partials' shape does not show, join its fingerprint."""
     from commfuse.runtime.calls import resolve_call
+    from commfuse.runtime.pipelined import configured, layer_config
 
-    return resolve_call("reduce_scatter", algorithm, group=_group(name), device=q.device,
+    call = resolve_call("reduce_scatter", algorithm, group=_group(name), device=q.device,
                         slice_bytes=q.shape[0] * (q.shape[1] // n) * wo.shape[0] * q.element_size())
+    return configured(call, layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2],
+                                         kv_heads=k.shape[2], head_dim=q.shape[3]))
 
 
 def _check_attention(q, k, v, wo, n: int) -> None:
@@ -377,7 +381,7 @@ def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _, n = _world(group_name)
     _check_attention(q, k, v, wo, n)
     producer = _attention_producer(q, k, v, wo, causal, n)
-    call = _attention_call(q, wo, group_name, algorithm, n)
+    call = _attention_call(q, k, wo, causal, group_name, algorithm, n)
     with torch.no_grad():
         if call is None:
             return producer(0, q, k, v, wo).contiguous()
@@ -399,7 +403,7 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
 
     _, n = _world(group_name)
     producer = _attention_producer(q, k, v, wo, causal, n)
-    call = _attention_call(q, wo, group_name, algorithm, n)
+    call = _attention_call(q, k, wo, causal, group_name, algorithm, n)
     grads: list[torch.Tensor | None] = [None] * 4
 
     def consume(g: torch.Tensor, d: int) -> None:

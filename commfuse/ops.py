@@ -11,10 +11,16 @@ the first transfer of each new call signature and after any failed call, so
 ranks that disagree fail with an error naming every side instead of sending
 a wrong-sized message (which gloo answers by aborting the process); ``True``
 is that, ``"always"`` checks every call, ``False`` never. ``report``, a dict,
-receives the algorithm taken and why. ``backend`` picks a backend by name or
+receives the algorithm taken and why (what ran: a ``ring:m`` whose slices
+would be smaller than one row of the smallest shard is capped, see
+``commfuse.runtime.pipelined.capped``). ``backend`` picks a backend by name or
 passes a Backend object; by default the one that fits the tensors' device.
 Without an initialised process group and with ``group=None`` the ops run as
-world size 1 (unless ``WORLD_SIZE`` > 1, which raises).
+world size 1 (unless ``WORLD_SIZE`` > 1, which raises). ``config`` (the
+fused ops and ``produce_reduce_scatter``; layers pass it): a layer's options
+that every rank must share, from ``commfuse.runtime.pipelined.layer_config``,
+added to the call's fingerprint so that a rank whose layer differs is named
+on every rank (eager calls; under ``torch.compile`` the custom ops take none).
 
 This module is validation plus dispatch. The first call of a signature
 (shapes, dtypes, devices, group, dims, options) validates its arguments and
@@ -34,6 +40,7 @@ from typing import Any
 import torch
 
 from commfuse import backends
+from commfuse.backends import fresh
 from commfuse.autograd import (
     all_gather_matmul_fn,
     all_gather_matmul_planned,
@@ -41,14 +48,16 @@ from commfuse.autograd import (
     matmul_reduce_scatter_planned,
     produce_reduce_scatter_fn,
 )
-from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime.calls import MIN_SLICE_BYTES, choose_algorithm, resolve_call
-from commfuse.runtime.executor import group_state, state_of_group
+from commfuse.runtime.executor import announce_left, group_state, state_of_group
 from commfuse.runtime.pipelined import (
     StandIn,
     all_gather_consume_core,
     all_to_all_consume_core,
+    capped,
     collect,
+    configured,
     exchange_sizes,
     produce_all_to_all_core,
     produce_reduce_scatter_core,
@@ -121,9 +130,21 @@ def _grad_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _failed(group, backend) -> None:
-    """A call failed on this rank before it reached the executor: it still takes its call number on the
-    group, and the group's next call is checked, so it cannot pair with the peers' copy of this call."""
+def _taken(report: dict | None, call, rows: int, label: str) -> None:
+    """Let ``report`` say what the plan runs: ``call``'s algorithm as :func:`capped` leaves it for shards whose
+    smallest has ``rows`` along the dim (the planning code caps with the same helper)."""
+    if report is None or call is None:
+        return
+    taken = capped(call, rows, label)
+    if taken is not call:
+        report.update(algorithm=taken.spec.shown, reason=taken.reason)
+
+
+def _failed(group, backend, error: BaseException, label: str) -> None:
+    """A call failed on this rank before it reached the executor (its validation, its policy, a producer it
+    called first): it still takes its call number on the group, the failure goes on the group's board for
+    the peers that wait on this rank in that call (they say why, instead of waiting out the timeout), and
+    the group's next call is checked, so it cannot pair with the peers' copy of this call."""
     try:
         if backend is not None and not isinstance(backend, str):
             state = group_state(backend)
@@ -132,28 +153,32 @@ def _failed(group, backend) -> None:
 
             if group is None and not (dist.is_available() and dist.is_initialized()):
                 return
-            state = state_of_group(group if group is not None else dist.group.WORLD)
+            pg = group if group is not None else dist.group.WORLD
+            if isinstance(pg, dist.ProcessGroup) and pg not in dist.distributed_c10d._world.pg_map:
+                return  # a destroyed group: nothing more to count on it
+            state = state_of_group(pg)
+            if state.rank is None and isinstance(pg, dist.ProcessGroup):
+                state.rank, state.world_size = dist.get_rank(pg), dist.get_world_size(pg)
     except Exception:  # noqa: BLE001 - the caller's own error is what matters
         return
-    # no lock: the op may have failed inside another op's consumer on this group, on this thread
-    state.seq += 1
-    state.dirty = True
+    announce_left(state, label, error)
 
 
 class _Signatures:
     """Per op: what the first call of each signature resolved, so later calls skip validation."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str) -> None:
         self.plans: dict[tuple, Any] = {}
         self.lock = threading.Lock()
+        self.label = label
 
     def make(self, key, signature: Callable[[], Any], group, backend):
         """``signature()`` (validate, resolve, plan), remembered under ``key`` (None: not remembered); a
         call that fails it still takes its call number on the group (:func:`_failed`)."""
         try:
             run = signature()
-        except CommfuseError:
-            _failed(group, backend)
+        except BaseException as e:
+            _failed(group, backend, e, self.label)
             raise
         if key is not None:
             with self.lock:
@@ -163,8 +188,8 @@ class _Signatures:
         return run
 
 
-_AGMM = _Signatures()
-_MMRS = _Signatures()
+_AGMM = _Signatures("all_gather_matmul")
+_MMRS = _Signatures("matmul_reduce_scatter")
 
 
 def _forget() -> None:
@@ -197,6 +222,7 @@ def all_gather_matmul(
     check: bool | str | None = None,
     backend=None,
     report: dict | None = None,
+    config: tuple | None = None,
 ):
     """``all_gather(a_shard, gather_dim) @ b``, with the gather decomposed into ring hops.
 
@@ -230,17 +256,19 @@ def all_gather_matmul(
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
             key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape, b.dtype, b.device,
-                   group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend)
+                   group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend,
+                   config)
         else:
             key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
                    tuple((type(x), x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
-                   gathered_size, keep_gathered, timeout, check, backend)
+                   gathered_size, keep_gathered, timeout, check, backend, config)
+        fresh()  # a default group destroyed (and made again) since: forget what was planned on it
         run = _AGMM.plans.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
     if run is None:
         run = _AGMM.make(key, lambda: _agmm_signature(a_shard, b, group, gather_dim, algorithm, return_gathered,
-                                                      gathered_size, keep_gathered, timeout, check, backend),
+                                                      gathered_size, keep_gathered, timeout, check, backend, config),
                          group, backend)
     if report is not None:
         report.update(run.report)
@@ -251,7 +279,7 @@ def all_gather_matmul(
 
 
 def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout,
-                    check, backend):
+                    check, backend, config=None):
     """Validate one signature of :func:`all_gather_matmul` and return the function that runs it."""
     a = _tensor("a_shard", a)
     single = isinstance(b, torch.Tensor)
@@ -301,6 +329,9 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
     call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=be if be is not None else backend,
                         device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
                         report=None if native else said)
+    call = configured(call, config)
+    if not native:
+        _taken(said, call, min(sizes), "all_gather_matmul")
     keep = keep_gathered or return_gathered
     forward = None if call is None else all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)
 
@@ -402,6 +433,7 @@ def matmul_reduce_scatter(
     check: bool | str | None = None,
     backend=None,
     report: dict | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """``reduce_scatter(a @ b, scatter_dim)`` with the reduce-scatter decomposed into ring hops.
 
@@ -423,19 +455,20 @@ def matmul_reduce_scatter(
                                                 report=report)
     try:
         key = (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
-               algorithm, timeout, check, backend)
+               algorithm, timeout, check, backend, config)
+        fresh()
         run = _MMRS.plans.get(key)
     except (AttributeError, TypeError):
         key, run = None, None
     if run is None:
         run = _MMRS.make(key, lambda: _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check,
-                                                      backend), group, backend)
+                                                      backend, config), group, backend)
     if report is not None:
         report.update(run.report)
     return run(a, b)
 
 
-def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check, backend):
+def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check, backend, config=None):
     """Validate one signature of :func:`matmul_reduce_scatter` and return the function that runs it."""
     a = _tensor("a", a)
     b = _tensor("b", b)
@@ -465,6 +498,9 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
                         backend=be if be is not None else backend, device=a.device,
                         slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
                         timeout=timeout, check=check, report=None if native else said)
+    call = configured(call, config)
+    if not native:
+        _taken(said, call, min(sizes), "matmul_reduce_scatter")
     avg = reduce_op == "avg"
     last = sd == len(out_shape) - 1
     forward = None if call is None else matmul_reduce_scatter_planned(call, a, b, sd)
@@ -525,12 +561,21 @@ def all_gather_consume(
     Every rank passes a shard of the same shape. Returns the consumer's
     results, indexed by source rank. With several slices per shard
     (``ring:m``, ``bidirectional``) the shard is cut along ``dim`` and the
-    consumer is called once its last slice has arrived. The consumer may keep
-    the tensors it is given. Not differentiable itself: the layers build their
-    backward passes from it (``commfuse.autograd``). Under
-    ``commfuse.runtime.measure("comm_only")`` the consumer is not called: the
-    results are None, or a :class:`StandIn`'s stand-ins (:data:`collect`
-    collects in every mode).
+    consumer is called once its last slice has arrived. Not differentiable
+    itself: the layers build their backward passes from it
+    (``commfuse.autograd``). Under ``commfuse.runtime.measure("comm_only")``
+    the consumer is not called: the results are None, or a :class:`StandIn`'s
+    stand-ins (:data:`collect` collects in every mode).
+
+    The tensors the consumer is given are its own: it may keep them and
+    change them in place, as after a plain all-gather into fresh buffers.
+    The caller's ``shard`` is never changed, and no rank computes on what
+    another rank's consumer changed. Where the schedule hands the consumer a
+    tensor that a transfer still reads (a ring forwards the shard it computes
+    on, in the same step) or the caller's own shard, the consumer gets a copy:
+    N - 1 shard copies per ``ring`` call, one for ``vanilla`` on a backend
+    without a whole collective into one tensor, none with several slices per
+    shard (their join is a fresh tensor), decided once per call signature.
     """
     if _compiling():
         _not_compiled("all_gather_consume")
@@ -543,12 +588,13 @@ def all_gather_consume(
         call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=backend, device=shard.device,
                             slice_bytes=shard.numel() * shard.element_size(), timeout=timeout, check=check,
                             report=report)
-    except CommfuseError:
-        _failed(group, backend)
+    except BaseException as e:
+        _failed(group, backend, e, "all_gather_consume")
         raise
     if call is None:
         return [consumer(shard, 0)]
-    return all_gather_consume_core(call, shard, consumer, d)
+    _taken(report, call, shard.shape[d], "all_gather_consume")
+    return all_gather_consume_core(call, shard, consumer, d, private=True)
 
 
 def produce_reduce_scatter(
@@ -562,6 +608,7 @@ def produce_reduce_scatter(
     check: bool | str | None = None,
     backend=None,
     report: dict | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """Sum over ranks of ``producer(this_rank)``, with each ``producer(d)`` computed while sums travel.
 
@@ -605,12 +652,16 @@ def produce_reduce_scatter(
             slice_bytes = first.numel() * first.element_size()
         call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=be, device=device,
                             slice_bytes=slice_bytes, timeout=timeout, check=check, report=report)
-    except CommfuseError:
-        _failed(group, backend)
+        call = configured(call, config)
+    except BaseException as e:
+        _failed(group, backend, e, "produce_reduce_scatter")
         raise
     if inputs is not None and _grad_wanted(*inputs):
-        return produce_reduce_scatter_fn(call, producer, inputs, dim)
-    return produce_reduce_scatter_core(call, call_producer, dim, early)
+        out = produce_reduce_scatter_fn(call, producer, inputs, dim)
+    else:
+        out = produce_reduce_scatter_core(call, call_producer, dim, early)
+    _taken(report, call, out.shape[dim], "produce_reduce_scatter")  # the partials' rows: this rank's shard's
+    return out
 
 
 def all_to_all_consume(
@@ -636,13 +687,24 @@ def all_to_all_consume(
 
     Even (the default): every chunk of every rank has one shape, as in
     Ulysses. Uneven (``uneven=True`` or ``output_splits`` given): chunks may
-    differ along ``dim`` (MoE's dispatch: the tokens for each rank's experts),
-    and the chunk from rank s has ``output_splits[s]`` rows; without
-    ``output_splits`` the sizes are exchanged first (one small all-to-all of
-    counts). Empty chunks are legal and cost no transfer; the consumer gets an
-    empty tensor for them. ``auto`` over uneven chunks can only decide on what
-    every rank shares (a row's bytes), which takes ``vanilla`` unless the
-    backend's profile says otherwise: name the algorithm to overlap.
+    differ along ``dim`` (MoE's dispatch: the tokens for each rank's experts);
+    the sizes are exchanged first (one small all-to-all of counts), and the
+    chunks travel with the sizes their senders really have. ``output_splits``
+    (the rows expected from each rank), when given, are verified against that
+    exchange, which is what they cost: a rank whose ``output_splits[s]`` differs
+    from what rank s sent raises ``CommfuseValueError`` naming s, both sizes and
+    the dim, after the exchange (its consumer is not called; nothing
+    uninitialised is returned; the other ranks' calls complete normally and
+    the group stays in step). Empty chunks are legal and cost no transfer;
+    the consumer gets an empty tensor for them. ``auto`` over uneven chunks can
+    only decide on what every rank shares (a row's bytes), which takes
+    ``vanilla`` unless the backend's profile says otherwise: name the algorithm
+    to overlap.
+
+    As for :func:`all_gather_consume`, the consumer's tensors are its own and
+    it may change them in place; ``chunks`` are never changed. Only this
+    rank's chunk for itself is copied (for ``ring``, ``vanilla``: chunks that
+    arrived are never sent on), none with several slices per chunk.
     """
     if _compiling():
         _not_compiled("all_to_all_consume")
@@ -655,27 +717,27 @@ def all_to_all_consume(
                             device=chunks[0].device,
                             slice_bytes=row_bytes if uneven else chunks[0].numel() * chunks[0].element_size(),
                             timeout=timeout, check=check, report=report)
-        if uneven and call is not None:
-            rank = call.be.rank
-            if output_splits is not None:
-                output_splits = _splits("output_splits", output_splits, n, rank)
-                if output_splits[rank] != chunks[rank].shape[d]:
-                    raise CommfuseValueError(
-                        f"rank {rank}: output_splits[{rank}] = {output_splits[rank]} but chunks[{rank}], its own "
-                        f"chunk, has {chunks[rank].shape[d]} rows along dim {d}"
-                    )
-    except CommfuseError:
-        _failed(group, backend)
+        if uneven and call is not None and output_splits is not None:
+            output_splits = _splits("output_splits", output_splits, n, call.be.rank)
+    except BaseException as e:
+        _failed(group, backend, e, "all_to_all_consume")
         raise
     if call is None:
         return [consumer(chunks[0], 0)]
     if uneven:
-        if output_splits is None:
-            sent = torch.tensor([[c.shape[d]] for c in chunks], dtype=torch.int64, device=chunks[0].device)
-            output_splits = exchange_sizes(call, sent).flatten().tolist()
-        return all_to_all_consume_core(call, chunks, consumer, d, recv_sizes=output_splits,
-                                       label="all_to_all_consume.uneven")
-    return all_to_all_consume_core(call, chunks, consumer, d)
+        sent = torch.tensor([[c.shape[d]] for c in chunks], dtype=torch.int64, device=chunks[0].device)
+        actual = exchange_sizes(call, sent).flatten().tolist()
+        wrong = None if output_splits is None else _lying("output_splits", output_splits, actual, call.be.rank, d,
+                                                          "chunk")
+        # the exchange runs with the true sizes on every rank, so the group stays in step; a rank whose splits
+        # were wrong computes nothing on it and raises once it is done
+        got = all_to_all_consume_core(call, chunks, consumer if wrong is None else _discard, d, recv_sizes=actual,
+                                      label="all_to_all_consume.uneven", private=True)
+        if wrong is not None:
+            raise wrong
+        return got
+    _taken(report, call, chunks[0].shape[d], "all_to_all_consume")
+    return all_to_all_consume_core(call, chunks, consumer, d, private=True)
 
 
 def produce_all_to_all(
@@ -701,11 +763,22 @@ def produce_all_to_all(
     the block for rank + k while the block for rank + k + 1 is made.
 
     Even (both splits None): every block of every rank has the shape of the
-    first one made. Uneven: the block from rank s has ``output_splits[s]``
-    rows along ``dim`` (the return trip of a dispatch knows them: what it
-    sent); with only ``input_splits`` (the rows ``producer(d)`` returns) the
-    sizes are exchanged first. Empty blocks are legal and cost no transfer.
-    ``device`` places the sizes' exchange (default: the backend's device).
+    first one made. Uneven (either given): the sizes are exchanged first (one
+    small all-to-all of counts) and the blocks travel with the sizes their
+    senders really have. ``input_splits`` (the rows ``producer(d)`` returns)
+    let the ring make each block in its step; without them every block is
+    made before the exchange (no overlap for the first one). A block that
+    does not have its declared rows raises ``CommfuseValueError`` on the rank
+    that made it, naming both sizes, before it is sent (the ranks waiting for
+    it fail too, after a bounded wait that names the step). ``output_splits``
+    (the rows expected from each rank: the return trip of a dispatch knows
+    them) are verified against the exchange, which is what they cost: a rank
+    whose ``output_splits[s]`` differs from what rank s sent raises
+    ``CommfuseValueError`` naming s, both sizes and the dim, once its blocks
+    are sent and the exchange is done; nothing uninitialised is returned, and
+    the other ranks' calls complete normally. Empty blocks are legal and cost
+    no transfer. ``device`` places the sizes' exchange (default: the
+    backend's device).
     """
     if _compiling():
         _not_compiled("produce_all_to_all")
@@ -729,22 +802,64 @@ def produce_all_to_all(
             output_splits = _splits("output_splits", output_splits, n, rank)
         if input_splits is not None:
             input_splits = _splits("input_splits", input_splits, n, rank)
-            if output_splits is not None and input_splits[rank] != output_splits[rank]:
-                raise CommfuseValueError(
-                    f"rank {rank}: input_splits[{rank}] = {input_splits[rank]} but output_splits[{rank}] = "
-                    f"{output_splits[rank]}: this rank's block for itself is both"
-                )
-    except CommfuseError:
-        _failed(group, backend)
+        made = None
+        if call is not None and uneven and input_splits is None:  # the rows sent are the blocks': made now
+            made, input_splits = _blocks_first(producer, dim, rank, n)
+    except BaseException as e:
+        _failed(group, backend, e, "produce_all_to_all")
         raise
     if call is None:
         return [_tensor("producer(0)", producer(0))]
-    if uneven and output_splits is None:
-        sent = torch.tensor([[x] for x in input_splits], dtype=torch.int64,
-                            device=getattr(call.be, "device", None))
-        output_splits = exchange_sizes(call, sent).flatten().tolist()
-    return produce_all_to_all_core(call, producer, dim, recv_sizes=output_splits, send_sizes=input_splits,
-                                   first=first)
+    if not uneven:
+        got = produce_all_to_all_core(call, producer, dim, first=first)
+        _taken(report, call, got[0].shape[dim], "produce_all_to_all")
+        return got
+    sent = torch.tensor([[x] for x in input_splits], dtype=torch.int64, device=getattr(call.be, "device", None))
+    actual = exchange_sizes(call, sent).flatten().tolist()
+    # the exchange runs with the true sizes on every rank, so the group stays in step; a rank whose output_splits
+    # were wrong raises once it is done
+    got = produce_all_to_all_core(call, producer if made is None else made.pop, dim, recv_sizes=actual,
+                                  send_sizes=input_splits)
+    if output_splits is not None:
+        wrong = _lying("output_splits", output_splits, actual, rank, dim % got[0].ndim, "block")
+        if wrong is not None:
+            raise wrong
+    return got
+
+
+def _discard(tensor: torch.Tensor, source: int) -> None:
+    """The consumer of a call that will raise: nothing is computed on what arrived."""
+    return None
+
+
+def _lying(name: str, claimed: Sequence[int], actual: Sequence[int], rank: int, dim: int,
+           what: str) -> CommfuseValueError | None:
+    """The error for a rank whose ``claimed`` row counts (by source) differ from the ``actual`` ones, or None."""
+    wrong = [(q, c, a) for q, (c, a) in enumerate(zip(claimed, actual)) if c != a]
+    if not wrong:
+        return None
+    said = "; ".join(
+        f"{name}[{q}] = {c} rows claimed, but this rank's own {what} for itself has {a}" if q == rank else
+        f"{name}[{q}] = {c} rows claimed, but rank {q} sent {a}" for q, c, a in wrong)
+    return CommfuseValueError(
+        f"rank {rank}: {said} (rows along dim {dim}). The exchange ran with the sizes each rank really sent "
+        f"(exchanged first), so nothing uninitialised was returned and the other ranks' calls are unaffected; "
+        f"fix {name}, or leave it out and let the exchange size the {what}s"
+    )
+
+
+def _blocks_first(producer: Callable, dim: int, rank: int, n: int) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Every block of an uneven :func:`produce_all_to_all` without ``input_splits``, made in the ring's order
+    (rank + 1 first, this rank's own last), and the rows each has along ``dim``: what this rank sends."""
+    made: dict[int, torch.Tensor] = {}
+    for k in range(1, n + 1):
+        dest = (rank + k) % n
+        block = _tensor(f"producer({dest})", producer(dest))
+        if not -block.ndim <= dim < block.ndim:
+            raise CommfuseValueError(f"rank {rank}: dim={dim} is out of range for producer({dest})'s block of shape "
+                                     f"{list(block.shape)}")
+        made[dest] = block
+    return made, [made[d].shape[dim] for d in range(n)]
 
 
 def _splits(name: str, value, n: int, rank: int) -> list[int]:

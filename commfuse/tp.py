@@ -39,6 +39,11 @@ activation through DTensor exactly as torch's style does, and logs why at
 DEBUG on the ``commfuse`` logger. Inputs may be DTensors (``SequenceParallel``
 hands its output on as one) or local tensors laid out as ``input_layouts``
 says; ``use_local_output`` means what it means in torch.
+
+What a style's fused ops compute with but cannot see in the shapes (whether
+each linear has a bias; the attention's mask, head size and rope hook) joins
+their fingerprint, so a rank whose module or style differs is named on every
+rank (``MismatchError``) instead of computing something else.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.nn._common import as_dtensor, replicated
+from commfuse.nn._common import as_dtensor, config, replicated
+from commfuse.runtime.executor import counted_calls
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
 
@@ -165,17 +171,26 @@ class _Style(ParallelStyle):
 
     def _install(self, module: nn.Module, mesh: DeviceMesh, forward) -> nn.Module:
         """``module`` with ``forward(module, mesh, *args)`` in place of its own forward."""
+        label = f"{type(self).__name__} forward"
+
         def fused_forward(*args, **kwargs):
-            return forward(module, mesh, *args, **kwargs)
+            if torch.compiler.is_compiling():
+                return forward(module, mesh, *args, **kwargs)
+            # a hook of the user's that raises between the style's calls (the rope hook) leaves the calls
+            # this rank will not make on the group's board, for the peers that wait in them
+            key = (id(fused_forward), tuple(getattr(a, "shape", None) for a in args[:1]), torch.is_grad_enabled())
+            with counted_calls(mesh.get_group() if mesh.size() > 1 else None, label, key):
+                return forward(module, mesh, *args, **kwargs)
 
         module.forward = fused_forward
         return module
 
-    def _columns(self, mesh: DeviceMesh, x, linears, who: str) -> list[torch.Tensor]:
+    def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple) -> list[torch.Tensor]:
         """``x`` (the module input, placed ``input_layouts`` when local) through column-parallel ``linears``:
         each one's local output, sharded on its features. A sequence-sharded input is gathered once, fused
         with every GEMM (``all_gather_matmul`` with one weight per linear); any other layout is gathered
-        through DTensor first."""
+        through DTensor first. ``options``: the style's options for the fused op's fingerprint
+        (:func:`~commfuse.nn._common.config`)."""
         local, have = _local_input(x, self.input_layouts[0], mesh, who)
         # weights read per call: fully_shard swaps in the unsharded parameters before each forward
         ws = [lin.weight.to_local().t() for lin in linears]
@@ -183,7 +198,7 @@ class _Style(ParallelStyle):
         feature = local.ndim - 1
         if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(have.dim, n, x):
             ys = ops.all_gather_matmul(local, ws if len(ws) > 1 else ws[0], group=mesh.get_group(),
-                                       gather_dim=have.dim, algorithm=self.algorithm)
+                                       gather_dim=have.dim, algorithm=self.algorithm, config=options)
             ys = list(ys) if len(ws) > 1 else [ys]
         else:
             if not isinstance(have, Replicate):
@@ -198,10 +213,12 @@ class _Style(ParallelStyle):
             ys = [torch.matmul(local, w) for w in ws]
         return [y + lin.bias.to_local() if lin.bias is not None else y for y, lin in zip(ys, linears)]
 
-    def _row(self, mesh: DeviceMesh, local: torch.Tensor, linear: nn.Linear, who: str) -> torch.Tensor:
+    def _row(self, mesh: DeviceMesh, local: torch.Tensor, linear: nn.Linear, who: str,
+             options: tuple) -> torch.Tensor:
         """``local`` (sharded on its features) through the row-parallel ``linear``, the sum placed as
         ``output_layouts`` says: a sequence-sharded output is ``matmul_reduce_scatter``, fused; anything else
-        is reduced through DTensor. Local or a DTensor as ``use_local_output`` says."""
+        is reduced through DTensor. Local or a DTensor as ``use_local_output`` says. ``options`` as for
+        :meth:`_columns`."""
         feature = local.ndim - 1
         w = linear.weight.to_local()
         n = mesh.size()
@@ -209,7 +226,7 @@ class _Style(ParallelStyle):
         bias = linear.bias
         if isinstance(want, Shard) and want.dim != feature and n > 1 and local.shape[want.dim] % n == 0:
             z = ops.matmul_reduce_scatter(local, w.t(), group=mesh.get_group(), scatter_dim=want.dim,
-                                          algorithm=self.algorithm)
+                                          algorithm=self.algorithm, config=options)
             return self._scattered(mesh, z, want, bias)
         if n > 1:
             self._once(f"{who}: output placed %r has no reduce-scatter to fuse (a replicated or feature-sharded "
@@ -257,7 +274,8 @@ class ColwiseParallel(_Style):
         return self._install(module, device_mesh, self._forward)
 
     def _forward(self, module: nn.Linear, mesh: DeviceMesh, x) -> torch.Tensor:
-        (y,) = self._columns(mesh, x, [module], "commfuse.tp.ColwiseParallel")
+        who = "commfuse.tp.ColwiseParallel"
+        (y,) = self._columns(mesh, x, [module], who, config(who, bias=module.bias is not None))
         return self._output(y, Shard(y.ndim - 1), mesh, [*y.shape[:-1], module.out_features])
 
 
@@ -292,7 +310,7 @@ class RowwiseParallel(_Style):
         if have != Shard(feature):
             self._once(f"{who}: input placed %r, not on its features; moving it through DTensor first", have)
             local = _redistributed(local, have, Shard(feature), mesh, x)
-        return self._row(mesh, local, module, who)
+        return self._row(mesh, local, module, who, config(who, bias=module.bias is not None))
 
 
 def _colwise(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
@@ -352,9 +370,11 @@ class SwiGLUParallel(_Style):
     def _forward(self, module: nn.Module, mesh: DeviceMesh, x) -> torch.Tensor:
         names = self.names
         who = "commfuse.tp.SwiGLUParallel"
-        gate, up = self._columns(mesh, x, [getattr(module, names["gate projection"]),
-                                           getattr(module, names["up projection"])], who)
-        return self._row(mesh, nn.functional.silu(gate) * up, getattr(module, names["down projection"]), who)
+        w1, w2, w3 = (getattr(module, names[r]) for r in ("gate projection", "down projection", "up projection"))
+        options = config(who, gate_bias=w1.bias is not None, up_bias=w3.bias is not None,
+                         down_bias=w2.bias is not None)
+        gate, up = self._columns(mesh, x, [w1, w3], who, options)
+        return self._row(mesh, nn.functional.silu(gate) * up, w2, who, options)
 
 
 class AttentionParallel(_Style):
@@ -413,18 +433,21 @@ class AttentionParallel(_Style):
 
         who = "commfuse.tp.AttentionParallel"
         names = self.names
-        q, k, v = self._columns(mesh, x, [getattr(module, names[r]) for r in
-                                          ("query projection", "key projection", "value projection")], who)
+        wq, wk, wv, wo = (getattr(module, names[r]) for r in
+                          ("query projection", "key projection", "value projection", "output projection"))
+        causal = bool(self.causal)
+        options = config(who, causal=causal, head_dim=self.head_dim, rope=self.rope is not None,
+                         q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None,
+                         o_bias=wo.bias is not None)
+        q, k, v = self._columns(mesh, x, [wq, wk, wv], who, options)
         if q.ndim != 3:
             raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {q.ndim}-D")
         b, s, d = q.shape[0], q.shape[1], self.head_dim
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
         if self.rope is not None:
             q, k = self.rope(q, k, *args, **kwargs)
-        wo = getattr(module, names["output projection"])
         n = mesh.size()
         want = _normalized(self.output_layouts[0], 3)
-        causal = self.causal
         if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
             from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
 
@@ -441,7 +464,7 @@ class AttentionParallel(_Style):
                 return o.reshape(b, rows, -1) @ w.t()
 
             z = ops.produce_reduce_scatter(producer, inputs=(q, k, v, wo.weight.to_local()),
-                                           group=mesh.get_group(), dim=1, algorithm=self.algorithm)
+                                           group=mesh.get_group(), dim=1, algorithm=self.algorithm, config=options)
             return self._scattered(mesh, z, want, wo.bias)
         o = attend(q, k, v, causal=causal)
-        return self._row(mesh, o.reshape(b, s, -1), wo, who)
+        return self._row(mesh, o.reshape(b, s, -1), wo, who, options)

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.runtime.pipelined import layer_config
+from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
 from commfuse.schedule import offsets, split_sizes
 
 
@@ -30,6 +32,12 @@ def resolve_group(group):
     if isinstance(group, dist.ProcessGroup):
         return group
     raise CommfuseTypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def config(layer: str, *more: tuple[str, object], **options) -> tuple:
+    """A layer's options for its ops' fingerprints (``pipelined.layer_config``): ``more``, ``(name, value)``
+    pairs from the module that holds the layer (a ``ParallelMLP``'s activation), then the layer's own."""
+    return layer_config(layer, **dict(more), **options)
 
 
 def world(group) -> tuple[int, int]:

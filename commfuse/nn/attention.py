@@ -22,6 +22,10 @@ travels. Un-overlapped: the K/V exchange (nothing to compute yet), the
 projections.
 
 Both support a causal mask and grouped-query attention (``num_kv_heads``).
+Their options that change what the ranks compute but not the shapes (the
+mask, the head counts and size, a bias) join the fingerprint of their rings,
+so a rank whose layer was built otherwise is named on every rank
+(``MismatchError``) instead of giving wrong results.
 """
 
 from __future__ import annotations
@@ -115,11 +119,18 @@ class ParallelAttention(nn.Module):
         self.bv = as_param(bv, mesh, from_rows, (full_kv,)) if bias else None
         self.bo = as_param(bo, mesh, _placement("replicate"), (hidden_size,)) if bias else None
 
+    def _config(self) -> tuple:
+        """The options every rank must share (see ``pipelined.layer_config``)."""
+        return pipelined.layer_config("ParallelAttention", causal=bool(self.causal), num_heads=self.num_heads,
+                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                      bias=self.bq is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, rows_here, _ = x.shape
+        config = self._config()
         q, k, v = ops.all_gather_matmul(x, [local(self.wq).t(), local(self.wk).t(), local(self.wv).t()],
                                         group=self.group, gather_dim=1, algorithm=self.algorithm,
-                                        backend=self.backend)
+                                        backend=self.backend, config=config)
         if self.bq is not None:
             q, k, v = q + local(self.bq), k + local(self.bk), v + local(self.bv)
         s, d = q.shape[1], self.head_dim
@@ -147,7 +158,7 @@ class ParallelAttention(nn.Module):
                             device=x.device, slice_bytes=b * rows_here * self.hidden_size * x.element_size())
         algorithm = "vanilla" if call is None else call.spec.shown
         out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, local(self.wo)), group=self.group, dim=1,
-                                         algorithm=algorithm, backend=self.backend)
+                                         algorithm=algorithm, backend=self.backend, config=config)
         return out + replicated(local(self.bo), self.group) if self.bo is not None else out
 
     @classmethod
@@ -276,7 +287,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     Differentiable; see :class:`UlyssesAttention` for the schedule. Returns
     (b, s/N, H, d). Not an op (it is built on the pairwise all-to-all's consumer
     form): under ``torch.compile`` it refuses, and a graph break runs it eagerly.
+    ``causal`` joins the exchanges' fingerprint: every rank must pass the same.
     """
+    return _ulysses(q, k, v, causal, group, algorithm, timeout, backend,
+                    pipelined.layer_config("ulysses_attention", causal=bool(causal)))
+
+
+def _ulysses(q, k, v, causal, group, algorithm, timeout, backend, config) -> torch.Tensor:
+    """:func:`ulysses_attention` with the options (``config``) its fingerprints carry."""
     if torch.compiler.is_compiling():
         raise CommfuseValueError(
             "ulysses_attention (and UlyssesAttention) is built on all_to_all_consume, which takes Python "
@@ -293,7 +311,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
             raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
     call = resolve_call("all_to_all", algorithm, group=group, backend=be, device=q.device,
                         slice_bytes=q.numel() // n * q.element_size(), timeout=timeout)
-    return _UlyssesAttention.apply(call, causal, q, k, v)
+    return _UlyssesAttention.apply(pipelined.configured(call, config), causal, q, k, v)
 
 
 class UlyssesAttention(nn.Module):
@@ -329,8 +347,10 @@ class UlyssesAttention(nn.Module):
         q = self._linear(self.q_proj, x).view(b, length, -1, d)
         k = self._linear(self.k_proj, x).view(b, length, -1, d)
         v = self._linear(self.v_proj, x).view(b, length, -1, d)
-        o = ulysses_attention(q, k, v, causal=self.causal, group=self.group, algorithm=self.algorithm,
-                              backend=self.backend)
+        config = pipelined.layer_config("UlyssesAttention", causal=bool(self.causal), num_heads=self.num_heads,
+                                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                                        bias=self.q_proj.bias is not None)
+        o = _ulysses(q, k, v, self.causal, self.group, self.algorithm, None, self.backend, config)
         return self._linear(self.o_proj, o.reshape(b, length, -1))
 
     @classmethod
@@ -357,4 +377,4 @@ class UlyssesAttention(nn.Module):
 
 from commfuse.runtime.eager import eager_only  # noqa: E402
 
-eager_only(ulysses_attention)  # a graph break runs it, and all it calls, as plain Python
+eager_only(ulysses_attention, _ulysses)  # a graph break runs them, and all they call, as plain Python

@@ -11,6 +11,10 @@ ColumnParallelLinear    (b, s/N, in)               AG(x) @ W_r^T: all-gather rin
 RowParallelLinear       (b, s, in/N)               RS(x @ W_r^T): GEMM per step     AG(dz) @ W_r ring (+ wgrad
                                                    + reduce-scatter ring            GEMM per arriving slice)
 ======================= ========================== ================================ =========================
+
+Each layer's options that change what a rank computes but not the shapes (a
+bias, ``keep_gathered``, the MLP's activation) join the fingerprint of its
+ring, so a rank whose layer was built otherwise is named on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import commfuse.ops as ops
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
     as_param,
+    config,
+    config_words,
     even,
     gather_dim,
     layer_mesh,
@@ -71,6 +77,13 @@ class _TPLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"rank={self.rank}/{self.world_size}, sequence_dim={self.sequence_dim}, algorithm={self.algorithm!r}")
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, ())
+
+    def _run(self, x: torch.Tensor, more: tuple) -> torch.Tensor:
+        """The forward, with ``more`` options of the module that holds this layer in its fingerprint."""
+        raise NotImplementedError
+
 
 class ColumnParallelLinear(_TPLinear):
     """``y = all_gather(x, sequence_dim) @ W_r^T + b_r``: sequence-sharded in, feature-sharded out.
@@ -96,10 +109,12 @@ class ColumnParallelLinear(_TPLinear):
         self.weight = as_param(weight, self._mesh, shard, (out_features, in_features))
         self.bias = as_param(bias_, self._mesh, shard, (out_features,)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, more: tuple) -> torch.Tensor:
         y = ops.all_gather_matmul(x, local(self.weight).t(), group=self.group, gather_dim=self.sequence_dim,
                                   algorithm=self.algorithm, keep_gathered=self.keep_gathered,
-                                  backend=self.backend)
+                                  backend=self.backend,
+                                  config=config("ColumnParallelLinear", *more, bias=self.bias is not None,
+                                                keep_gathered=bool(self.keep_gathered)))
         return y + local(self.bias) if self.bias is not None else y
 
     @classmethod
@@ -139,9 +154,10 @@ class RowParallelLinear(_TPLinear):
         self.weight = as_param(weight, self._mesh, _placement("shard", 1), (out_features, in_features))
         self.bias = as_param(bias_, self._mesh, _placement("replicate"), (out_features,)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, more: tuple) -> torch.Tensor:
         z = ops.matmul_reduce_scatter(x, local(self.weight).t(), group=self.group, scatter_dim=self.sequence_dim,
-                                      algorithm=self.algorithm, backend=self.backend)
+                                      algorithm=self.algorithm, backend=self.backend,
+                                      config=config("RowParallelLinear", *more, bias=self.bias is not None))
         return z + replicated(local(self.bias), self.group) if self.bias is not None else z
 
     @classmethod
@@ -171,6 +187,7 @@ class RowParallelLinear(_TPLinear):
 
 _ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu, "silu": nn.functional.silu,
                 "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+config_words(*_ACTIVATIONS)  # a mismatch names the other rank's activation too
 
 
 class ParallelMLP(nn.Module):
@@ -210,7 +227,8 @@ class ParallelMLP(nn.Module):
         self.fc1.backend = self.fc2.backend = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_ACTIVATIONS[self.activation](self.fc1(x)))
+        more = (("activation", self.activation),)  # both rings: the activation is between them
+        return self.fc2._run(_ACTIVATIONS[self.activation](self.fc1._run(x, more)), more)
 
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, *, activation: str = "gelu", group=None,

@@ -40,6 +40,7 @@ dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ from commfuse.nn._common import resolve_group, world
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, min_slice_bytes, resolve_call
 from commfuse.runtime.eager import eager_only
-from commfuse.runtime.executor import register_format
+from commfuse.runtime.executor import op_calls, register_format
 from commfuse.schedule import Collective
 
 __all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
@@ -310,6 +311,12 @@ class _ExpertParallel(torch.autograd.Function):
             work.down_backward(dys, 0, 0, dw2)
             return work.up_backward(0, 0, dys.shape[0], dw13), dw13, dw2, None, None, None
 
+        with op_calls(call.be, "MoE.backward (its dispatch and combine)", 2):
+            dxs = _ExpertParallel._backward(dys, call, work, send_rows, recv_rows, dw13, dw2)
+        return dxs, dw13, dw2, None, None, None
+
+    @staticmethod
+    def _backward(dys, call, work, send_rows, recv_rows, dw13, dw2):
         def down_backward(dyq, q, start):
             work.down_backward(dyq, q, start, dw2)
 
@@ -323,7 +330,7 @@ class _ExpertParallel(torch.autograd.Function):
         dxs = pipelined.produce_all_to_all_core(call, lambda q, start, rows: work.up_backward(q, start, rows, dw13), 0,
                                                 recv_sizes=send_rows, send_sizes=recv_rows,
                                                 label="moe.combine.backward", like=like, by_slice=True)
-        return (torch.cat(dxs) if len(dxs) > 1 else dxs[0]), dw13, dw2, None, None, None
+        return torch.cat(dxs) if len(dxs) > 1 else dxs[0]
 
 
 def _expert_parallel(xs, w13, w2, call, send_counts, meta):
@@ -419,13 +426,21 @@ class MoE(nn.Module):
                 f"is {self.hidden_size}")
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
-        weights, chosen = route(xt, self.router, self.topk, self.gating, self.normalize)
-        order, token, counts = _sort_by_expert(chosen, self.experts)
-        xs = xt.index_select(0, token)
-        n = self.world_size
-        call = self._call(xt)
-        send_counts = counts.view(n, self.local_experts)
-        ys = _expert_parallel(xs, self.w13, self.w2, call, send_counts, self._meta())
+        be = None if self.world_size == 1 else backends.resolve(self.backend, self.group, xt.device)
+        first = be is not None and self.algorithm == "auto" and (self.algorithm, self.backend, xt.device,
+                                                                  xt.dtype) not in self._calls
+        # the router, the sort and the exchanges (auto's token count on the first call, then the sizes, the
+        # dispatch and the combine): if this rank leaves before making them all, its peers hear of it
+        # (under torch.compile the exchanges run at a graph break, eagerly; the count is not traced)
+        guard = nullcontext() if torch.compiler.is_compiling() else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
+        with guard:
+            weights, chosen = route(xt, self.router, self.topk, self.gating, self.normalize)
+            order, token, counts = _sort_by_expert(chosen, self.experts)
+            xs = xt.index_select(0, token)
+            n = self.world_size
+            call = self._call(xt)
+            send_counts = counts.view(n, self.local_experts)
+            ys = _expert_parallel(xs, self.w13, self.w2, call, send_counts, self._meta())
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
 
@@ -440,9 +455,12 @@ class MoE(nn.Module):
         be = None if self.world_size == 1 else backends.resolve(self.backend, self.group, xt.device)
         rows = xt.shape[0]
         if be is not None and self.algorithm == "auto":
-            most = torch.tensor([rows], dtype=torch.int64, device=getattr(be, "device", None) or xt.device)
-            torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=self.group)
-            rows = int(most.item())
+            # every rank's token count, through commfuse (numbered, checked, bounded by its timeout and
+            # interruptible like any call), not a raw collective bounded only by the group's own timeout
+            mine = torch.tensor([rows], dtype=torch.int64, device=getattr(be, "device", None) or xt.device)
+            counts = resolve_call(Collective.ALL_GATHER, "vanilla", group=self.group, backend=be, device=xt.device)
+            rows = max(int(t.item()) for t in pipelined.all_gather_consume_core(counts, mine, pipelined.collect, 0,
+                                                                               label="moe.tokens"))
         slice_bytes = rows * self.topk // self.world_size * self.hidden_size * xt.element_size()
         call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=xt.device,
                             slice_bytes=slice_bytes)
@@ -479,5 +497,6 @@ def _describe_sizes(v):
 
 
 register_format("moe.sizes", _describe_sizes)
+register_format("moe.tokens", lambda v: "the token count auto decides on (one per rank)")
 for _label in ("moe.dispatch", "moe.combine", "moe.dispatch.backward", "moe.combine.backward"):
     register_format(_label, lambda v: f"token rows of {v[3:3 + v[2]]} (dim {v[1]} differs per peer)")

@@ -9,7 +9,9 @@ arriving shard adds ``dy[..., cols_s] @ W_s``; the weight gradient of shard d
 is ``dy[..., cols_d]^T @ x`` summed over the data-parallel ranks: the
 reduce-scatter ring (Flash-RS) whose producer is exactly that GEMM, so no full
 weight gradient exists anywhere either. Un-overlapped: nothing but the first
-GEMM's own shard in each ring.
+GEMM's own shard in each ring. The layer's options that change what a rank
+computes but not the shapes (a bias, ``reduce``) join the rings' fingerprint,
+so a rank whose layer was built otherwise is named on every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from torch import nn
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
     as_dtensor,
+    config,
+    config_words,
     linear_from_row_shards,
     load_row_shard,
     local,
@@ -31,6 +35,9 @@ from commfuse.nn._common import (
 from commfuse.nn.linear import _init_linear
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import resolve_call
+
+
+config_words("avg", "sum")  # a mismatch names the other rank's reduce too
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -280,6 +287,7 @@ class ShardedLinear(nn.Module):
         size = compute.itemsize if compute is not None else self.weight.element_size()
         call = resolve_call("all_gather", self.algorithm, group=self.group, backend=self.backend, device=x.device,
                             slice_bytes=rows * self.in_features * size)
+        call = pipelined.configured(call, config("ShardedLinear", bias=self.bias is not None, reduce=self.reduce))
         bias = self.bias
         return _ShardedLinear.apply(call, self, x, local(self.weight), local(bias) if bias is not None else None)
 

@@ -48,15 +48,25 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from commfuse.errors import BackendUnavailableError
+from commfuse.errors import (
+    BackendUnavailableError,
+    CommfuseTimeoutError,
+    CommunicationError,
+    GroupDeadError,
+    PeerFailedError,
+)
+from commfuse.runtime.board import RECOVER, Stall, board_of, declare_dead, heard
 from commfuse.runtime.executor import (
     DEFAULT_TIMEOUT_S,
     MIN_TIMEOUT_S,
     PAIRWISE_CHANNEL,
     TAG_STRIDE,
+    describe_fingerprint,
     describe_stall,
     group_state,
+    stall_position,
 )
+from commfuse.runtime.waiting import BACKSTOP_S, wait_blocking
 from commfuse.runtime.watchdog import Posting, watchdog
 from commfuse.runtime.backend import Uneven
 from commfuse.schedule import Collective, Ring, Transfer
@@ -80,6 +90,19 @@ def lacks_all_to_all(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and _NO_ALL_TO_ALL.search(str(error)) is not None
 
 
+#: Tags of the receives that close a gloo group's connections (:meth:`C10dBackend.poison`): above every data
+#: tag (``channel + TAG_STRIDE * (sequence % SEQUENCE_WRAP)`` < 2 ** 30).
+POISON_TAG = 1 << 30
+
+
+def _backend_of(group) -> str | None:
+    """The name of a process group's c10d backend ("gloo", "nccl", "fake"), or None."""
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001 - not a registered group
+        return None
+
+
 def _timed_out(error: RuntimeError) -> bool:
     """Whether a transport's error is its timeout (gloo reports one as a RuntimeError)."""
     text = str(error).lower()
@@ -98,19 +121,71 @@ def _delta(timeout: float) -> datetime.timedelta:
 
 
 class _Handle:
-    """Works of one step plus the tensors they touch, kept alive until waited; the host waits."""
+    """Works of one step plus the tensors they touch, kept alive until waited; the host waits.
 
-    __slots__ = ("works", "outputs", "inflight")
+    A wait runs on the calling thread's waiter (``commfuse.runtime.waiting``): Ctrl-C reaches Python at
+    once, the wait is bounded by commfuse's timeout, and past the grace period it reads the group's board
+    (a peer that failed, a mismatch, a straggler: ``commfuse.runtime.board``). What it says of itself is
+    put together only then, from the backend's call at post time (the plan, the call number, the post's
+    number in the call, its peers). A group whose transport completes every transfer at once (torch's
+    ``fake`` group, the host-cost benchmark's) waits in place, as a wait that cannot block needs nothing
+    more.
+    """
 
-    def __init__(self, works, outputs: list[torch.Tensor], inflight) -> None:
+    __slots__ = ("works", "outputs", "inflight", "backend", "plan", "checking", "post_no", "seq", "transfers",
+                 "span")
+
+    def __init__(self, works, outputs: list[torch.Tensor], inflight, backend: "C10dBackend | None" = None,
+                 transfers=None) -> None:
         self.works = works
         self.outputs = outputs
         self.inflight = inflight
+        self.backend = backend
+        if backend is not None:
+            self.plan, self.checking = backend._plan, backend._checking
+            self.post_no, self.seq = backend._posts, backend._seq
+            #: (sends, recvs) of a step's point-to-point transfers, or a frozenset of peer ranks; None: a whole
+            #: collective (every peer)
+            self.transfers = transfers
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks this wait needs."""
+        transfers = self.transfers
+        if transfers is None:
+            be = self.backend
+            return [q for q in range(be.world_size) if q != be.rank]
+        if isinstance(transfers, frozenset):
+            return sorted(transfers)
+        sends, recvs = transfers
+        return sorted({t.peer for t, _ in sends} | {t.peer for t, _ in recvs})
 
     def wait(self, timeout: float) -> list[torch.Tensor]:
-        seconds, delta = _LAST_DELTA
-        if seconds != timeout:
-            delta = _delta(timeout)
+        backend = self.backend
+        if backend is None or backend._instant:
+            seconds, delta = _LAST_DELTA
+            if seconds != timeout:
+                delta = _delta(timeout)
+            try:
+                for work in self.works:
+                    work.wait(delta)
+            except RuntimeError as e:
+                if _timed_out(e):
+                    raise TimeoutError(str(e)) from e
+                raise
+            self.inflight = None
+            return self.outputs
+        self.span = timeout + BACKSTOP_S
+        try:
+            wait_blocking(self._block, timeout, self)
+        except RuntimeError as e:
+            raise self._failed(e) from e
+        self.inflight = None
+        return self.outputs
+
+    def _block(self) -> None:
+        """On the waiter: the works' own waits, bounded past commfuse's timeout (a backstop)."""
+        delta = _delta(self.span)
         try:
             for work in self.works:
                 work.wait(delta)
@@ -118,8 +193,91 @@ class _Handle:
             if _timed_out(e):
                 raise TimeoutError(str(e)) from e
             raise
-        self.inflight = None
-        return self.outputs
+
+    # -- what commfuse.runtime.waiting asks of a wait --------------------------------------------------------
+
+    def stall(self):
+        """The board's view of this wait (a :class:`~commfuse.runtime.board.Stall`), or None."""
+        found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
+        state = group_state(self.backend)
+        if found is None or board_of(state) is None:
+            return None
+        return Stall(state, found[0], describe_fingerprint, self.backend.poison)
+
+    def timeout_text(self, timeout: float) -> str:
+        found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
+        what = found[1] if found is not None else f"post {self.post_no} of call #{self.seq}"
+        number = found[0]["seq"] if found is not None else self.seq
+        return (f"rank {self.backend.rank} timed out after {timeout:g} s in {what} (call #{number} on "
+                f"{group_state(self.backend).name}), waiting for rank {', '.join(map(str, sorted(set(self.peers))))}")
+
+    def abandon(self, why: str) -> None:
+        """The wait was left unfinished: note it on the board and end the group on this rank (a posted
+        transfer cannot be taken back)."""
+        backend = self.backend
+        state = group_state(backend)
+        found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
+        board = board_of(state)
+        if found is not None and board is not None:
+            position = found[0]
+            board.log("fail", seq=position["seq"], lane=position["lane"], thread=position["thread"],
+                      label=position["label"], step=None, exc=why.split(" ", 1)[0], message=why, continuing=False)
+        where = found[1] if found is not None else "a wait"
+        declare_dead(state, GroupDeadError(f"rank {backend.rank}: {why} in {where}; the group is dead: {RECOVER}"),
+                     backend.poison)
+
+    def _failed(self, error: RuntimeError) -> CommunicationError:
+        """The transport failed this wait (a peer closed its connections): what the board says of why, and
+        the group ends here too, so that ranks waiting on this one hear of it at once."""
+        backend = self.backend
+        state = group_state(backend)
+        if isinstance(state.error, CommunicationError):
+            return state.error  # this rank declared it dead already (a stall's verdict, a timeout)
+        found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
+        what = found[1] if found is not None else f"post {self.post_no} of call #{self.seq}"
+        told = _board_cause(state, backend.rank, f"waiting in {what}")
+        if told is None:
+            told = CommunicationError(
+                f"rank {backend.rank} failed in {what}: the transport gave up ({_first_line(error)[:200]}), and no "
+                f"rank noted why on the board: a peer died or closed its connections. The group is dead on this "
+                f"rank: {RECOVER}")
+            declare_dead(state, told, backend.poison)
+        return state.error if isinstance(state.error, CommunicationError) else told
+
+
+def _board_cause(state, rank: int, where: str) -> CommunicationError | None:
+    """Why a transport failed, as the board tells it (the group is then declared dead here, with the same
+    root): this rank was late, a rank declared the group dead, or a rank left a call; None when nobody
+    noted anything."""
+    board = board_of(state)
+    if board is None:
+        return None
+    failed = None
+    for note in board.news():
+        kind, who = note.get("kind"), note.get("rank")
+        if who == rank:
+            continue
+        if kind == "gaveup" and rank in note.get("late", ()):
+            return declare_dead(state, CommfuseTimeoutError(
+                f"rank {rank} (this rank) was late, {where}: rank {who} gave up waiting for it after "
+                f"{note.get('after'):g} s in {note.get('what')} of call #{note.get('seq')} ({note.get('label')}); "
+                f"the group is dead: {RECOVER}"), None)
+        if kind == "dead":
+            return declare_dead(state, heard(note, rank, where), None, note)
+        if kind == "fail":
+            failed = note
+    if failed is not None:
+        step = failed.get("step")
+        return declare_dead(state, PeerFailedError(
+            f"rank {rank}, {where}: rank {failed.get('rank')} failed call #{failed.get('seq')} "
+            f"({failed.get('label')})" + (f" in step {step}" if step is not None else "")
+            + f": {failed.get('exc')}: {failed.get('message')}; the group is dead: {RECOVER}"), None)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _StreamHandle(_Handle):
@@ -132,13 +290,13 @@ class _StreamHandle(_Handle):
     a plan (the fingerprint check), from ``what`` and the step's transfers.
     """
 
-    __slots__ = ("backend", "what", "plan", "checking", "post_no", "seq")
+    __slots__ = ("what", "call")
 
     def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str | None) -> None:
-        super().__init__(works, outputs, inflight)
-        self.backend, self.what = backend, what
-        self.plan, self.checking = backend._plan, backend._checking
-        self.post_no, self.seq = backend._posts, backend._seq
+        super().__init__(works, outputs, inflight, backend)
+        self.what = what
+        state = backend._commfuse_state if hasattr(backend, "_commfuse_state") else group_state(backend)
+        self.call = (state.seq - 1, state.lane)  # the host runs ahead: the call this step belongs to
         if what is None and self.plan is None:  # a post's transfers outside a plan's steps (the call check's)
             sends, _, recvs = inflight
             self.what = "transfers with rank " + ", ".join(map(str, sorted({t.peer for t, _ in (*sends, *recvs)})))
@@ -153,9 +311,26 @@ class _StreamHandle(_Handle):
         # query the device there (c10d keeps captured NCCL works from its own watchdog for the same reason).
         if works and (plan is None or not plan.capturing):
             watchdog().watch(works, time.monotonic() + timeout, lambda cause: self.describe(timeout, cause),
-                             self.backend._expired)
+                             self.backend._expired, self.told)
         self.inflight = None
         return self.outputs
+
+    def told(self) -> BaseException | None:
+        """What the group's board says of this step's call once it has been pending past the grace period
+        (asked by the watchdog, on its thread): the named error of a peer's failure or of a group declared
+        dead (the group is then dead here too), else None. UNVERIFIED on a device (no GPU on this project's
+        CI); the logic is the host-blocking waits' (``commfuse.runtime.board.Stall``)."""
+        state = group_state(self.backend)
+        found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
+        if found is None or board_of(state) is None:
+            return None
+        position = found[0]
+        position["seq"], (position["thread"], position["lane"]) = self.call[0], self.call[1]
+        try:
+            Stall(state, position, describe_fingerprint, self.backend.poison).read_news()
+        except CommunicationError as e:
+            return e
+        return None
 
     def describe(self, timeout: float, cause: str | None = None) -> str:
         """What the watchdog says of this step: it outlived ``timeout`` (``cause`` None), or its transfers
@@ -221,19 +396,30 @@ class _PairwiseHandle:
                 works = [work] if work is not None else []
             else:
                 works = [g.send([send], to, tag), g.recv([recv], source, tag)]
+            left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
             try:
-                for work in works:
-                    left = max(deadline - time.monotonic(), MIN_TIMEOUT_S)
-                    work.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as e:
-                if _timed_out(e):
-                    raise TimeoutError(
-                        f"rank {r}: step {k} of {n - 1} of the pairwise all_to_all (the {be.name} backend lacks "
-                        f"all_to_all), sending to rank {to} and receiving from rank {source}, was not done "
-                        f"{timeout:g} s after the exchange began: {e}"
-                    ) from e
-                raise
+                _Handle(works, [], None, be, frozenset((to, source))).wait(left)
+            except TimeoutError as e:
+                if isinstance(e, CommunicationError):
+                    raise
+                raise TimeoutError(
+                    f"rank {r}: step {k} of {n - 1} of the pairwise all_to_all (the {be.name} backend lacks "
+                    f"all_to_all), sending to rank {to} and receiving from rank {source}, was not done "
+                    f"{timeout:g} s after the exchange began: {e}"
+                ) from e
         return outputs
+
+
+class _Complex:
+    """A handle over complex tensors moved as their real views: ``wait`` gives them back complex."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def wait(self, timeout: float) -> list[torch.Tensor]:
+        return [torch.view_as_complex(t) for t in self.handle.wait(timeout)]
 
 
 def _send_recv(group, sends, recvs, base: int) -> list:
@@ -295,6 +481,8 @@ class C10dBackend:
         self._coalesce = self.device.type != "cpu"
         self._stream_ordered: bool | None = None  # from capabilities.streams, on the first post
         self._held: Posting | None = None  # a stream-ordered backend's post in progress, for the watchdog
+        #: a group whose transfers complete at once (torch's ``fake`` group): waits need no waiter
+        self._instant = _backend_of(self.group) == "fake"
         if os.environ.get("COMMFUSE_PAIRWISE_ALL_TO_ALL", "").strip() not in ("", "0"):
             group_state(self).lacking.setdefault(Collective.ALL_TO_ALL, "COMMFUSE_PAIRWISE_ALL_TO_ALL is set")
 
@@ -345,17 +533,24 @@ class C10dBackend:
                     f"fingerprints' ring all-gather), {what}: {detail}")
         return f"rank {self.rank}: {what} (call #{seq}, post {post_no}): {detail}"
 
-    def _record_error(self, error: BaseException) -> None:
-        group_state(self).error = error
+    def poison(self) -> None:
+        """Close this rank's connections of the group, so that every peer waiting on it fails at once instead
+        of waiting out its timeout (the group was declared dead: ``commfuse.runtime.board.declare_dead``).
+        gloo: a receive nobody will answer, waited 1 ms: gloo's own timeout closes every connection of the
+        context (one per device; the tags cover four). A stream-ordered group is aborted where torch can."""
+        if self.world_size <= 1 or self._instant:
+            return
+        if self._streams() or _backend_of(self.group) not in ("gloo", None):
+            self._abort()
+            return
+        peer = (self.rank + 1) % self.world_size
+        for k in range(4):
+            try:
+                self.group.recv([torch.empty(1)], peer, POISON_TAG + k).wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - what we want: gloo closed the connections
+                pass
 
-    def _handle(self, works, outputs, inflight, what: str | None):
-        if self._streams():
-            return _StreamHandle(works, outputs, inflight, self, what)
-        return _Handle(works, outputs, inflight)
-
-    def _expired(self, error: BaseException) -> None:
-        """The watchdog saw a step outlive its timeout: fail every later call on the group, abort it."""
-        self._record_error(error)
+    def _abort(self) -> None:
         abort = getattr(self.group, "abort", None)
         if callable(abort):
             abort()
@@ -363,6 +558,19 @@ class C10dBackend:
         fallback = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if fallback is not None:
             fallback(self.group)
+
+    def _record_error(self, error: BaseException) -> None:
+        group_state(self).error = error
+
+    def _handle(self, works, outputs, inflight, what: str | None, transfers=None):
+        if self._streams():
+            return _StreamHandle(works, outputs, inflight, self, what)
+        return _Handle(works, outputs, inflight, self, transfers)
+
+    def _expired(self, error: BaseException) -> None:
+        """The watchdog saw a step outlive its timeout: fail every later call on the group, abort it."""
+        self._record_error(error)
+        self._abort()
 
     def __repr__(self) -> str:
         return f"C10dBackend(name={self.name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -374,12 +582,16 @@ class C10dBackend:
         self._posts += 1
         g = self.group
         if not self._coalesce:  # gloo: message by message, written out (the common CPU step, kept lean)
-            works = [g.send([x], t.peer, t.channel + base) for t, x in sends]
-            buffers = []
-            for t, x in recvs:
-                works.append(g.recv([x], t.peer, t.channel + base))
-                buffers.append(x)
-            return _Handle(works, buffers, sends)
+            works, buffers = [], []
+            try:
+                for t, x in sends:
+                    works.append(g.send([x], t.peer, t.channel + base))
+                for t, x in recvs:
+                    works.append(g.recv([x], t.peer, t.channel + base))
+                    buffers.append(x)
+            except RuntimeError as e:  # the connections are closed: what the board says of why, if anything
+                raise _Handle(works, [], None, self, (sends, recvs))._failed(e) from e
+            return _Handle(works, buffers, sends, self, (sends, recvs))
         buffers = [x for _, x in recvs]
         # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.
         # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks: the
@@ -393,7 +605,7 @@ class C10dBackend:
             works = self._issue(_coalesced, g, sends, recvs, base, self.device)
         else:
             works = self._issue(_send_recv, g, sends, recvs, base)
-        return self._handle(works, buffers, (sends, buffers, recvs), None)
+        return self._handle(works, buffers, (sends, buffers, recvs), None, (sends, recvs))
 
     def _issue(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a transport's issue, with the watchdog told that the host is inside it
@@ -410,6 +622,12 @@ class C10dBackend:
     def collective(
         self, kind: Collective, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> _Handle:
+        if inputs and inputs[0].is_complex() or outputs and outputs[0].is_complex():
+            # gloo has no complex collectives ("Invalid scalar type"): they move as their real views
+            real = [torch.view_as_real(t) for t in inputs], [torch.view_as_real(t) for t in outputs]
+            if isinstance(inputs, Uneven):
+                real = Uneven(real[0]), Uneven(real[1])
+            return _Complex(self.collective(kind, *real))
         g = self.group
         self._posts += 1
         self._streams()  # makes the watchdog's guard of a stream-ordered backend before its first issue
@@ -472,6 +690,8 @@ class C10dBackend:
         """One whole all-gather or reduce-scatter over single tensors, rank by rank along dim 0 of the bigger
         one (torch's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, sum); ``wait`` returns
         ``[output]``."""
+        if input.is_complex():  # moved as real views (see collective)
+            return _Complex(self.collective_into(kind, torch.view_as_real(input), torch.view_as_real(output)))
         g = self.group
         self._posts += 1
         if not self._coalesce:
@@ -479,7 +699,7 @@ class C10dBackend:
                 work = g._allgather_base(output, input)
             else:
                 work = g._reduce_scatter_base(output, input, _SUM)
-            return _Handle([work], [output], (input, output))
+            return _Handle([work], [output], (input, output), self)
         self._streams()
         single = _ALL_GATHER_SINGLE if kind is Collective.ALL_GATHER else _REDUCE_SCATTER_SINGLE
         work = self._issue(single, output, input, group=g, async_op=True)

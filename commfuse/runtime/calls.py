@@ -168,6 +168,7 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     why, and the world size. Raises ``CommfuseValueError`` for a bad
     ``algorithm``, ``timeout`` or ``check`` whatever the world size.
     """
+    _backends.fresh()  # a default group destroyed (and made again) since: forget what was planned on it
     key = (collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check)
     try:
         found = _CALLS.get(key)

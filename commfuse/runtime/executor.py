@@ -55,18 +55,28 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.profiler import record_function
 
+try:  # a build without torch.distributed has no groups: GroupState.group is then always None
+    import torch.distributed.distributed_c10d as _c10d
+except ImportError:  # pragma: no cover
+    _c10d = None
+
 from commfuse.errors import (
+    CommfuseError,
     CommfuseTimeoutError,
     CommfuseValueError,
     CommunicationError,
     ConcurrentUseError,
+    GroupDeadError,
     MismatchError,
+    PeerFailedError,
 )
+from commfuse.runtime.board import RECOVER, board_of, declare_dead
 from commfuse.schedule import Algorithm, AlgorithmSpec, Collective, Schedule, SliceId, Step, Transfer, build
 
 #: Default bound on every wait, in seconds, when neither ``timeout=`` nor
@@ -161,11 +171,14 @@ def cached_schedule(collective: str, world_size: int, algorithm: str, parts: int
 
 class GroupState:
     """What every call on one process group shares: its sequence number, its one-op-at-a-time lock,
-    whether the last call failed (the next one is checked), and the whole collectives its transport lacks."""
+    whether the last call failed (the next one is checked), and the whole collectives its transport lacks;
+    and what a rank knows of its peers: the group's board (``commfuse.runtime.board``, in the group's
+    store) and whether a peer's part of the call in progress failed."""
 
-    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "__weakref__")
+    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "group", "rank",
+                 "world_size", "board", "told", "lane", "__weakref__")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, group=None) -> None:
         self.seq = 0
         #: the call signatures (fingerprints less the call number) the ranks have agreed on for this group:
         #: kept here, not per plan object, so that every rank checks the same calls however its plans were
@@ -174,11 +187,21 @@ class GroupState:
         self.lock = threading.Lock()
         self.busy: tuple[str, int] | None = None
         self.dirty = False
-        self.error: BaseException | None = None  # set by the watchdog: every later call raises it
+        self.error: BaseException | None = None  # every later call raises it (the group was declared dead)
         self.name = name
         #: the whole collectives the group's transport lacks, each with why it is taken to (its refusal):
         #: the backend runs them another way from then on, without asking the transport again
         self.lacking: dict[Collective, str] = {}
+        #: the c10d process group (its store holds the board), this rank in it and its size (from the first
+        #: backend that plans a call on it)
+        self.group = group
+        self.rank: int | None = None
+        self.world_size = 1
+        self.board = None  # a Board once made; False: the group has none
+        #: a peer's note that the call in progress failed there (set by a stalled wait reading the board):
+        #: this rank stops computing, completes the call's transfers and raises PeerFailedError
+        self.told: dict | None = None
+        self.lane: tuple[str, int] = ("", 0)  # the thread of the call in progress: (name, code)
 
 
 _STATES: dict[object, GroupState] = {}
@@ -199,8 +222,15 @@ def state_of_group(group) -> GroupState:
         with _STATES_LOCK:
             found = _STATES.get(group)
             if found is None:
-                found = _STATES[group] = GroupState(_group_name(group))
+                found = _STATES[group] = GroupState(_group_name(group), _c10d_group(group))
     return found
+
+
+def _c10d_group(group):
+    """``group`` if it is a c10d process group (it has a store, where the board lives), else None."""
+    module = sys.modules.get("torch.distributed")
+    pg = getattr(module, "ProcessGroup", None) if module is not None else None
+    return group if pg is not None and isinstance(group, pg) else None
 
 
 def group_state(backend) -> GroupState:
@@ -213,6 +243,9 @@ def group_state(backend) -> GroupState:
         except TypeError:  # not a process group object (the XLA backend's replica-id lists): per backend
             group = None
         found = state_of_group(backend if group is None else group)
+        if found.rank is None:
+            found.rank = getattr(backend, "rank", None)
+            found.world_size = getattr(backend, "world_size", 1)
         try:
             backend._commfuse_state = found
         except AttributeError:  # a backend that takes no attributes looks it up every call
@@ -594,10 +627,10 @@ def describe_fingerprint(values: Sequence[int]) -> str:
     return text + f": {meta}"
 
 
-def _fit(values: list[int]) -> list[int]:
-    if len(values) > FINGERPRINT_LEN:
-        values = values[: FINGERPRINT_LEN - 1] + [hash(tuple(values)) & 0x7FFFFFFFFFFF]
-    return values + [-1] * (FINGERPRINT_LEN - len(values))
+def _fit(values: list[int], length: int = FINGERPRINT_LEN) -> list[int]:
+    if len(values) > length:
+        values = values[: length - 1] + [hash(tuple(values)) & 0x7FFFFFFFFFFF]
+    return values + [-1] * (length - len(values))
 
 
 def _strip(values: list[int]) -> list[int]:
@@ -609,10 +642,178 @@ def _strip(values: list[int]) -> list[int]:
 # -- running a plan --------------------------------------------------------------------------------------------
 
 
-def execute(plan: Plan, program: Program, *, events: list | None = None) -> None:
-    """Run one call of ``plan`` with ``program``'s data on ``plan.backend``."""
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+_AUTOGRAD_LANE = ("autograd", zlib.crc32(b"autograd") & 0xFFFF)
+
+
+def lane() -> tuple[str, int]:
+    """The thread a call comes from, as every rank can name it: ``(name, code)``. The code goes into every
+    tag and fingerprint, so a call from one thread never pairs with a peer's call from another (two threads
+    that share a group and reach it in different orders on different ranks). Autograd's backward (on
+    whatever thread the engine runs it) is the lane ``autograd``; a thread Python did not start (a C++
+    thread) is ``native``; any other thread goes by its name (``MainThread``, ``Thread-2 (worker)``): threads
+    that call commfuse must be started in the same order on every rank, or be named."""
+    if _graph_task is not None and _graph_task() != -1:
+        return _AUTOGRAD_LANE
+    t = threading.current_thread()
+    found = getattr(t, "_commfuse_lane", None)
+    if found is None:
+        name = "native" if isinstance(t, threading._DummyThread) else t.name
+        found = (name, zlib.crc32(name.encode()) & 0xFFFF)
+        try:
+            t._commfuse_lane = found
+        except AttributeError:
+            pass
+    return found
+
+
+class Ticket:
+    """A call's number, taken before any of the caller's code runs (a producer's first partial, a policy),
+    and the group held for it: ``with enter_call(backend, label) as ticket: ...; execute(..., ticket=ticket)``.
+    An exception before :func:`execute` takes the ticket over is announced on the board as this rank
+    leaving call #seq without taking part (its peers, waiting on it, declare the group dead and say why), and
+    the group's next call is checked."""
+
+    __slots__ = ("state", "label", "seq", "used")
+
+    def __init__(self, state: GroupState, label: str) -> None:
+        self.state, self.label, self.used = state, label, False
+        self.seq = -1
+
+    def __enter__(self) -> "Ticket":
+        state = self.state
+        if not state.lock.acquire(False):
+            raise _busy_label(self.label, state)
+        if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
+            state.lock.release()
+            raise state.error or _destroyed(self.label, state)
+        state.busy = (self.label, threading.get_ident())
+        self.seq = state.seq
+        state.seq += 1
+        state.told = None
+        state.lane = lane()
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        state = self.state
+        try:
+            if error is not None and not self.used:
+                _left(state, self.seq, self.label, None, error)
+        finally:
+            state.busy = None
+            state.lock.release()
+        return False
+
+
+def enter_call(backend, label: str) -> Ticket:
+    """A :class:`Ticket` for one call of ``label`` on ``backend``'s group."""
+    return Ticket(group_state(backend), label)
+
+
+def announce_left(state: GroupState, label: str, error: BaseException) -> None:
+    """A call failed on this rank before it reached the executor (its validation, its policy): it still takes
+    its call number on the group, its failure goes on the board for the peers waiting on it, and the group's
+    next call is checked, so it cannot pair with the peers' copy of this call. No lock: the op may have
+    failed inside another op's consumer on this group, on this thread."""
+    seq = state.seq
+    state.seq = seq + 1
+    _left(state, seq, label, None, error, lane())
+
+
+class op_calls:
+    """A composite op's calls on one group, counted: ``with op_calls(backend, "MoE.forward", 3): ...`` (the op
+    makes three calls). When an exception escapes the op before it made all of them (its router raised on
+    this rank, or a call failed and the op gives up on the rest), the calls it did not make are announced on
+    the board as this rank leaving them, one call number each, as :func:`announce_left` does for one: the
+    peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
+    call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
+
+    __slots__ = ("state", "label", "planned", "start")
+
+    def __init__(self, backend, label: str, planned: int) -> None:
+        self.state = None if backend is None else group_state(backend)
+        self.label, self.planned = label, planned
+
+    def __enter__(self) -> "op_calls":
+        if self.state is not None:
+            self.start = self.state.seq
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        state = self.state
+        if error is None or state is None:
+            return False
+        for _ in range(self.planned - (state.seq - self.start)):
+            announce_left(state, self.label, error)
+        return False
+
+
+class counted_calls:
+    """:class:`op_calls` for an op whose number of calls is learned rather than known: the first run of
+    ``key`` that succeeds records how many calls it made, and a later run of ``key`` that an exception
+    leaves early announces the ones it did not make (a run before any success announces none). For layers
+    whose hooks run between their calls (a style's rope hook between its gather and its reduce-scatter)."""
+
+    __slots__ = ("state", "label", "key", "start")
+    _LEARNED: dict = {}
+
+    def __init__(self, group, label: str, key) -> None:
+        self.state = state_of_group(group) if group is not None else None
+        self.label, self.key = label, key
+
+    def __enter__(self) -> "counted_calls":
+        if self.state is not None:
+            self.start = self.state.seq
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        state = self.state
+        if state is None:
+            return False
+        made = state.seq - self.start
+        learned = self._LEARNED
+        if error is None:
+            if len(learned) > 4096:
+                learned.clear()
+            learned[self.key] = made
+            return False
+        if state.rank is None or state.world_size <= 1:
+            return False
+        for _ in range(learned.get(self.key, 0) - made):
+            announce_left(state, self.label, error)
+        return False
+
+
+def _left(state: GroupState, seq: int, label: str, step, error: BaseException, which=None) -> None:
+    """Note that this rank left call #seq without completing its transfers (``step`` None: before posting
+    any), and mark the group for a check."""
+    state.dirty = True
+    if state.world_size <= 1:
+        return
+    board = board_of(state)
+    if board is not None:
+        name, code = which or state.lane
+        board.log("fail", seq=seq, lane=code, thread=name, label=label, step=step, exc=type(error).__name__,
+                  message=_first_line(error), continuing=False)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else "")[:500]
+
+
+def execute(plan: Plan, program: Program, *, events: list | None = None, ticket: Ticket | None = None) -> None:
+    """Run one call of ``plan`` with ``program``'s data on ``plan.backend`` (``ticket``: the call's number,
+    taken already by :func:`enter_call`)."""
     state = plan.state
-    seq = _enter(plan, state)
+    if ticket is None:
+        seq = _enter(plan, state)
+    else:
+        seq, ticket.used = ticket.seq, True
+        probe = plan.probe
+        if probe is not None and probe():
+            plan.capturing = True
+    posted = False
     try:
         mode = None
         if _observers[0]:
@@ -622,57 +823,249 @@ def execute(plan: Plan, program: Program, *, events: list | None = None) -> None
         begin = plan.begin
         if plan.digest is None:
             plan.learn_signature(program)
+        code = state.lane[1]
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
-            if state.dirty or plan.check == "always" or plan.signature not in state.checked:
+            signature = (plan.signature, code)
+            if state.dirty or plan.check == "always" or signature not in state.checked:
                 if plan.capturing:
                     raise _capture_refusal(plan, state)
                 if begin is not None:
                     begin(None, plan)
                 _check_fingerprint(plan, program, seq)
-                state.checked.add(plan.signature)
+                state.checked.add(signature)
                 state.dirty = False
             plan.checked = True
         if begin is not None:
-            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+            begin((seq + plan.digest + code) % SEQUENCE_WRAP, plan)
         if not plan.settled:
             plan.settled = not plan.trace and (not plan.checks or (plan.checked and plan.check != "always"))
+        posted = True
         if mode is None and events is None and not plan.trace and not _profiler_on():
-            _run(plan, program)
+            _run(plan, program, seq)
         else:
-            _run_observed(plan, program, mode, events)
-    except BaseException:
-        state.dirty = True
+            _run_observed(plan, program, mode, events, seq)
+    except BaseException as e:
+        _after_failure(plan, state, seq, e, posted)
         raise
     finally:
-        _leave(plan, state)
+        if ticket is None:
+            _leave(plan, state)
+        else:
+            plan.capturing = False
 
 
-def execute_into(plan: Plan, input: torch.Tensor, output: torch.Tensor) -> None:
+def _after_failure(plan: Plan, state: GroupState, seq: int, error: BaseException, posted: bool) -> None:
+    """What a failed call leaves behind on this rank. A failure this rank settled (it told its peers and
+    completed the call's transfers, or it was told and did the same) leaves the group as it was; so does a
+    verdict a wait reached (whoever reached it declared the group dead). One before any transfer was posted
+    (a mismatch every rank raises, a refused capture) marks the group for a check, and so does any failure
+    on a group with no board to tell the peers on (they time out, as before it had one). Anything else
+    (Ctrl-C, an error from the transport, a stream-ordered backend's failed compute) is noted on the board
+    and ends the group here: a transfer that was posted cannot be taken back."""
+    if getattr(error, "_commfuse_settled", None) == (id(state), seq) or state.error is not None:
+        return
+    if not posted or plan.schedule.world_size <= 1 or plan.traced:
+        state.dirty = True
+        return
+    if isinstance(error, Exception) and board_of(state) is None:
+        state.dirty = True
+        return
+    _left(state, seq, plan.label, None, error)
+    declare_dead(state, GroupDeadError(
+        f"rank {plan.rank}: {plan.label} (call #{seq}, {plan.schedule.describe()}) was left unfinished on this "
+        f"rank by {type(error).__name__}: {_first_line(error)}; the group is dead: {RECOVER}"),
+        getattr(plan.backend, "poison", None))
+
+
+def _settled(error: BaseException, state: GroupState, seq: int) -> BaseException:
+    """Mark ``error`` as one this rank settled for call #seq (see :func:`_after_failure`)."""
+    try:
+        error._commfuse_settled = (id(state), seq)
+    except AttributeError:  # an exception that takes no attributes: the group is marked for a check
+        pass
+    return error
+
+
+def _add_note(error: BaseException, text: str) -> None:
+    add = getattr(error, "add_note", None)  # Python 3.11+
+    if add is not None:
+        try:
+            add(text)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# -- a failure on one rank: told, and the call's transfers completed ---------------------------------------------
+
+
+def _compute_failed(plan: Plan, seq: int, index: int, error: BaseException, finish, st: CStep | None = None,
+                    pending=None, land=None) -> BaseException:
+    """This rank's compute (or code of the caller's) failed in step ``index`` of call #seq. First the step's
+    posted transfers are waited for and what arrived is landed (``pending``, as :func:`_wait_all` takes
+    them). Then, when the group has a board: note the failure there (op, step, exception), acknowledge it,
+    complete the call's remaining transfers with ``finish(index + 1)``, which sends only to peers that know
+    (so none of them computes on what this rank sends from now on), and return ``error`` to raise, marked
+    settled: the group stays usable. Without a board, or for an exception that is not an ``Exception``
+    (Ctrl-C), return ``error`` as it is (:func:`_after_failure` decides)."""
+    state = plan.state
+    if pending:
+        try:
+            _wait_all(plan, st, pending, land, plan.timeout)
+        except BaseException as e:  # noqa: BLE001 - the transport failed too: the group is dead, say both
+            _add_note(error, f"commfuse: rank {plan.rank} could not complete step {index} of call #{seq} after "
+                             f"this failure: {type(e).__name__}: {_first_line(e)}")
+            return error
+    board = board_of(state) if plan.schedule.world_size > 1 and not plan.traced else None
+    if board is None or not isinstance(error, Exception) or getattr(plan.backend, "_stream_ordered", False):
+        # a stream-ordered backend's peers never stall on the host, so they could not learn before what this
+        # rank would send reached their device: it ends the group instead (_after_failure)
+        return error
+    name, code = state.lane
+    board.log("fail", seq=seq, lane=code, thread=name, label=plan.label, step=index, exc=type(error).__name__,
+              message=_first_line(error), continuing=True)
+    board.ack(code, seq)
+    try:
+        finish(index + 1)
+    except BaseException as e:  # noqa: BLE001 - the group is dead (declared by whoever found out)
+        _add_note(error, f"commfuse: rank {plan.rank} could not complete call #{seq} after this failure: "
+                         f"{type(e).__name__}: {_first_line(e)}")
+        return error
+    _add_note(error, f"commfuse: rank {plan.rank}'s peers were told that {plan.label} (call #{seq}) failed here "
+                     f"in step {index}, and the call's transfers were completed: the group stays usable")
+    return _settled(error, state, seq)
+
+
+def _told(plan: Plan, seq: int, index: int, finish) -> BaseException:
+    """A stalled wait of this rank read on the board that call #seq failed on a peer (``state.told``): stop
+    computing, complete the call's remaining transfers from step ``index + 1`` with ``finish``, and return
+    the :class:`PeerFailedError` to raise (settled: the group stays usable)."""
+    state = plan.state
+    note = state.told
+    finish(index + 1)
+    step = note.get("step")
+    error = PeerFailedError(
+        f"rank {plan.rank}: {plan.label} (call #{seq}, {plan.schedule.describe()}) failed on rank {note['rank']}"
+        + (f" in step {step}" if step is not None else "")
+        + f": {note.get('exc')}: {note.get('message')}. This rank stopped computing after step {index} and "
+        "completed the call's transfers, so the group stays usable; its result for this call is discarded")
+    return _settled(error, state, seq)
+
+
+def _gate(plan: Plan, seq: int, peers) -> None:
+    """Wait (bounded by the call's timeout) until every rank in ``peers`` knows that call #seq failed, so that
+    what this rank sends them from now on is never computed on unknowingly. A peer that waits on this rank
+    stalls, reads the board and acknowledges within about the grace period."""
+    state = plan.state
+    board = board_of(state)
+    if board is None:
+        return
+    code = state.lane[1]
+    waiting = [q for q in peers if not board.knows(code, seq, q)]
+    deadline = time.monotonic() + plan.timeout
+    while waiting:
+        if time.monotonic() > deadline:
+            who = ", ".join(map(str, waiting))
+            raise declare_dead(state, CommfuseTimeoutError(
+                f"rank {plan.rank}: {plan.label} (call #{seq}) failed and rank {who} did not learn of it within "
+                f"{plan.timeout:g} s (it never waited in the call: late, hung or gone), so the call's transfers "
+                f"cannot be completed and the group is dead: {RECOVER}"), getattr(plan.backend, "poison", None))
+        time.sleep(0.02)
+        waiting = [q for q in waiting if not board.knows(code, seq, q)]
+
+
+def _step_peers(plan: Plan, st: CStep) -> list[int]:
+    if st.collectives:
+        return [q for q in range(plan.schedule.world_size) if q != plan.rank]
+    return sorted({t.peer for t, _ in st.sends})
+
+
+def _ghost_compute(program: Program, slots) -> None:
+    """Stand in for ``program.compute(slots)`` once the call failed: a program whose compute makes what later
+    steps send (a reduce-scatter's partials, a produced block) gets tensors of the right shape (its
+    ``skip``); a consuming program needs nothing (what it sends is what it received)."""
+    if slots and program.collective in (Collective.REDUCE_SCATTER, Collective.PRODUCE_ALL_TO_ALL):
+        program.skip(slots)
+
+
+def _finisher(plan: Plan, program: Program, seq: int, failed_step: CStep | None):
+    """``finish(start)``: walk steps ``start..`` of ``plan`` with no compute (see :func:`_compute_failed`)."""
+
+    def finish(start: int) -> None:
+        backend, timeout = plan.backend, plan.timeout
+        post = skipping_empty(backend.post) if program.sparse else backend.post
+        if failed_step is not None:
+            _ghost_compute(program, failed_step.compute)
+        for st in plan.steps[start:]:
+            peers = _step_peers(plan, st)
+            if peers:
+                _gate(plan, seq, peers)
+            pending = []
+            if st.p2p:
+                recvs = [(t, program.buffer(s)) for t, s in st.recvs]
+                try:
+                    pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
+                except Exception as e:
+                    raise _posting_error(plan, st, None, e) from e
+            if st.collectives:
+                _post_collectives(plan, st, program, backend.collective, pending)
+            _ghost_compute(program, st.compute)
+            _wait_all(plan, st, pending, program.land, timeout)
+            for s in st.accumulate:
+                program.add(s)
+            for s in st.release:
+                program.release(s)
+
+    return finish
+
+
+def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     """One call of a whole-collective plan (``plan.whole``, vanilla) straight into ``output``: the
     collective over single tensors (``collective_into``) and its wait, with :func:`execute`'s rules (one op
-    per group at a time, the call number in the tags, a failed call marks the group for a check) and no
-    program. Only when ``plan.lean()``: the first call of a signature, a check, or an observed call take
-    :func:`execute`."""
+    per group at a time, the call number in the tags, a failure on one rank told to every rank) and no
+    program. ``input`` is a tensor, or a function making it once the call has its number (a producer's
+    partial: when it fails, the collective still runs, on zeros, once every peer knows). Only when
+    ``plan.lean()``: the first call of a signature, a check, or an observed call take :func:`execute`."""
     state = plan.state
     seq = _enter(plan, state)
     try:
         st, call = plan.whole
         begin = plan.begin
         if begin is not None:
-            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
-        try:
-            handle = plan.backend.collective_into(call.collective, input, output)
-        except Exception as e:
-            raise _posting_error(plan, st, call, e) from e
-        try:
-            handle.wait(plan.timeout)
-        except BaseException as e:
-            raise _waiting_error(plan, st, call, e) from e
-    except BaseException:
-        state.dirty = True
+            begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
+        failed = None
+        if callable(input):
+            try:
+                input = input()
+            except Exception as e:
+                failed = e
+                n = plan.schedule.world_size
+                rows = output.shape[0] * n if call.collective is Collective.REDUCE_SCATTER else output.shape[0] // n
+                input = output.new_zeros((rows, *output.shape[1:]))
+        if failed is not None:
+            def finish(start: int) -> None:
+                _gate(plan, seq, _step_peers(plan, st))
+                _into(plan, st, call, input, output)
+
+            raise _compute_failed(plan, seq, 0, failed, finish)
+        _into(plan, st, call, input, output)
+        if state.told is not None:
+            raise _told(plan, seq, 0, lambda start: None)
+    except BaseException as e:
+        _after_failure(plan, state, seq, e, True)
         raise
     finally:
         _leave(plan, state)
+
+
+def _into(plan: Plan, st: CStep, call, input: torch.Tensor, output: torch.Tensor) -> None:
+    try:
+        handle = plan.backend.collective_into(call.collective, input, output)
+    except Exception as e:
+        raise _posting_error(plan, st, call, e) from e
+    try:
+        handle.wait(plan.timeout)
+    except BaseException as e:
+        raise _waiting_error(plan, st, call, e) from e
 
 
 def lean_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) -> tuple:
@@ -683,7 +1076,7 @@ def lean_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
       slot, receive's Transfer, the receive buffer's pool key)``, posted with no comprehension; else None;
     - ``sends``: ``(Transfer, slot)`` pairs of any other step with point-to-point transfers, else None;
     - ``recvs``: ``(Transfer, slot, key)``, ``key`` the receive buffer's pool key (for a ``pair`` too);
-    - ``compute``: ``(slot, start, size)`` of the one slice the step computes, or None;
+    - ``compute``: ``(slot, start, size, key)`` of the one slice the step computes, or None;
     - ``accumulate``, ``release``: ``(slot, key)`` pairs (``release`` less this rank's ``own`` slots).
 
     Plans with ``one_by_one`` only."""
@@ -692,7 +1085,7 @@ def lean_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
         compute = None
         if st.compute:
             (s,) = st.compute
-            compute = (s, start[s], size[s])
+            compute = (s, start[s], size[s], key[s])
         sends, pair = (st.sends if st.p2p else None), None
         if sends is not None and len(sends) == 1 and len(st.recvs) == 1:
             (t, s), (r, q) = sends[0], st.recvs[0]
@@ -723,18 +1116,20 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
     ``put(tensor, key)`` (this rank's own slots are not in the walk's releases: a reduce-scatter's result
     stays in ``held``).
 
-    :func:`execute`'s rules hold (one op per group at a time, the call number in the tags, a failed call
-    marks the group for a check, transfers already posted are drained when the compute fails). Only when
+    :func:`execute`'s rules hold (one op per group at a time, the call number in the tags, a failure on one
+    rank told to every rank, transfers already posted drained when the compute fails). Only when
     ``plan.lean()``."""
     state = plan.state
     seq = _enter(plan, state)
     try:
         begin = plan.begin
         if begin is not None:
-            begin((seq + plan.digest) % SEQUENCE_WRAP, plan)
+            begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
         post, timeout = plan.backend.post, plan.timeout
         landing = held if inbox is None else inbox
+        i = -1
         for st, pair, sends, recvs, compute, accumulate, release in walk:
+            i += 1
             handle = None
             if pair is not None or sends is not None:
                 try:
@@ -746,15 +1141,65 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
                 except Exception as e:
                     raise _posting_error(plan, st, None, e) from e
             if compute is not None:
-                s, at, length = compute
+                s, at, length, _ = compute
                 try:
                     made = one(at, length, held[s])
-                except BaseException:
-                    if handle is not None:
-                        _drain(((handle, None, None),), timeout)
-                    raise
+                except Exception as e:
+                    pending = None if handle is None else ((handle, None, [(t, s) for t, s, _ in recvs]),)
+                    raise _compute_failed(plan, seq, i, e, _lean_finisher(plan, seq, walk, held, get, put, inbox, i),
+                                          st, pending, landing.__setitem__)
                 if made is not None:
                     held[s] = made
+            if handle is not None:
+                try:
+                    got = handle.wait(timeout)
+                except BaseException as e:
+                    raise _waiting_error(plan, st, None, e) from e
+                for (_, s, _), tensor in zip(recvs, got):
+                    landing[s] = tensor
+                if state.told is not None:
+                    raise _told(plan, seq, i, _lean_finisher(plan, seq, walk, held, get, put, inbox, None))
+            for s, k in accumulate:
+                received = inbox[s]
+                inbox[s] = None
+                held[s].add_(received)
+                put(received, k)
+            for s, k in release:
+                t = held[s]
+                held[s] = None
+                if t is not None:
+                    put(t, k)
+    except BaseException as e:
+        _after_failure(plan, state, seq, e, True)
+        raise
+    finally:
+        _leave(plan, state)
+
+
+def _lean_finisher(plan: Plan, seq: int, walk: tuple, held: list, get: Callable, put: Callable,
+                   inbox: list | None, failed: int | None):
+    """:func:`_finisher` for :func:`execute_one_by_one`'s walk: a reduce-scatter's partials that were not made
+    are buffers of their shape (``failed``: the step whose compute raised)."""
+
+    def finish(start: int) -> None:
+        post, timeout = plan.backend.post, plan.timeout
+        landing = held if inbox is None else inbox
+        if failed is not None and inbox is not None:
+            s, _, _, k = walk[failed][4]
+            held[s] = get(k)
+        for st, pair, sends, recvs, compute, accumulate, release in walk[start:]:
+            peers = _step_peers(plan, st)
+            if peers:
+                _gate(plan, seq, peers)
+            handle = None
+            if st.p2p:
+                try:
+                    handle = post([(t, held[s]) for t, s in st.sends], [(t, get(k)) for t, _, k in recvs])
+                except Exception as e:
+                    raise _posting_error(plan, st, None, e) from e
+            if compute is not None and inbox is not None:
+                s, _, _, k = compute
+                held[s] = get(k)
             if handle is not None:
                 try:
                     got = handle.wait(timeout)
@@ -766,33 +1211,29 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
                 received = inbox[s]
                 inbox[s] = None
                 held[s].add_(received)
-                put(received, k)
             for s, k in release:
-                t = held[s]
                 held[s] = None
-                if t is not None:
-                    put(t, k)
-    except BaseException:
-        state.dirty = True
-        raise
-    finally:
-        _leave(plan, state)
+
+    return finish
 
 
 def _enter(plan: Plan, state: GroupState) -> int:
     """Take the group for one call of ``plan`` (refused, by name, while another op is in flight on it; a
-    group the watchdog declared dead raises its error) and return the call's number. :func:`_leave` gives
-    it back. On a device with graph capture, the plan learns whether this call is captured."""
+    group declared dead raises its error, and so does one torch.distributed destroyed) and return the call's
+    number. :func:`_leave` gives it back. On a device with graph capture, the plan learns whether this call
+    is captured."""
     probe = plan.probe
     capturing = probe is not None and bool(probe())
     if not state.lock.acquire(False):
         raise _busy(plan, state)
-    if state.error is not None:
+    if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
         state.lock.release()
-        raise state.error
+        raise state.error or _destroyed(plan.label, state)
     state.busy = (plan.label, threading.get_ident())
     seq = state.seq
     state.seq = seq + 1
+    state.told = None
+    state.lane = lane()
     if capturing:
         plan.capturing = True
     return seq
@@ -821,11 +1262,24 @@ def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
     )
 
 
+def _destroyed(label: str, state: GroupState) -> GroupDeadError:
+    return GroupDeadError(
+        f"rank {state.rank}: {label} on {state.name}: the process group was destroyed "
+        "(torch.distributed.destroy_process_group) after commfuse planned calls on it. Calls with group=None "
+        "follow the default group in place now; a module or a call given the old group object must be given "
+        "the new one"
+    )
+
+
 def _busy(plan: Plan, state: GroupState) -> ConcurrentUseError:
+    return _busy_label(plan.label, state)
+
+
+def _busy_label(label: str, state: GroupState) -> ConcurrentUseError:
     busy = state.busy
     who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
     return ConcurrentUseError(
-        f"rank {plan.rank}: {plan.label} cannot start on {state.name}: {who} is in flight on it. commfuse "
+        f"rank {state.rank}: {label} cannot start on {state.name}: {who} is in flight on it. commfuse "
         f"ops on one process group must not overlap: call them from one thread, or give each thread its "
         f"own group (torch.distributed.new_group)"
     )
@@ -835,12 +1289,14 @@ def _profiler_on() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
-def _run(plan: Plan, program: Program) -> None:
+def _run(plan: Plan, program: Program, seq: int) -> None:
     """The steps, with nothing observed: the lean loop every plain call takes."""
-    backend, timeout, overlap = plan.backend, plan.timeout, plan.overlap
+    backend, timeout, overlap, state = plan.backend, plan.timeout, plan.overlap, plan.state
     post = skipping_empty(backend.post) if program.sparse else backend.post
     payload, buffer, land, compute = program.payload, program.buffer, program.land, program.compute
+    i = -1
     for st in plan.steps:
+        i += 1
         if st.p2p:
             recvs = [(t, buffer(s)) for t, s in st.recvs]
             try:
@@ -854,15 +1310,17 @@ def _run(plan: Plan, program: Program) -> None:
                 if st.compute:
                     try:
                         compute(st.compute)
-                    except BaseException:
-                        _drain(((handle, None, None),), timeout)
-                        raise
+                    except Exception as e:
+                        raise _compute_failed(plan, seq, i, e, _finisher(plan, program, seq, st), st,
+                                              ((handle, None, st.recvs),), land)
                 try:
                     got = handle.wait(timeout)
                 except BaseException as e:
                     raise _waiting_error(plan, st, None, e) from e
                 for (t, s), tensor in zip(st.recvs, got):
                     land(s, tensor)
+                if state.told is not None:
+                    raise _told(plan, seq, i, _finisher(plan, program, seq, None))
                 pending = None
             else:
                 pending = [(handle, None, st.recvs)]
@@ -872,17 +1330,24 @@ def _run(plan: Plan, program: Program) -> None:
         else:
             pending = None
             if st.compute:
-                compute(st.compute)
+                try:
+                    compute(st.compute)
+                except Exception as e:
+                    raise _compute_failed(plan, seq, i, e, _finisher(plan, program, seq, st))
         if pending is not None:
             if overlap and st.compute:
                 try:
                     compute(st.compute)
-                except BaseException:
-                    _drain(pending, timeout)
-                    raise
+                except Exception as e:
+                    raise _compute_failed(plan, seq, i, e, _finisher(plan, program, seq, st), st, pending, land)
             _wait_all(plan, st, pending, land, timeout)
+            if state.told is not None:
+                raise _told(plan, seq, i, _finisher(plan, program, seq, None if overlap else st))
             if not overlap and st.compute:
-                compute(st.compute)
+                try:
+                    compute(st.compute)
+                except Exception as e:
+                    raise _compute_failed(plan, seq, i, e, _finisher(plan, program, seq, st))
         for s in st.accumulate:
             program.add(s)
         for s in st.release:
@@ -947,7 +1412,36 @@ def describe_stall(plan: Plan, post_no: int, detail: str, failed: bool = False) 
     return None
 
 
+def stall_position(plan: Plan | None, checking: Plan | None, seq: int | None, post_no: int,
+                   peers) -> tuple[dict, str] | None:
+    """Where a rank waits, for its group's board (``commfuse.runtime.board.Stall``), and the step in words:
+    post ``post_no`` (from 1) of a call of ``plan``, or of the call check of ``checking``. None when neither
+    is known (a transfer outside commfuse's calls)."""
+    which = plan if plan is not None else checking
+    if which is None:
+        return None
+    state = which.state
+    if plan is not None:
+        what = f"post {post_no} of {plan.label}"
+        posts = 0
+        for st in plan.steps:
+            for call in ((None,) if st.p2p else ()) + tuple(st.collectives):
+                posts += 1
+                if posts == post_no:
+                    what = f"step {st.index} of {plan.label} ({plan.schedule.describe()}), {_what(st.step, call)}"
+    else:
+        what = f"hop {post_no} of the call check of {checking.label}"
+    number = state.seq - 1  # the call in progress (one op per group at a time); ``seq`` is its tag base
+    signature = list(which.signature or ())
+    position = {"seq": number, "lane": state.lane[1], "thread": state.lane[0], "digest": which.digest,
+                "label": which.label, "check": plan is None, "waits": sorted(set(peers)), "what": what,
+                "fp": [_MAGIC, number % SEQUENCE_WRAP, *signature] if signature else []}
+    return position, what
+
+
 def _posting_error(plan: Plan, st: CStep, call, e: Exception) -> CommunicationError:
+    if isinstance(e, CommunicationError):  # the backend named it already (what the group's board said)
+        return e
     return CommunicationError(
         f"rank {plan.rank} failed posting step {st.index} of {plan.label} ({plan.schedule.describe()}), "
         f"{_what(st.step, call)}: {type(e).__name__}: {e}"
@@ -976,9 +1470,9 @@ def _failed_waiting(plan: Plan, st: CStep, call, detail: str) -> str:
             f"waiting for {_what(st.step, call)}: {detail}")
 
 
-def _run_observed(plan: Plan, program: Program, mode: str | None, events: list | None) -> None:
+def _run_observed(plan: Plan, program: Program, mode: str | None, events: list | None, seq: int) -> None:
     """:func:`_run`'s loop with measurement modes, profiler annotations, per-step timings and the trace log."""
-    backend = plan.backend
+    backend, state = plan.backend, plan.state
     post = backend.post if mode != "compute_only" else _done_post
     if program.sparse:
         post = skipping_empty(post)
@@ -991,7 +1485,9 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
     tags = {"label": plan.label, "algorithm": shown}
     trace = plan.trace
     clock = time.perf_counter
+    i = -1
     for st in plan.compiled.steps:
+        i += 1
         with (record_function(f"{name}.step{st.index}") if prof else _NULL):
             t0 = clock()
             pending = []
@@ -1008,16 +1504,20 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
             if not overlap:
                 _wait_all(plan, st, pending, program.land, timeout)
                 pending = []
+                if state.told is not None:
+                    raise _told(plan, seq, i, _finisher(plan, program, seq, st))
             t2 = clock()
             if st.compute:
                 try:
                     with (record_function(f"{name}.step{st.index}.compute") if prof else _NULL):
                         compute(st.compute)
-                except BaseException:
-                    _drain(pending, timeout)
-                    raise
+                except Exception as e:
+                    raise _compute_failed(plan, seq, i, e, _finisher(plan, program, seq, st), st, pending,
+                                          program.land)
             t3 = clock()
             _wait_all(plan, st, pending, program.land, timeout)
+            if state.told is not None:
+                raise _told(plan, seq, i, _finisher(plan, program, seq, None))
             for s in st.accumulate:
                 program.add(s)
             for s in st.release:
@@ -1076,8 +1576,10 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
     they time out naming the rank they waited for.
     """
     backend = plan.backend
+    state = plan.state
     rank, ring, n, timeout = plan.rank, plan.schedule.ring, plan.schedule.world_size, plan.timeout
-    mine_values = _fit(plan.fingerprint(program, seq))
+    # the fingerprint, then the thread's lane (compared too)
+    mine_values = _fit(plan.fingerprint(program, seq), FINGERPRINT_LEN - 1) + [state.lane[1]]
     rows: list[torch.Tensor | None] = [None] * n
     rows[rank] = torch.tensor(mine_values, dtype=torch.int64, device=backend.device)
     nxt, prv = ring.next(rank), ring.prev(rank)
@@ -1089,6 +1591,8 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
                                   [(Transfer(SliceId(recv_row), prv, 1, FINGERPRINT_CHANNEL), buf)])
             (got,) = handle.wait(timeout)
         except TimeoutError as e:
+            if isinstance(e, CommfuseError):
+                raise
             raise CommfuseTimeoutError(
                 f"rank {rank} timed out after {timeout:g} s in the call check of {plan.label} "
                 f"({plan.schedule.describe()}, call #{seq} on {plan.state.name}), waiting for rank {prv} to pass on "
@@ -1096,6 +1600,8 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
                 "that had checked their call's signature before do not check it again: COMMFUSE_CHECK=always "
                 "makes every call compare)"
             ) from e
+        except CommfuseError:
+            raise
         except Exception as e:
             raise CommunicationError(
                 f"rank {rank} failed in the call check of {plan.label} ({plan.schedule.describe()}) exchanging "
@@ -1113,16 +1619,33 @@ def _check_fingerprint(plan: Plan, program: Program, seq: int) -> None:
     for row, ranks in sorted(groups.items(), key=lambda item: item[1]):
         who = "rank" if len(ranks) == 1 else "ranks"
         tag = " (this rank)" if row == mine_key else ""
-        lines.append(f"  {who} {', '.join(map(str, ranks))}{tag}: {describe_fingerprint(_strip(list(row)))}")
+        lines.append(f"  {who} {', '.join(map(str, ranks))}{tag}: {describe_fingerprint(_strip(list(row[:-1])))}"
+                     + ("" if row[-1] == mine_values[-1] else f", from another thread (lane {row[-1]})"))
     seqs = {row[1] for row in table if len(row) > 1 and row[0] == _MAGIC}
     hint = ""
     if len(seqs) > 1:
         hint = (" The ranks are at different calls on this group: one of them skipped or added a call (a call "
                 "that failed before communicating still counts as one on its rank).")
-    raise MismatchError(
+    if len({row[-1] for row in table}) > 1:
+        hint += (f" The ranks call from different threads (this rank from {state.lane[0]!r}): commfuse ops on one "
+                 "group must come from one thread in the same order on every rank, or each thread needs its own "
+                 "group.")
+    error = MismatchError(
         f"rank {rank}: the ranks of {plan.state.name} called different ops (checked before the first transfer of "
         f"{plan.label}, nothing was sent):\n" + "\n".join(lines) + hint
     )
+    if len(seqs) > 1:
+        # the ranks' call numbers differ, and stay apart for every later call: the group is dead, and the
+        # board may say which rank left a call (a producer or a policy that raised before its transfers)
+        board = board_of(state)
+        said = [note for note in board.news() if note.get("kind") == "fail"] if board is not None else []
+        if said:
+            error = MismatchError(str(error) + " What the group's board says: " + "; ".join(
+                f"rank {n['rank']} left call #{n['seq']} ({n.get('label')}) before completing it: {n.get('exc')}: "
+                f"{n.get('message')}" for n in said[-3:]) + ".")
+        error = MismatchError(f"{error} The ranks' calls stay apart from now on, so the group is dead: {RECOVER}")
+        raise declare_dead(state, error, getattr(backend, "poison", None))
+    raise error
 
 
 # torch.compile's eager fallback runs these as plain Python (see commfuse.runtime.eager)

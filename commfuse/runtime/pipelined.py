@@ -14,11 +14,18 @@ them, given a resolved :class:`~commfuse.runtime.calls.Call`.
 
 Plan once: the first call of a signature (call, op label, shapes, dtype,
 dim, sizes) builds the executor's :class:`~commfuse.runtime.executor.Plan`
-and the program's layout; later calls find both in one dict look-up.
+and the program's layout; later calls find both in one dict look-up. What
+the first call also decides, once: how many slices a shard is really cut
+into (:func:`capped`: never fewer than one row each), the layer options that
+join the fingerprint (:func:`configured`), and which slices a user's
+consumer must get a private copy of (``private=True``, the public consume
+ops).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,13 +35,14 @@ import torch
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime.calls import Call
 from commfuse.runtime.executor import (
+    Compiled,
     Plan,
     cached_schedule,
+    enter_call,
     execute,
     execute_into,
     execute_one_by_one,
     lean_walk,
-    register_format,
 )
 from commfuse.runtime.programs import (
     AllToAllLayout,
@@ -45,28 +53,36 @@ from commfuse.runtime.programs import (
     ReduceScatterProgram,
     ScatterLayout,
     _Pool,
+    config_values,
     dtype_code,
     held_slots,
+    register_described,
     shape_text,
 )
-from commfuse.schedule import Collective, split_sizes
+from commfuse.schedule import AlgorithmSpec, Collective, SliceId, split_sizes
 
 __all__ = [
-    "StandIn", "a2a_layout", "all_gather_consume_core", "all_to_all_consume_core", "collect", "consecutive",
-    "exchange_sizes", "forget_plans", "produce_all_to_all_core",
+    "StandIn", "a2a_layout", "all_gather_consume_core", "all_to_all_consume_core", "capped", "collect",
+    "configured", "consecutive", "exchange_sizes", "forget_plans", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one", "run_scatter_whole",
     "scatter_spans", "scatters_whole", "write_rows",
 ]
 
+log = logging.getLogger("commfuse")
+
 _PLANS: dict[tuple, tuple] = {}
 _PLANS_LOCK = threading.Lock()
+#: the calls :func:`capped` and :func:`configured` derived, by (call, what was added): one object per
+#: derivation, so that the plans keyed by it are made once
+_DERIVED: dict[tuple, Call] = {}
 
 
 def forget_plans() -> None:
     """Drop every plan (``commfuse.backends.release`` calls it)."""
     with _PLANS_LOCK:
         _PLANS.clear()
+        _DERIVED.clear()
 
 
 def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
@@ -78,6 +94,106 @@ def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
                 _PLANS.clear()
             _PLANS[key] = found
     return found
+
+
+def _remember(key: tuple, make: Callable[[], Call]) -> Call:
+    found = _DERIVED.get(key)
+    if found is None:
+        found = make()
+        with _PLANS_LOCK:
+            if len(_DERIVED) > 4096:
+                _DERIVED.clear()
+            found = _DERIVED.setdefault(key, found)
+    return found
+
+
+class _Configured(Call):
+    """A :class:`Call` that carries a layer's options (``config``: the integers :func:`configured` adds to the
+    fingerprint of every op run with it)."""
+
+    __slots__ = ("config",)
+
+    def __init__(self, be, spec: AlgorithmSpec, timeout: float, check: str, reason: str = "asked for",
+                 config: tuple[int, ...] = ()) -> None:
+        super().__init__(be, spec, timeout, check, reason)
+        self.config = config
+
+
+def _derive(call: Call, spec: AlgorithmSpec, reason: str) -> Call:
+    """``call`` with another algorithm (its backend, timeout, check and layer options kept)."""
+    config = getattr(call, "config", None)
+    if config is None:
+        return Call(call.be, spec, call.timeout, call.check, reason)
+    return _Configured(call.be, spec, call.timeout, call.check, reason, config)
+
+
+def layer_config(layer: str, **options) -> tuple:
+    """A layer's options that every rank must share, as the hashable value :func:`configured` and the ops'
+    ``config=`` take: the options that change what the ranks compute or send but not the shapes that the
+    fingerprint already compares (a causal mask, a bias, how many heads a width is cut into). Values are
+    bools, ints, floats (compared by their bits) or strings (by their CRC-32; ``programs.config_words`` lets a
+    rank read another rank's back by name)."""
+    return (layer, tuple(options.items()))
+
+
+def configured(call: Call | None, config: tuple | None) -> Call | None:
+    """``call`` carrying a layer's options (:func:`layer_config`): every op run with it adds them to its
+    fingerprint, which the ranks compare on the first call of each signature, so a rank whose layer was built
+    with other options is named on every rank (``MismatchError``, the options in words) before anything is
+    sent. Remembered per (call, options): a layer that configures on every forward pays a dict look-up, and
+    its plans are made once."""
+    if call is None or config is None:
+        return call
+
+    def make() -> Call:
+        values = config_values(config[0], config[1])
+        return _Configured(call.be, call.spec, call.timeout, call.check, call.reason,
+                           getattr(call, "config", ()) + values)
+
+    return _remember((call, config), make)
+
+
+def _config_of(call: Call) -> list[int]:
+    """The layer options ``call`` adds to a fingerprint (none for a plain call)."""
+    return list(getattr(call, "config", ()))
+
+
+def capped(call: Call, rows: int, label: str) -> Call:
+    """``call`` with no more slices per shard than the smallest shard has rows along the dim.
+
+    ``ring:m``, ``serial:m`` and ``bidirectional:m`` (m parts of two halves
+    each) cut every shard into slices of ``torch.tensor_split`` sizes; past
+    one row per slice the rest are empty, and each still costs a step
+    (``ring:10000`` on 4-row shards: 10000 slices, seconds per call). So m is
+    capped at what gives every slice at least one row (never below 1: a
+    one-row shard under ``bidirectional`` keeps an empty half). ``rows`` is the
+    smallest shard of the tensor_split layout, the same on every rank, so
+    every rank caps alike. Said once per (call, cap) at WARNING on the
+    ``commfuse`` logger; the ops' ``report=`` shows the algorithm taken. Every
+    plan is made through this (:func:`_gather_plan`, :func:`_scatter_plan`,
+    :func:`_a2a_plan`), except an uneven all-to-all's, whose blocks change per
+    call and whose empty slices cost no transfer. ``sliced:c`` (the
+    data-slicing baseline, one whole collective per chunk) runs as asked.
+    """
+    spec = call.spec
+    parts = spec.parts
+    if parts == 1:
+        return call
+    halves = 2 if spec.name == "bidirectional" else 1
+    most = max(1, rows // halves)
+    if parts <= most:
+        return call
+
+    def make() -> Call:
+        new = AlgorithmSpec(spec.name, most, spec.chunks)
+        cut = f"{parts} slices" if halves == 1 else f"{parts} parts of {halves} halves"
+        why = (f"algorithm {spec.shown!r} would cut shards of {rows} rows (the smallest shard of the layout) into "
+               f"{cut}, {'some' if parts * halves < 2 * rows else 'most'} of them empty: capped to {new.shown!r} "
+               "(at least one row per slice), alike on every rank")
+        log.warning("rank %d: %s: %s", call.rank, label, why)
+        return _derive(call, new, f"{call.reason}; {why}")
+
+    return _remember((call, "capped", most), make)
 
 
 def _new_plan(call: Call, collective: Collective, label: str) -> Plan:
@@ -131,9 +247,9 @@ def matmul_rows(out: torch.Tensor, spans, dim: int, a: torch.Tensor, b: torch.Te
 
 def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
     def make():
-        plan = _new_plan(call, Collective.ALL_GATHER, label)
+        plan = _new_plan(capped(call, min(sizes), label), Collective.ALL_GATHER, label)
         layout = GatherLayout(plan.compiled, sizes, dim, shape, dtype)
-        layout.meta = meta() if callable(meta) else list(meta)
+        layout.meta = (meta() if callable(meta) else list(meta)) + _config_of(call)
         return plan, layout, _Pool.of(call.be)
 
     return _plan_for(("gather", call, label, shape, dtype, dim, sizes), make)
@@ -216,11 +332,11 @@ def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole
     """``shape`` is the whole tensor's (split over the ranks along ``dim``), or with ``whole=False`` one
     rank's shard (every shard alike)."""
     def make():
-        plan = _new_plan(call, Collective.REDUCE_SCATTER, label)
         n = call.be.world_size
         sizes = split_sizes(shape[dim], n) if whole else [shape[dim]] * n
+        plan = _new_plan(capped(call, min(sizes), label), Collective.REDUCE_SCATTER, label)
         layout = ScatterLayout(plan.compiled, sizes, dim, shape, dtype)
-        layout.meta = meta() if callable(meta) else list(meta)
+        layout.meta = (meta() if callable(meta) else list(meta)) + _config_of(call)
         return plan, layout, _Pool.of(call.be)
 
     return _plan_for(("scatter", call, label, tuple(shape), dim, dtype, whole), make)
@@ -250,7 +366,7 @@ def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bo
     given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
     plan, layout, pool, dim = prepared
     if produce_whole is not None and scatters_whole(prepared) and plan.lean():
-        return run_scatter_whole(prepared, produce_whole())
+        return run_scatter_whole(prepared, produce_whole)
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
                                    meta=layout.meta, check_shapes=check_shapes,
@@ -268,13 +384,24 @@ def scatters_whole(prepared: tuple) -> bool:
     return dim == 0 and plan.whole is not None and layout.into and pool.into
 
 
-def run_scatter_whole(prepared: tuple, whole: torch.Tensor) -> torch.Tensor:
+def run_scatter_whole(prepared: tuple, whole) -> torch.Tensor:
     """This rank's summed shard of ``whole`` (every rank's partial, the whole tensor's shape), reduce-scattered
-    along dim 0 straight into the result (see :func:`scatters_whole`)."""
+    along dim 0 straight into the result (see :func:`scatters_whole`). ``whole`` may be a function making it,
+    called once the call has its number (so that a failure in it is told to the peers, see
+    ``executor.execute_into``)."""
     plan, layout, pool, _ = prepared
     out = pool.get(layout.key[layout.own[0]])
     stacked = layout.whole_key[0]
-    execute_into(plan, whole if whole.shape == stacked else whole.view(stacked), out)
+    if callable(whole):
+        make = whole
+
+        def whole():
+            t = make()
+            return t if t.shape == stacked else t.view(stacked)
+
+        execute_into(plan, whole, out)
+    else:
+        execute_into(plan, whole if whole.shape == stacked else whole.view(stacked), out)
     return out
 
 
@@ -363,17 +490,86 @@ def _shards_meta(t: torch.Tensor, dim: int):
 
 
 def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable, dim: int, *, keep: bool = True,
-                            label: str = "all_gather_consume") -> list[Any]:
+                            label: str = "all_gather_consume", private: bool = False) -> list[Any]:
     """``commfuse.all_gather_consume`` on a resolved ``call``; ``keep=False`` lets buffers be reused (the
-    consumer then must not keep what it is given)."""
+    consumer then must not keep what it is given).
+
+    ``private`` (the public op sets it; the library's own consumers, which
+    never write to what they are given, do not) hands the consumer tensors
+    that are its own: a copy of a slice that a transfer of the same step or a
+    later one still reads (the ring forwards what it computes on) or that is
+    the caller's ``shard``, nothing else (see :func:`_handed_over`). The
+    consumer may then change them in place.
+    """
     n = call.be.world_size
     plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, (shard.shape[dim],) * n, label,
                                       _shards_meta(shard, dim))
     pieces = plan.schedule.pieces
     assembler = _Assembler(layout, consumer, n, layout.shard, pieces)
+    consume = assembler
+    if private and pieces == 1:  # several slices: the assembler joins them with torch.cat, already fresh
+        # a whole collective into one tensor (vanilla) leaves views of that tensor in place of the caller's shard
+        into = layout.into and pool.into
+        consume = _Private.around(assembler, _handed_over(plan.compiled, () if into else layout.own, plan.overlap))
     # with several slices per shard the assembler holds early slices until the last one arrives
-    execute(plan, GatherProgram(layout, pool, shard, assembler, keep=keep or pieces > 1, meta=layout.meta))
+    execute(plan, GatherProgram(layout, pool, shard, consume, keep=keep or pieces > 1, meta=layout.meta))
     return assembler.results
+
+
+@functools.lru_cache(maxsize=1024)
+def _handed_over(compiled: Compiled, inputs: tuple[int, ...], overlap: bool) -> frozenset[int]:
+    """The slots whose tensor a user's consumer gets a private copy of, from one plan's compiled steps (once
+    per plan): those that a transfer reads in a later step, or in the same step when the compute runs while
+    it flies (``overlap``), and ``inputs``, the slots that hold the caller's own tensors when computed on.
+
+    A received slice that no later transfer reads (the last step of a ring, every chunk of the pairwise
+    all-to-all) is handed over as it is."""
+    schedule = compiled.schedule
+    rank, slot, n = compiled.rank, compiled.slot, schedule.world_size
+    read: dict[int, int] = {}  # slot -> the last step whose transfers read it
+    for st in compiled.steps:
+        for _, s in st.sends:
+            read[s] = st.index
+        for whole in st.collectives:  # what this rank puts into the whole collective
+            if schedule.collective.blocks:
+                out = [SliceId(d, whole.part, 0, rank) for d in range(n)]
+            else:
+                out = [SliceId(rank, whole.part, h) for h in range(schedule.halves)]
+            for x in out:
+                if x in slot:
+                    read[slot[x]] = st.index
+    copies = set(inputs)
+    for st in compiled.steps:
+        for s in st.compute:
+            last = read.get(s, -1)
+            if last > st.index or (overlap and last == st.index):
+                copies.add(s)
+    return frozenset(copies)
+
+
+class _Private:
+    """A program's ``consume(slots, tensors)`` that hands the slots in ``copies`` over as copies."""
+
+    __slots__ = ("consume", "copies")
+
+    def __init__(self, consume: Callable, copies: frozenset[int]) -> None:
+        self.consume, self.copies = consume, copies
+
+    @classmethod
+    def around(cls, consume: Callable, copies: frozenset[int]) -> Callable:
+        return cls(consume, copies) if copies else consume
+
+    def _own(self, slots, tensors) -> list[torch.Tensor]:
+        copies = self.copies
+        return [t.clone() if s in copies else t for s, t in zip(slots, tensors)]
+
+    def __call__(self, slots, tensors) -> None:
+        self.consume(slots, self._own(slots, tensors))
+
+    def skip(self, slots, tensors) -> None:
+        skip = getattr(self.consume, "skip", None)
+        if skip is not None:
+            skip(slots, self._own(slots, tensors))
 
 
 def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int,
@@ -388,38 +584,41 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
     nobody else holds (saves one buffer).
     """
     rank, n = call.be.rank, call.be.world_size
-    early = dict(early or {})
-    if not early:
-        src = (rank - 1) % n
-        early[src] = _partial(producer, src, rank)
-    first = next(iter(early.values()))
-    if first.ndim == 0:
-        raise CommfuseValueError(f"rank {rank}: producer returned a 0-d tensor; partials need a dim")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -first.ndim <= dim < first.ndim:
-        raise CommfuseValueError(f"dim={dim!r} is out of range for partials of shape {list(first.shape)}")
-    d = dim % first.ndim
-    shape, dtype = tuple(first.shape), first.dtype
-    plan, layout, pool = _scatter_plan(call, shape, d, dtype, label,
-                                       lambda: [dtype_code(dtype), d, len(shape), *shape], whole=False)
-    pieces = plan.schedule.pieces
-    cache: dict[int, list[torch.Tensor]] = {}
+    # the call's number first: a producer that raises on its first partial (which fixes the call's layout)
+    # leaves this call on every peer's board, never an unnumbered gap (executor.Ticket)
+    with enter_call(call.be, label) as ticket:
+        early = dict(early or {})
+        if not early:
+            src = (rank - 1) % n
+            early[src] = _partial(producer, src, rank)
+        first = next(iter(early.values()))
+        if first.ndim == 0:
+            raise CommfuseValueError(f"rank {rank}: producer returned a 0-d tensor; partials need a dim")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -first.ndim <= dim < first.ndim:
+            raise CommfuseValueError(f"dim={dim!r} is out of range for partials of shape {list(first.shape)}")
+        d = dim % first.ndim
+        shape, dtype = tuple(first.shape), first.dtype
+        plan, layout, pool = _scatter_plan(call, shape, d, dtype, label,
+                                           lambda: [dtype_code(dtype), d, len(shape), *shape], whole=False)
+        pieces = plan.schedule.pieces
+        cache: dict[int, list[torch.Tensor]] = {}
 
-    def get(dest: int) -> list[torch.Tensor]:
-        got = cache.get(dest)
-        if got is None:
-            t = early.pop(dest) if dest in early else _partial(producer, dest, rank)
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                raise CommfuseValueError(
-                    f"rank {rank}: producer({dest}) returned {t.dtype}{list(t.shape)} but an earlier call returned "
-                    f"{dtype}{list(shape)}; every partial must have the same shape and dtype"
-                )
-            got = cache[dest] = [t] if pieces == 1 else list(torch.tensor_split(t, pieces, dim=d))
-        return got
+        def get(dest: int) -> list[torch.Tensor]:
+            got = cache.get(dest)
+            if got is None:
+                t = early.pop(dest) if dest in early else _partial(producer, dest, rank)
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise CommfuseValueError(
+                        f"rank {rank}: producer({dest}) returned {t.dtype}{list(t.shape)} but an earlier call "
+                        f"returned {dtype}{list(shape)}; every partial must have the same shape and dtype"
+                    )
+                got = cache[dest] = [t] if pieces == 1 else list(torch.tensor_split(t, pieces, dim=d))
+            return got
 
-    owner, piece = layout.shard, layout.piece
-    program = ReduceScatterProgram(layout, pool, lambda slots: [get(owner[s])[piece[s]] for s in slots],
-                                   inplace=inplace, meta=layout.meta)
-    execute(plan, program)
+        owner, piece = layout.shard, layout.piece
+        program = ReduceScatterProgram(layout, pool, lambda slots: [get(owner[s])[piece[s]] for s in slots],
+                                       inplace=inplace, meta=layout.meta)
+        execute(plan, program, ticket=ticket)
     out = program.result()
     return out[0] if len(out) == 1 else torch.cat(out, dim=d)
 
@@ -439,10 +638,10 @@ def _a2a_plan(call: Call, collective: Collective, label: str, shape, dtype, dim:
     key_shape = _shape_less(shape, dim) if uneven else tuple(shape)
 
     def make():
-        plan = _new_plan(call, collective, label)
+        plan = _new_plan(call if uneven else capped(call, shape[dim], label), collective, label)
         layout = None if uneven else AllToAllLayout(plan.compiled, dim, shape, dtype)
         values = list(meta) if meta is not None else [dtype_code(dtype), dim, len(shape), *key_shape]
-        return plan, layout, _Pool.of(call.be), values
+        return plan, layout, _Pool.of(call.be), values + _config_of(call)
 
     return _plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven,
                       None if meta is None else tuple(meta)), make)
@@ -487,13 +686,18 @@ class _BySlice:
 
 def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer: Callable, dim: int, *,
                             recv_sizes: Sequence[int] | None = None, label: str = "all_to_all_consume",
-                            meta: Sequence[int] | None = None, by_slice: bool = False) -> list[Any]:
+                            meta: Sequence[int] | None = None, by_slice: bool = False,
+                            private: bool = False) -> list[Any]:
     """``commfuse.all_to_all_consume`` on a resolved ``call``.
 
     Even (``recv_sizes`` None): every rank's chunks have one shape. Uneven:
     ``chunks[d]`` has its own rows along ``dim`` and the chunk from rank q
     ``recv_sizes[q]`` (see :func:`exchange_sizes`); the consumer gets empty
-    tensors for empty chunks, which cost no transfer.
+    tensors for empty chunks, which cost no transfer. ``private`` (the public
+    op's, as for :func:`all_gather_consume_core`): the consumer gets a copy of
+    this rank's own chunk (the caller's tensor) when it would get that chunk
+    itself; chunks that arrived are never sent on, and are handed over as
+    they are.
     """
     first = chunks[0]
     uneven = recv_sizes is not None
@@ -504,8 +708,12 @@ def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer
     if by_slice:
         execute(plan, AllToAllProgram(layout, pool, chunks, _BySlice(layout, consumer), keep=True, meta=values))
         return None
-    assembler = _Assembler(layout, consumer, call.be.world_size, layout.source, plan.schedule.pieces)
-    execute(plan, AllToAllProgram(layout, pool, chunks, assembler, keep=True, meta=values))
+    pieces = plan.schedule.pieces
+    assembler = _Assembler(layout, consumer, call.be.world_size, layout.source, pieces)
+    consume = assembler
+    if private and pieces == 1:  # several slices: the assembler joins them with torch.cat, already fresh
+        consume = _Private.around(assembler, _handed_over(plan.compiled, layout.outgoing[plan.rank], plan.overlap))
+    execute(plan, AllToAllProgram(layout, pool, chunks, consume, keep=True, meta=values))
     return assembler.results
 
 
@@ -530,31 +738,34 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     """
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
-    if like is not None and recv_sizes is not None and send_sizes is not None:
-        made, first = {}, like
-    else:
-        made = {first_dest: producer(first_dest) if first is None else first}
-        first = made[first_dest]
-    if not isinstance(first, torch.Tensor):
-        raise CommfuseTypeError(f"rank {rank}: producer({first_dest}) must return a torch.Tensor, "
-                                f"got {type(first).__name__}")
-    if first.ndim == 0:
-        raise CommfuseValueError(f"rank {rank}: producer({first_dest}) returned a 0-d tensor; blocks need a dim")
-    if not -first.ndim <= dim < first.ndim:
-        raise CommfuseValueError(f"dim={dim} is out of range for blocks of shape {list(first.shape)}")
-    dim %= first.ndim
-    uneven = recv_sizes is not None
-    plan, layout, pool, values = _a2a_plan(call, Collective.PRODUCE_ALL_TO_ALL, label, first.shape, first.dtype,
-                                           dim, uneven, meta)
-    if uneven:
-        if send_sizes is None:
-            for d in range(n):
-                if d not in made:
-                    made[d] = producer(d)
-            send_sizes = [made[d].shape[dim] if isinstance(made[d], torch.Tensor) else -1 for d in range(n)]
-        layout = a2a_layout(plan, dim, first.shape, first.dtype, send_sizes, recv_sizes)
-    program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made, by_slice=by_slice)
-    execute(plan, program)
+    # the call's number first: a producer that raises on the block it makes first (which fixes the call's
+    # layout) leaves this call on every peer's board, never an unnumbered gap (executor.Ticket)
+    with enter_call(call.be, label) as ticket:
+        if like is not None and recv_sizes is not None and send_sizes is not None:
+            made, first = {}, like
+        else:
+            made = {first_dest: producer(first_dest) if first is None else first}
+            first = made[first_dest]
+        if not isinstance(first, torch.Tensor):
+            raise CommfuseTypeError(f"rank {rank}: producer({first_dest}) must return a torch.Tensor, "
+                                    f"got {type(first).__name__}")
+        if first.ndim == 0:
+            raise CommfuseValueError(f"rank {rank}: producer({first_dest}) returned a 0-d tensor; blocks need a dim")
+        if not -first.ndim <= dim < first.ndim:
+            raise CommfuseValueError(f"dim={dim} is out of range for blocks of shape {list(first.shape)}")
+        dim %= first.ndim
+        uneven = recv_sizes is not None
+        plan, layout, pool, values = _a2a_plan(call, Collective.PRODUCE_ALL_TO_ALL, label, first.shape,
+                                               first.dtype, dim, uneven, meta)
+        if uneven:
+            if send_sizes is None:
+                for d in range(n):
+                    if d not in made:
+                        made[d] = producer(d)
+                send_sizes = [made[d].shape[dim] if isinstance(made[d], torch.Tensor) else -1 for d in range(n)]
+            layout = a2a_layout(plan, dim, first.shape, first.dtype, send_sizes, recv_sizes)
+        program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made, by_slice=by_slice)
+        execute(plan, program, ticket=ticket)
     return program.result()
 
 
@@ -616,6 +827,7 @@ def _describe_dgrad(v):
 
 
 for _label in ("all_gather_matmul", "all_gather_matmul.wgrad", "matmul_reduce_scatter.dgrad"):
-    register_format(_label, _describe_gather_matmul)
-register_format("matmul_reduce_scatter", _describe_matmul_scatter)
-register_format("all_gather_matmul.dgrad", _describe_dgrad)
+    register_described(_label, _describe_gather_matmul)
+register_described("matmul_reduce_scatter", _describe_matmul_scatter)
+register_described("all_gather_matmul.dgrad", _describe_dgrad)
+register_described("all_to_all.sizes", lambda v: f"{v[3]} row counts per rank")

@@ -64,6 +64,7 @@ import weakref
 from collections.abc import Callable
 
 from commfuse.errors import CommfuseTimeoutError, CommunicationError
+from commfuse.runtime.board import grace
 
 __all__ = ["EXIT_CODE", "Posting", "Watchdog", "watchdog"]
 
@@ -91,6 +92,7 @@ class Watchdog:
 
     def __init__(self, poll_s: float | None = None) -> None:
         self.poll_s = poll_s if poll_s is not None else float(os.environ.get("COMMFUSE_WATCHDOG_POLL_S", "0.05"))
+        self.grace = grace()
         self.pending: collections.deque = collections.deque()
         self.fired: list[CommfuseTimeoutError] = []
         self.postings: weakref.WeakSet = weakref.WeakSet()
@@ -105,12 +107,15 @@ class Watchdog:
         self._paused_at = 0.0
 
     def watch(self, works, deadline: float, describe: Callable[[str | None], str],
-              on_expiry: Callable[[BaseException], None]) -> None:
+              on_expiry: Callable[[BaseException], None],
+              stalled: Callable[[], BaseException | None] | None = None) -> None:
         """Watch ``works`` until they complete. Past ``deadline`` (``time.monotonic()``) report
         ``describe(None)`` as a :class:`CommfuseTimeoutError` through ``on_expiry(error)``; a work that fails
         first is reported at once, as ``describe(cause)`` in a :class:`CommunicationError`, and is fatal
-        (see the module)."""
-        self.pending.append((works, deadline, describe, on_expiry))
+        (see the module). ``stalled()``, asked on every poll once the works have been pending longer than the
+        grace period (``commfuse.runtime.board.grace()``), reads the group's board: an error it returns (a
+        peer of the call failed, the group was declared dead) is reported the same way, and is fatal too."""
+        self.pending.append((works, deadline, describe, on_expiry, stalled, time.monotonic()))
         if self._thread is None:
             self._start()
 
@@ -168,10 +173,10 @@ class Watchdog:
         moved = []
         while True:
             try:
-                works, deadline, describe, on_expiry = self.pending.popleft()
+                works, deadline, describe, on_expiry, stalled, since = self.pending.popleft()
             except IndexError:
                 break
-            moved.append((works, deadline + seconds, describe, on_expiry))
+            moved.append((works, deadline + seconds, describe, on_expiry, stalled, since + seconds))
         self.pending.extendleft(reversed(moved))
 
     def poll(self) -> None:
@@ -195,7 +200,7 @@ class Watchdog:
                 entry = self.pending.popleft()
             except IndexError:
                 break
-            works, deadline, describe, on_expiry = entry
+            works, deadline, describe, on_expiry, stalled, since = entry
             pending = False
             failed = None
             for work in works:
@@ -221,10 +226,23 @@ class Watchdog:
             if now > deadline:
                 self._report(CommfuseTimeoutError(describe(None)), on_expiry)
                 continue
+            if stalled is not None and now - since > self.grace:
+                try:
+                    told = stalled()
+                except Exception as e:  # noqa: BLE001 - a board that cannot be read tells nothing
+                    told = None
+                    print(f"commfuse watchdog: reading the board failed: {type(e).__name__}: {e}", file=sys.stderr,
+                          flush=True)
+                if told is not None:
+                    failure = failure or (told, None, on_expiry)
+                    continue
             keep.append(entry)
         if failure is not None:
             failed, describe, on_expiry = failure
-            error = CommunicationError(describe(f"{type(failed).__name__}: {_first_line(failed)}"))
+            if describe is None:  # the board told of a peer's failure: the named error itself
+                error = failed
+            else:
+                error = CommunicationError(describe(f"{type(failed).__name__}: {_first_line(failed)}"))
             self._report(error, on_expiry)
             self._end(error)
         self.pending.extendleft(reversed(keep))

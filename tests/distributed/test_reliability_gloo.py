@@ -115,9 +115,9 @@ def test_an_error_while_posting_names_rank_step_and_peer():
         if kind == "CommunicationError" and "posting" in message:
             assert f"rank {rank}" in message and "step" in message and "rank" in message, message
             assert "connection reset by peer (injected)" in message
-        else:  # the peer of a rank that failed to post waits its timeout on that step
-            assert kind in ("CommfuseTimeoutError", "CommunicationError"), (kind, message)
-            assert "step" in message, message
+        else:  # the peer of a rank that failed to post is told through the group's board, by name
+            assert kind == "GroupDeadError", (kind, message)
+            assert "step" in message and "rank 0" in message and "(injected)" in message, message
 
 
 def test_the_watchdog_names_a_step_that_outlives_its_deadline_and_stays_quiet_otherwise():
