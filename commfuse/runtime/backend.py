@@ -83,6 +83,15 @@ class Uneven(list):
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). Programs use it for ``vanilla`` over even shards,
 # where it saves the per-rank buffer lists and a concatenation; backends without it get ``collective``.
 #
+# Optional: ``poison()`` closes this rank's connections of the group (the group was declared dead; see
+# ``commfuse.runtime.board``), so that peers waiting on it fail at once instead of waiting out their timeout.
+#
+# A transport whose ``Handle.wait`` blocks the host should wait through ``commfuse.runtime.waiting.wait_blocking``
+# (``C10dBackend``'s handles do): the wait is then interruptible, bounded by commfuse's timeout, and past the
+# grace period reads the group's board, which is how a rank hears that a peer of the call failed, called
+# something else, or is late. A wait that blocks inside the transport until its own timeout hears nothing:
+# the conformance suite's one-rank robustness cases fail it.
+#
 # Optional: ``native_op(op, **signature) -> (runner or None, reason)`` offers the backend's own fused kernel
 # for a whole op named in ``capabilities.native_fused_ops`` ("all_gather_matmul", "matmul_reduce_scatter").
 # The ops ask once per call signature, when ``algorithm`` is "native" or "auto"; ``signature`` holds example

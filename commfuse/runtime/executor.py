@@ -19,21 +19,31 @@ Rules every call follows, whatever the backend (see ``docs/reliability.md``):
   :class:`~commfuse.errors.ConcurrentUseError` naming the group and the op in
   flight, instead of mixing the two calls' messages.
 * **Calls are numbered.** Every call on a group takes the group's next
-  sequence number, on every rank, also a call that fails validation before it
-  communicates. Backends that match tags (gloo) fold it, with a digest of the
-  call's signature, into them (``begin_call``), so a message can only pair
-  with the same call of the same signature on its peer; the fingerprint
-  carries the number, so a rank that skipped or added a call is named. NCCL
-  does not match tags: there the check after a failed call does this work.
+  sequence number, on every rank, before any code of the caller's runs for it
+  (:class:`Ticket`), also a call that fails validation before it
+  communicates (:func:`announce_left`). Backends that match tags (gloo) fold
+  it, with a digest of the call's signature and the calling thread's
+  :func:`lane`, into them (``begin_call``), so a message can only pair with
+  the same call of the same signature from the same thread on its peer; the
+  fingerprint carries the number, so a rank that skipped or added a call is
+  named. NCCL does not match tags: there the check after a failed call does
+  this work.
 * **Check once.** The fingerprint (collective, algorithm, shapes, dtypes,
   sequence number) is all-gathered around the ring on the first call of each
   signature, on the first call after any call on the group failed, and on
   every call with ``COMMFUSE_CHECK=always``; ``COMMFUSE_CHECK=0`` turns it
   off. Every rank sees every rank's fingerprint, so every rank names a
   mismatch within one ring's latency.
-* **Drain before raising.** An exception in the caller's compute, or in a
-  later wait, first waits (bounded) for the transfers already posted, so a
-  failure that every rank shares leaves the group usable.
+* **A failure on one rank is told to every rank** (``commfuse.runtime.board``).
+  An exception in the caller's compute first waits (bounded) for the step's
+  posted transfers; then the rank notes the failure on the group's board and
+  completes the call's transfers without computing, sending only to peers
+  that know (:func:`_compute_failed`), and raises its exception. A peer whose
+  wait stalls reads the board, stops computing, completes the call the same
+  way and raises ``PeerFailedError`` (:func:`_told`). The group stays usable.
+  What cannot be completed (a failure before the first transfer, Ctrl-C, a
+  broken transport) ends the group on every rank, by name
+  (:func:`_after_failure`, ``board.declare_dead``).
 * **Capture after the check.** A call made while the current stream captures
   a device graph (``torch.cuda.graph``) is walked like any other, with its
   receive buffers kept apart from eager calls' (``programs._Pool``) and, on a
@@ -686,7 +696,7 @@ class Ticket:
             raise _busy_label(self.label, state)
         if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
             state.lock.release()
-            raise state.error or _destroyed(self.label, state)
+            raise _dead_again(self.label, state) if state.error is not None else _destroyed(self.label, state)
         state.busy = (self.label, threading.get_ident())
         self.seq = state.seq
         state.seq += 1
@@ -1228,7 +1238,7 @@ def _enter(plan: Plan, state: GroupState) -> int:
         raise _busy(plan, state)
     if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
         state.lock.release()
-        raise state.error or _destroyed(plan.label, state)
+        raise _dead_again(plan.label, state) if state.error is not None else _destroyed(plan.label, state)
     state.busy = (plan.label, threading.get_ident())
     seq = state.seq
     state.seq = seq + 1
@@ -1260,6 +1270,17 @@ def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
         "before capturing (warm-up: commfuse.graphs.capture does it), with the default check mode, not "
         "COMMFUSE_CHECK=always"
     )
+
+
+def _dead_again(label: str, state: GroupState) -> BaseException:
+    """What a call on a group declared dead raises: the error that ended it, of the same class, saying which
+    call it refused (the error itself names the call that found it)."""
+    error = state.error
+    try:
+        return type(error)(f"rank {state.rank}: {label} cannot run on {state.name}, which was declared dead "
+                           f"before this call:\n  {error}")
+    except Exception:  # noqa: BLE001 - an error class that takes no message: the error itself
+        return error
 
 
 def _destroyed(label: str, state: GroupState) -> GroupDeadError:

@@ -31,6 +31,7 @@ import _thread
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from commfuse.runtime.board import POLL_S, grace
@@ -68,19 +69,31 @@ class _Job:
         return self.value
 
 
+#: Seconds an idle waiter waits for its next job before it checks whether the thread it serves still lives.
+IDLE_S = 30.0
+
+
 class _Waiter:
-    """A daemon thread that runs blocking waits handed to it, one at a time."""
+    """A daemon thread that runs blocking waits handed to it, one at a time, for one calling thread; it
+    ends once that thread has ended (checked every :data:`IDLE_S` while idle), or when told to."""
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         #: a job its caller stopped waiting for may still be running: then the next wait takes a new waiter
         self.abandoned = False
-        thread = threading.Thread(target=self._loop, name="commfuse-waiter", daemon=True)
+        owner = weakref.ref(threading.current_thread())
+        thread = threading.Thread(target=self._loop, args=(owner,), name="commfuse-waiter", daemon=True)
         thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, owner) -> None:
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                thread = owner()
+                if thread is None or not thread.is_alive():
+                    return
+                continue
             if job is None:
                 return
             job.run()

@@ -8,6 +8,7 @@ registered backend name or ``module:factory``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import signal
@@ -747,7 +748,7 @@ def capture(rank: int, n: int, ref: str, caps: dict) -> dict:
 
 # -- robustness: each case in its own launch --------------------------------------------------------------
 
-#: Robustness cases that need more ranks than two, and how many.
+#: Robustness cases that need more ranks than two, and how many (every one-rank case runs at two).
 ROBUSTNESS_MIN_WORLD = {"absent-peer": 2, "mismatch-promptness": 4}
 #: The per-call timeout of ``mismatch-promptness``, at least: long enough that a mismatch "found" by a
 #: peer's wait running out would fail the case's bound on detection time.
@@ -759,11 +760,14 @@ PROMPTNESS_BOUND_S = 10.0
 def robustness(rank: int, n: int, ref: str, caps: dict, kind: str) -> dict:
     """One robustness case on this rank: a dict the suite judges (``RobustnessTests``).
 
-    ``kind``: the commfuse error type the case ended with, ``"no error"``, or
-    ``"absent"`` (the rank that stays away); ``message`` its text; ``seconds``
-    from the case's first faulty call to the error; ``problems``: what this
-    rank saw go wrong itself (a wrong result, an unexpected exception), each a
-    sentence; ``figures``: counts worth reporting.
+    ``kind``: the commfuse error type the case ended with (the one-rank
+    cases: the type of what their faulty call raised, the injected fault's
+    own on rank 1), ``"no error"``, or ``"absent"`` (the rank that stays
+    away); ``message`` its text; ``seconds`` from the case's first faulty
+    call to the error (the one-rank cases: that call's own duration);
+    ``problems``: what this rank saw go wrong itself (a wrong result, an
+    unexpected exception), each a sentence; ``figures``: counts worth
+    reporting, and how the calls before and after a one-rank fault went.
     """
     from commfuse.errors import CommfuseError
 
@@ -779,7 +783,8 @@ def robustness(rank: int, n: int, ref: str, caps: dict, kind: str) -> dict:
         out["kind"], out["message"] = type(e).__name__, str(e)
         out["problems"].append(f"raised {type(e).__name__} (not a commfuse error): {e}\n"
                                f"{traceback.format_exc(limit=6)}")
-    out["seconds"] = time.monotonic() - out.pop("_since", t0)
+    since, took = out.pop("_since", t0), out.pop("_took", None)
+    out["seconds"] = took if took is not None else time.monotonic() - since
     return out
 
 
@@ -865,16 +870,19 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
     complete on every rank, so the ranks' call sequences stay aligned.
 
     Phase 2, a free race: both threads call the same all_gather_matmul until
-    the rank has 20 results, retrying after each refusal. A
-    refused call consumes no call number, so every rank makes the same number
-    of calls whichever thread made them, and identical calls pair whatever the
-    interleaving. Every returned result must equal the reference exactly.
-    Ends with one call from the main thread: the group is in step.
+    the rank has 20 results, retrying after each refusal. Every call carries
+    its thread's lane (``executor.lane``), so a call never pairs with the
+    other thread's call on a peer: where the threads reach the group in
+    different orders on different ranks, the ranks raise a commfuse error
+    naming both threads (``MismatchError``; the group is then dead, and later
+    calls say so). Every returned result must equal the reference exactly,
+    and nothing but a commfuse error may be raised. Ends with one call from
+    the main thread: right, or the commfuse error of a group the race ended.
     """
     import threading
 
     import commfuse as cf
-    from commfuse.errors import ConcurrentUseError
+    from commfuse.errors import CommfuseError, ConcurrentUseError
     from commfuse.runtime.executor import group_state
 
     rounds, race_calls = 5, 20
@@ -883,7 +891,7 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
     a_full, b, want = _exact_inputs(n, dev)
     a = a_full.tensor_split(n)[rank]
     problems, counts = out["problems"], {"owner_correct": 0, "refused": 0, "race_correct": 0, "race_refused": 0,
-                                          "wrong": 0, "other": 0}
+                                          "race_named": 0, "wrong": 0, "other": 0}
     out["figures"] = counts  # reported also when the case ends early
     lock = threading.Lock()
 
@@ -988,9 +996,14 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
                         counts["race_refused"] += 1
                 time.sleep(0.0005)
                 continue
+            except CommfuseError as e:  # the threads met in different orders: named, and the group is ended
+                with lock:
+                    counts["race_named"] += 1
+                    said.append(f"{type(e).__name__}: {e}")
+                return
             except Exception as e:  # noqa: BLE001
-                note(f"race: all_gather_matmul raised {type(e).__name__} (expected a result or "
-                     f"ConcurrentUseError): {e}")
+                note(f"race: all_gather_matmul raised {type(e).__name__} (expected a result or a commfuse "
+                     f"error): {e}")
                 return
             if torch.equal(y.cpu(), want.cpu()):
                 with lock:
@@ -999,16 +1012,24 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
                 note("race: an all_gather_matmul returned data that differs from the reference", "wrong")
         note(f"race: the threads did not make {race_calls} calls within the deadline")
 
+    said: list[str] = []
     _run_threads([racer, racer], 2 * timeout + 10, problems)
-    y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
-    if not torch.equal(y.cpu(), want.cpu()):
-        note("the closing all_gather_matmul returned data that differs from the reference", "wrong")
+    try:
+        y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+        if not torch.equal(y.cpu(), want.cpu()):
+            note("the closing all_gather_matmul returned data that differs from the reference", "wrong")
+    except CommfuseError as e:
+        if not counts["race_named"]:
+            note(f"the closing all_gather_matmul raised {type(e).__name__} although the race ended cleanly: {e}")
     if counts["refused"] != rounds:
         problems.append(f"the intruder was refused {counts['refused']} times in {rounds} rounds")
     if counts["owner_correct"] != rounds:
         problems.append(f"the owner completed {counts['owner_correct']} of {rounds} ops correctly")
-    if counts["race_correct"] != race_calls:
-        problems.append(f"the race returned {counts['race_correct']} correct results of {race_calls}")
+    if counts["race_correct"] != race_calls and not counts["race_named"]:
+        problems.append(f"the race returned {counts['race_correct']} correct results of {race_calls} and no "
+                        "named error")
+    if said and not any("thread" in text for text in said):
+        problems.append(f"the race's errors do not name the threads: {said[0][:300]}")
 
 
 def _run_threads(targets, bound: float, problems: list) -> None:
@@ -1114,6 +1135,244 @@ def _mismatch_promptness(rank, n, be, dev, caps, out):
                          backend=be, timeout=timeout)
 
 
+
+# -- one rank fails, is late or is misled; the others are told, or unaffected ---------------------------------
+
+
+class InjectedFault(ZeroDivisionError):
+    """The fault the one-rank cases inject into rank 1's producer or consumer (a ZeroDivisionError, as a
+    user's code would raise): its peers' errors must name it by this type's name."""
+
+
+#: ``straggler``: rank 1 reaches its call this many timeouts after its peers.
+STRAGGLER_LATE = 2.0
+#: ``lying-split``: rank 0 sends rank 1 this many rows, and rank 1's ``output_splits`` claims the second.
+LYING_SENT, LYING_CLAIMED = 5, 6
+
+
+def _faulty(out: dict, raised: list, call):
+    """The case's faulty call: its result, or None with ``out``'s kind, message and seconds saying how it
+    ended. ``raised`` holds the fault this rank injected, if any: it must come out as the same object."""
+    from commfuse.errors import CommfuseError
+
+    t0 = time.monotonic()
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - judged by the suite, by kind and message
+        out["kind"], out["message"] = type(e).__name__, str(e)
+        if raised and e is not raised[0]:
+            out["problems"].append(f"the injected {type(raised[0]).__name__} came out as another object: "
+                                   f"{type(e).__name__}: {e}")
+        elif not raised and not isinstance(e, CommfuseError):
+            out["problems"].append(f"raised {type(e).__name__} (not a commfuse error): {e}\n"
+                                   f"{traceback.format_exc(limit=6)}")
+        return None
+    finally:
+        out["_took"] = time.monotonic() - t0
+
+
+def _plain(rank, n, be, dev, timeout, out, calls: int, key: str = "after", seed: int = 81) -> None:
+    """``calls`` plain ring all_gather_matmuls; ``figures[key]`` lists how each went: ``right``, ``wrong``, or
+    the commfuse error it raised (then no more calls: the group is dead)."""
+    import commfuse as cf
+    from commfuse.errors import CommfuseError
+
+    a_full, b, want = _exact_inputs(n, dev, seed=seed)
+    a = a_full.tensor_split(n)[rank]
+    went = out["figures"].setdefault(key, [])
+    for i in range(calls):
+        try:
+            y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
+        except CommfuseError as e:
+            went.append(type(e).__name__)
+            out["figures"][f"{key}_error"] = f"{type(e).__name__}: {e}"[:600]
+            return
+        except Exception as e:  # noqa: BLE001
+            went.append(f"{type(e).__name__} (not a commfuse error)")
+            out["problems"].append(f"plain call {i} ({key} the fault) raised {type(e).__name__}, not a commfuse "
+                                   f"error: {e}")
+            return
+        right = torch.equal(y.cpu(), want.cpu())
+        went.append("right" if right else "wrong")
+        if not right:
+            out["problems"].append(f"plain call {i} ({key} the fault) returned data that differs from the "
+                                   "reference")
+
+
+def _warm_up(rank, n, be, dev, timeout, out) -> None:
+    """A plain call before the fault: the group works, and the ranks start the faulty call together."""
+    _plain(rank, n, be, dev, timeout, out, 1, key="before", seed=79)
+
+
+def _survives(out: dict, caps: dict) -> None:
+    """Say in the figures whether this backend keeps the group usable after one rank's compute fails
+    (``Capabilities.group_survives_one_rank_failure``): the suite judges the calls after the fault by it."""
+    out["figures"]["survives"] = bool(caps.get("group_survives_one_rank_failure", True))
+
+
+def _before(out: dict, right: bool) -> None:
+    """How the call before the fault went: it plans and checks the faulty call's signature, so that the faulty
+    call's peers wait in its transfers (not in its fingerprint check) and can learn of the fault only from the
+    group's board."""
+    out["figures"].setdefault("before", []).append("right" if right else "wrong")
+    if not right:
+        out["problems"].append("the call before the fault returned data that differs from the reference")
+
+
+def _producer_raises(rank, n, be, dev, caps, out, where: str):
+    """Rank 1's producer in a ring ``produce_reduce_scatter`` raises on the first partial it makes, before any
+    transfer (``where="first"``: the group cannot complete the call and ends by name), or on the second
+    (``"later"``: mid-ring, with sends of rank 1's still to come at three ranks or more, so its peers are told,
+    or unaffected, and the group stays usable). The same call runs once without a fault first; plain calls
+    follow."""
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+    _survives(out, caps)
+
+    def partial(r: int, d: int) -> torch.Tensor:  # rank r's partial for rank d
+        return _values((4, 8), torch.float32, 61 + 10 * r + d, True, dev)
+
+    want = sum(partial(r, rank).double() for r in range(n))
+    made, raised, armed = [], [], [False]  # armed: the fault may fire (the second call)
+
+    def producer(d: int) -> torch.Tensor:
+        made.append(d)
+        if armed[0] and rank == 1 and len(made) == (1 if where == "first" else 2):
+            raised.append(InjectedFault(f"rank 1's producer fails on its partial for rank {d} (injected by the "
+                                        "conformance suite)"))
+            raise raised[0]
+        return partial(rank, d)
+
+    def call() -> torch.Tensor:
+        made.clear()
+        return cf.produce_reduce_scatter(producer, algorithm="ring", backend=be, timeout=timeout)
+
+    _before(out, torch.equal(call().double().cpu(), want.cpu()))
+    armed[0] = True
+    got = _faulty(out, raised, call)
+    out["figures"]["partials_made"] = len(made)
+    if got is not None:
+        out["figures"]["result"] = "right" if torch.equal(got.double().cpu(), want.cpu()) else "wrong"
+    _plain(rank, n, be, dev, timeout, out, 1 if where == "first" else 2)
+
+
+def _consumer_raises(rank, n, be, dev, caps, out, which: str):
+    """Rank 1's consumer in a ring ``all_gather_consume`` raises on the first shard it is given (its own) or
+    on the last (after all its transfers): its peers are told or unaffected, and the group stays usable.
+    The same call runs once without a fault first; plain calls follow."""
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+    _survives(out, caps)
+    shards = [_values((4, 8), torch.float32, 71 + r, True, dev) for r in range(n)]
+    given, raised, armed = [], [], [False]  # armed: the fault may fire (the second call)
+
+    def consumer(t: torch.Tensor, s: int) -> torch.Tensor:
+        given.append(s)
+        if armed[0] and rank == 1 and len(given) == (1 if which == "first" else n):
+            out["figures"]["failed_on_shard_of"] = s
+            raised.append(InjectedFault(f"rank 1's consumer fails on the shard of rank {s} (injected by the "
+                                        "conformance suite)"))
+            raise raised[0]
+        return t.clone()
+
+    def call() -> list:
+        given.clear()
+        return cf.all_gather_consume(shards[rank], consumer, algorithm="ring", backend=be, timeout=timeout)
+
+    def right(got) -> bool:
+        return len(got) == n and all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(got, shards))
+
+    _before(out, right(call()))
+    armed[0] = True
+    got = _faulty(out, raised, call)
+    if got is not None:
+        out["figures"]["result"] = "right" if right(got) else "wrong"
+    _plain(rank, n, be, dev, timeout, out, 2)
+
+
+def _in_place_consumer(rank, n, be, dev, caps, out):
+    """Every rank's consumer doubles its tensor in place and keeps a copy, in a ring all_gather_consume and a
+    ring all_to_all_consume: every result is twice the reference, and no rank's inputs change."""
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+    counts = out["figures"]
+    counts.update(results=0, wrong=0, inputs_changed=0)
+
+    def doubled(t: torch.Tensor, s: int) -> torch.Tensor:
+        t.mul_(2)
+        return t.clone()
+
+    def compare(op: str, got, want, inputs, originals) -> None:
+        for s, w in enumerate(want):
+            counts["results"] += 1
+            if s >= len(got) or not torch.equal(got[s].cpu(), 2 * w.cpu()):
+                counts["wrong"] += 1
+                out["problems"].append(f"{op}: the result for the shard of rank {s} is not twice the reference")
+        for d, (t, o) in enumerate(zip(inputs, originals)):
+            if not torch.equal(t.cpu(), o.cpu()):
+                counts["inputs_changed"] += 1
+                out["problems"].append(f"{op}: this rank's input {d} was changed by the consumers")
+
+    shards = [_values((4, 8), torch.float32, 111 + r, True, dev) for r in range(n)]
+    mine = shards[rank].clone()
+    got = cf.all_gather_consume(mine, doubled, algorithm="ring", backend=be, timeout=timeout)
+    compare("all_gather_consume", got, shards, [mine], [shards[rank]])
+
+    def block(s: int, d: int) -> torch.Tensor:
+        return _values((3, 8), torch.float32, 1000 + 10 * s + d, True, dev)
+
+    chunks = [block(rank, d) for d in range(n)]
+    got = cf.all_to_all_consume(chunks, doubled, algorithm="ring", backend=be, timeout=timeout)
+    compare("all_to_all_consume", got, [block(s, rank) for s in range(n)], chunks,
+            [block(rank, d) for d in range(n)])
+
+
+def _lying_split(rank, n, be, dev, caps, out):
+    """A ring all_to_all_consume over uneven chunks in which rank 1's ``output_splits`` claims
+    :data:`LYING_CLAIMED` rows from rank 0, which sends :data:`LYING_SENT`: rank 1 raises naming rank 0 and
+    both sizes, every other rank gets exactly its blocks, and the next plain call is right everywhere."""
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+
+    def rows(s: int, d: int) -> int:
+        return LYING_SENT if (s, d) == (0, 1) else 1 + (s + d) % 3
+
+    def block(s: int, d: int) -> torch.Tensor:
+        return _values((rows(s, d), 3), torch.float32, 2000 + 10 * s + d, True, dev)
+
+    splits = [rows(s, rank) for s in range(n)]
+    if rank == 1:
+        splits[0] = LYING_CLAIMED
+    got = _faulty(out, [], lambda: cf.all_to_all_consume([block(rank, d) for d in range(n)], lambda t, s: t.clone(),
+                                                         output_splits=splits, algorithm="ring", backend=be,
+                                                         timeout=timeout))
+    if got is not None:
+        right = len(got) == n and all(torch.equal(g.cpu(), block(s, rank).cpu()) for s, g in enumerate(got))
+        out["figures"]["result"] = "right" if right else "wrong"
+    _plain(rank, n, be, dev, timeout, out, 1)
+
+
+def _straggler(rank, n, be, dev, caps, out):
+    """Rank 1 reaches a ring all_gather_matmul :data:`STRAGGLER_LATE` timeouts after its peers: they name it
+    late at the timeout, and it hears that it was late as soon as it arrives. ``seconds`` count from each
+    rank's entry into that call."""
+    import commfuse as cf
+
+    timeout = caps["timeout_s"]
+    _warm_up(rank, n, be, dev, timeout, out)
+    a_full, b, want = _exact_inputs(n, dev, seed=91)
+    a = a_full.tensor_split(n)[rank]
+    if rank == 1:
+        time.sleep(STRAGGLER_LATE * timeout)
+    got = _faulty(out, [], lambda: cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout))
+    if got is not None:
+        out["figures"]["result"] = "right" if torch.equal(got.cpu(), want.cpu()) else "wrong"
+
+
 _ROBUSTNESS = {
     "mismatched-shapes": _mismatched_shapes,
     "mismatched-algorithms": _mismatched_algorithms,
@@ -1123,6 +1382,13 @@ _ROBUSTNESS = {
     "skipped-call": _skipped_call,
     "symmetric-consumer-error": _symmetric_errors,
     "mismatch-promptness": _mismatch_promptness,
+    "producer-raises-first": functools.partial(_producer_raises, where="first"),
+    "producer-raises-later": functools.partial(_producer_raises, where="later"),
+    "consumer-raises-first": functools.partial(_consumer_raises, which="first"),
+    "consumer-raises-last": functools.partial(_consumer_raises, which="last"),
+    "in-place-consumer": _in_place_consumer,
+    "lying-split": _lying_split,
+    "straggler": _straggler,
 }
 
 

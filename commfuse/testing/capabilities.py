@@ -24,6 +24,14 @@ class Capabilities:
     mismatch within 10).
     ``device``: device type tensors are made on; ``dist_backend``: the
     torch.distributed backend of the process group the suite launches.
+    ``group_survives_one_rank_failure``: when one rank's compute fails in the
+    middle of a call, it completes the call's transfers and the group stays
+    usable (a backend whose hosts wait on each step, as gloo's do). A
+    stream-ordered backend (NCCL, HCCL) ends the group instead, by name (its
+    hosts never wait on a step, so its peers could not learn in time): False
+    lets the calls after such a fault raise commfuse's error (never return a
+    wrong result), and counts a rank that commfuse's watchdog ended with the
+    named error as told.
     """
 
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
@@ -35,6 +43,7 @@ class Capabilities:
     timeout_s: float = 10.0
     device: str = "cpu"
     dist_backend: str = "gloo"
+    group_survives_one_rank_failure: bool = True
 
     def as_dict(self) -> dict:
         names = [n for n in dir(self) if not n.startswith("_") and not callable(getattr(self, n))]

@@ -17,7 +17,12 @@ absent peer, a peer killed mid-schedule: every surviving rank ends in an error
 within the timeout; two threads on one group: refused or exact, never wrong,
 never hung; a rank one call ahead after a failed call: never pairs across the
 gap; an error every rank shares leaves the group usable; a mismatch reaches
-every rank in seconds, not at the timeout), overlap (the time a ring hides
+every rank in seconds, not at the timeout; one rank's producer or consumer
+raises, before its first transfer or later: its peers are told by name within
+half the timeout or return exactly the reference, and the group ends by name
+or stays usable; in-place consumers change no input and no other result;
+``output_splits`` that lie raise on the liar only; a straggler is named late
+by its peers and hears it was late), overlap (the time a ring hides
 over the most it could hide, ``min(compute, comm)``, against the capability's
 threshold), determinism (same inputs, same outputs) and capture (where the
 backend declares ``Capabilities.capturable``: all_gather_matmul and
@@ -47,7 +52,9 @@ ALL_ALGORITHMS = ("ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "va
 A2A_COLLECTIVES = ("all_to_all", "produce_all_to_all")
 A2A_ALGORITHMS = tuple(a for a in ALL_ALGORITHMS if not a.startswith("bidirectional"))
 ROBUSTNESS = ("mismatched-shapes", "mismatched-algorithms", "absent-peer", "peer-death", "two-threads-one-group",
-              "skipped-call", "symmetric-consumer-error", "mismatch-promptness")
+              "skipped-call", "symmetric-consumer-error", "mismatch-promptness", "producer-raises-first",
+              "producer-raises-later", "consumer-raises-first", "consumer-raises-last", "in-place-consumer",
+              "lying-split", "straggler")
 
 
 def cases(tier: str, n: int) -> list[str]:
@@ -221,7 +228,8 @@ def declared_capture_skip(ref: str) -> str | None:
 class RobustnessTests(_Tier):
     """Faults and bad calls end in errors on every surviving rank within the timeout, never in a hang or a
     wrong result; threads sharing a group are refused, never mixed; a failure every rank shares leaves the
-    group usable. Each case is its own launch (``commfuse.launch``), so this tier runs outside torchrun."""
+    group usable; a failure on one rank is told to the peers that need its data, by name, long before the
+    timeout. Each case is its own launch (``commfuse.launch``), so this tier runs outside torchrun."""
 
 
     @pytest.mark.commfuse_tier("robustness")
@@ -263,8 +271,11 @@ _WORLD_REASONS = {
 _LAUNCH_BOUNDS = {
     "two-threads-one-group": lambda t: 6 * t + 60,
     "mismatch-promptness": lambda t: 4 * max(t, _bodies.PROMPTNESS_TIMEOUT_S) + 60,
+    "straggler": lambda t: (_bodies.STRAGGLER_LATE + 4) * t + 60,  # rank 1 sleeps first
 }
-_COMMFUSE_ERRORS = ("MismatchError", "CommfuseTimeoutError", "CommunicationError")
+#: A survivor that hears of a dead peer from the group's board (not beside it: from 4 ranks) raises
+#: GroupDeadError, the CommunicationError of a group another rank declared dead.
+_COMMFUSE_ERRORS = ("MismatchError", "CommfuseTimeoutError", "CommunicationError", "GroupDeadError")
 #: The errors with which commfuse's watchdog ends a rank (``commfuse.runtime.watchdog``; the launcher reports
 #: them as ``FAILED: <kind>: <message>``): a host held in a post past its deadline, a transfer that failed.
 _WATCHDOG_ENDS = ("CommfuseTimeoutError", "CommunicationError")
@@ -289,6 +300,17 @@ def _line_naming(rank: int) -> re.Pattern:
     return re.compile(rf"(^|\n)\s*rank {rank}( \(this rank\))?: call #")
 
 
+#: What a peer of a rank whose call failed raises when told (every one a commfuse ``CommunicationError``).
+_TOLD = ("PeerFailedError", "GroupDeadError", "MismatchError", "CommfuseTimeoutError", "CommunicationError")
+#: The one-rank cases in which rank 1's compute raises, and the op it raises in.
+_COMPUTE_FAULTS = {"producer-raises-first": "produce_reduce_scatter", "producer-raises-later": "produce_reduce_scatter",
+                   "consumer-raises-first": "all_gather_consume", "consumer-raises-last": "all_gather_consume"}
+
+
+def _names(rank: int, message: str) -> bool:
+    return re.search(rf"\brank {rank}\b", message) is not None
+
+
 def judge_robustness(case: str, out: list, limit: float) -> list[str]:
     """Every way the ranks' outcomes of one robustness case break the rules, as sentences (none: it passed).
 
@@ -305,6 +327,9 @@ def judge_robustness(case: str, out: list, limit: float) -> list[str]:
         ranks = [r for r in ranks if r != 1]
     elif case == "absent-peer":
         ranks = [r for r in ranks if r != 1]
+    # the backend ends the group on one rank's failure rather than completing the call (its capability, as the
+    # ranks that reported say)
+    ending = any(isinstance(o, dict) and o["figures"].get("survives") is False for o in out)
     for rank in ranks:
         o = out[rank]
         # a stream-ordered backend's survivor whose host was held inside the transport (NCCL setting up a
@@ -314,6 +339,15 @@ def judge_robustness(case: str, out: list, limit: float) -> list[str]:
         if case in ("absent-peer", "peer-death") and ended:
             out[rank] = {"kind": ended, "message": o[len(f"FAILED: {ended}: "):], "seconds": 0.0,
                          "problems": [], "figures": {}}
+        elif case in _COMPUTE_FAULTS and rank != 1 and isinstance(o, str) and ending:
+            # the watchdog of a stream-ordered backend whose group may end (group_survives_one_rank_failure
+            # off) ends a told peer's process with the named error: that rank was told, by name
+            told = next((k for k in _TOLD if o.startswith(f"FAILED: {k}: ")), None)
+            if told:
+                out[rank] = {"kind": told, "message": o[len(f"FAILED: {told}: "):], "seconds": 0.0,
+                             "problems": [], "figures": {"survives": False, "before": ["right"], "after": [told]}}
+            else:
+                failures.append(f"rank {rank} did not report: {o}")
         elif not isinstance(o, dict):
             failures.append(f"rank {rank} did not report: {o}")
     if failures:
@@ -358,7 +392,7 @@ def judge_robustness(case: str, out: list, limit: float) -> list[str]:
             if counts.get("wrong", 1) or counts.get("other", 1):
                 failures.append(f"rank {rank}: {counts.get('wrong')} wrong results and {counts.get('other')} "
                                 f"unexpected outcomes (counts {counts})")
-            if not counts.get("refused") or not counts.get("race_correct"):
+            if not counts.get("refused") or not (counts.get("race_correct") or counts.get("race_named")):
                 failures.append(f"rank {rank}: the case did not run both phases (counts {counts})")
     elif case == "skipped-call":
         for rank in ranks:
@@ -383,8 +417,126 @@ def judge_robustness(case: str, out: list, limit: float) -> list[str]:
             if not _line_naming(2).search(out[rank]["message"]):
                 failures.append(f"rank {rank}'s MismatchError does not name rank 2 on a line of its own: "
                                 f"{out[rank]['message']}")
+    elif case in _COMPUTE_FAULTS or case in ("in-place-consumer", "lying-split", "straggler"):
+        failures += _judge_one_rank(case, out, limit)
     else:
         failures.append(f"no rules for robustness case {case!r}")
+    return failures
+
+
+def _judge_one_rank(case: str, out: list, limit: float) -> list[str]:
+    """The rules of the cases in which one rank (1) fails, is misled or is late (see :func:`judge_robustness`)."""
+    failures: list[str] = []
+    fault = _bodies.InjectedFault.__name__
+    told_within = limit / 2  # a peer told through the group's board, not one that waited the fault out
+
+    def told(rank: int, kinds, *words: str) -> None:
+        """Rank ``rank`` raised one of ``kinds``, naming rank 1 and ``words``, within half the timeout."""
+        kind, message, seconds = out[rank]["kind"], out[rank]["message"], out[rank]["seconds"]
+        if kind not in kinds:
+            failures.append(f"rank {rank} ended with {kind!r} instead of one of {list(kinds)} naming rank 1: "
+                            f"{message}")
+        if not _names(1, message):
+            failures.append(f"rank {rank}'s error does not name rank 1, the rank that failed: {message}")
+        for word in words:
+            if word not in message:
+                failures.append(f"rank {rank}'s error does not name {word}: {message}")
+        if seconds > told_within:
+            failures.append(f"rank {rank} took {seconds:.1f} s to raise, over half the timeout ({told_within:g} s): "
+                            "it waited the fault out instead of being told")
+
+    def raised_own(rank: int, kind: str) -> None:
+        o = out[rank]
+        if o["kind"] != kind:
+            failures.append(f"rank {rank} ended with {o['kind']!r} instead of its own {kind}: {o['message']}")
+
+    def right(rank: int) -> None:
+        """Rank ``rank``'s faulty call returned exactly the reference."""
+        o = out[rank]
+        if o["kind"] != "no error":
+            failures.append(f"rank {rank} ended with {o['kind']!r} instead of returning its result: {o['message']}")
+        elif o["figures"].get("result") != "right":
+            failures.append(f"rank {rank} returned a result that differs from the reference "
+                            f"({o['figures'].get('result')})")
+
+    def after(rank: int, calls: int, dead_allowed: bool) -> None:
+        """The plain calls after the fault: exactly right (or, where the group may be dead, a commfuse error)."""
+        went = out[rank]["figures"].get("after", [])
+        ok = [w == "right" or (dead_allowed and w in _TOLD) for w in went]
+        if len(went) < (1 if dead_allowed else calls) or not all(ok):
+            why = out[rank]["figures"].get("after_error", "")
+            want = "right or a commfuse error (the group is dead)" if dead_allowed else "exactly right"
+            failures.append(f"rank {rank}: the plain calls after the fault went {went}, each should be {want}"
+                            + (f": {why}" if why else ""))
+
+    def before(rank: int) -> None:
+        if out[rank]["figures"].get("before", ["right"]) != ["right"]:
+            failures.append(f"rank {rank}: the call before the fault went {out[rank]['figures']['before']}")
+
+    n = len(out)
+    if case in _COMPUTE_FAULTS:
+        op = _COMPUTE_FAULTS[case]
+        first = case == "producer-raises-first"
+        for rank in range(n):
+            before(rank)
+            # a stream-ordered backend ends the group instead of completing the call (its capability says so)
+            survives = out[rank]["figures"].get("survives", True)
+            if rank == 1:
+                raised_own(rank, fault)
+            elif first or not survives and out[rank]["kind"] != "no error":
+                told(rank, _TOLD, fault)  # rank 1 never took part, or the group ended: every peer is told
+            elif out[rank]["kind"] != "no error":  # told, by name, or unaffected
+                told(rank, ("PeerFailedError",), op, fault)
+            else:
+                right(rank)
+            after(rank, 1 if first else 2, dead_allowed=first or not survives)
+    elif case == "in-place-consumer":
+        for rank in range(n):
+            counts = out[rank]["figures"]
+            if out[rank]["kind"] != "no error":
+                failures.append(f"rank {rank} ended with {out[rank]['kind']!r}: {out[rank]['message']}")
+            if counts.get("results") != 2 * n or counts.get("wrong", 1) or counts.get("inputs_changed", 1):
+                failures.append(f"rank {rank}: {counts.get('wrong')} of {counts.get('results')} results not twice "
+                                f"the reference ({2 * n} expected), {counts.get('inputs_changed')} inputs changed by "
+                                "in-place consumers")
+    elif case == "lying-split":
+        claimed, sent = _bodies.LYING_CLAIMED, _bodies.LYING_SENT
+        for rank in range(n):
+            o = out[rank]
+            if rank == 1:
+                if o["kind"] != "CommfuseValueError":
+                    failures.append(f"rank 1 ended with {o['kind']!r} instead of CommfuseValueError for its "
+                                    f"output_splits: {o['message']}")
+                numbers = re.findall(r"\d+", o["message"])
+                if not _names(0, o["message"]) or str(claimed) not in numbers or str(sent) not in numbers:
+                    failures.append(f"rank 1's error does not name rank 0 and both sizes ({claimed} claimed, "
+                                    f"{sent} sent): {o['message']}")
+            else:
+                right(rank)
+            after(rank, 1, dead_allowed=False)
+    else:  # straggler
+        late = _bodies.STRAGGLER_LATE * limit
+        for rank in range(n):
+            o = out[rank]
+            kind, message, seconds = o["kind"], o["message"], o["seconds"]
+            before(rank)
+            if rank == 1:
+                if kind not in _TOLD:
+                    failures.append(f"rank 1 (the straggler) ended with {kind!r} instead of a commfuse error "
+                                    f"saying it was late: {message}")
+                elif not ("this rank" in message and re.search(r"\blate\b", message)):
+                    failures.append(f"rank 1's error does not say that this rank was late: {message}")
+                if seconds > told_within:
+                    failures.append(f"rank 1 took {seconds:.1f} s to raise after arriving {late:g} s late, over half "
+                                    f"the timeout ({told_within:g} s): it was not told it was late")
+                continue
+            if kind != "CommfuseTimeoutError":
+                failures.append(f"rank {rank} ended with {kind!r} instead of a CommfuseTimeoutError naming rank 1 "
+                                f"late: {message}")
+            if not re.search(r"\branks? (\d+, )*1\b[^.;\n]*\blate\b", message):  # in one sentence
+                failures.append(f"rank {rank}'s error does not name rank 1 as late: {message}")
+            if not 0.8 * limit <= seconds <= 1.5 * limit + 5:
+                failures.append(f"rank {rank} raised after {seconds:.1f} s, not at the timeout ({limit:g} s)")
     return failures
 
 

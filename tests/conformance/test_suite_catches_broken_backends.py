@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,22 @@ def test_corrupted_data_is_caught_by_the_robustness_cases_that_compare_results(t
     for case in ("two-threads-one-group", "symmetric-consumer-error"):
         assert _outcome(data, case) == "failed", case
         assert "differs from the reference" in data["by_case"][case]["reason"], data["by_case"][case]["reason"]
+
+
+def test_a_backend_whose_waits_never_read_the_board_fails_the_one_rank_cases_that_need_it(tmp_path):
+    # its peers of a failing or late rank 1 wait the timeout out (3 s) instead of being told in half of it; a
+    # fault after rank 1's last transfer needs no telling, and the backend moves data right
+    data = _conformance(tmp_path, "toy_backends:waits_without_the_board", "--tier", "robustness", "-k",
+                        "producer-raises-first or consumer-raises or straggler")
+    assert data["exit_code"] != 0
+    for case in ("producer-raises-first", "consumer-raises-first"):
+        reason = data["by_case"][case]["reason"]
+        assert _outcome(data, case) == "failed", case
+        assert re.search(r"rank 2 took \d+\.\d s to raise, over half the timeout \(1\.5 s\)", reason), reason
+    reason = data["by_case"]["straggler"]["reason"]
+    assert _outcome(data, "straggler") == "failed"
+    assert "does not name rank 1 as late" in reason and "does not say that this rank was late" in reason, reason
+    assert _outcome(data, "consumer-raises-last") == "passed", data["by_case"]["consumer-raises-last"]["reason"]
 
 
 def test_a_backend_declaring_capturable_without_a_device_graph_fails_the_capture_tier(tmp_path):

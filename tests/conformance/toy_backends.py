@@ -8,10 +8,16 @@ floating-point message it receives (not the call check's fingerprints),
 ``falsely_capturable`` declares ``Capabilities.capturable`` on CPU, where
 there is no device graph to capture into, ``drops_empty_blocks`` hands back
 only the non-empty blocks of a whole all-to-all (a transport that forgets
-that an uneven exchange's empty blocks still hold their places).
+that an uneven exchange's empty blocks still hold their places),
+``waits_without_the_board`` is a backend written from the Backend protocol
+alone: its handle waits in the transport for the timeout, as ``Handle.wait``
+asks, so it never reads the group's board, and nothing closes its
+connections when its group is declared dead (it has no ``poison``).
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch.distributed as dist
 
@@ -79,8 +85,42 @@ class DropsEmptyBlocks(C10dBackend):
         return _NonEmptyOnly(handle) if kind is Collective.ALL_TO_ALL else handle
 
 
+class _TransportWait:
+    """A step's works, waited for in the transport: received tensors, or ``TimeoutError`` after ``timeout``."""
+
+    def __init__(self, works, outputs):
+        self.works, self.outputs = works, outputs
+
+    def wait(self, timeout):
+        try:
+            for work in self.works:
+                work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise TimeoutError(str(e)) from e
+            raise
+        return self.outputs
+
+
+class WaitsWithoutTheBoard(C10dBackend):
+    """Moves every message right; only its waits and its end differ from the c10d backend's."""
+
+    def post(self, sends, recvs):
+        base = self._tag_base  # the call number's tags, so that calls still never pair across
+        works = [self.group.send([x], t.peer, t.channel + base) for t, x in sends]
+        works += [self.group.recv([x], t.peer, t.channel + base) for t, x in recvs]
+        return _TransportWait(works, [x for _, x in recvs])
+
+    def poison(self):
+        pass
+
+
 class FalselyCapturable(C10dBackend):
     capabilities = Capabilities(bidirectional_links=True, overlap=True, capturable=True)
+
+
+def waits_without_the_board(group=None, device=None):
+    return WaitsWithoutTheBoard(group, device, name="toy-waits-without-the-board")
 
 
 def falsely_capturable(group=None, device=None):

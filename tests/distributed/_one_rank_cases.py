@@ -51,8 +51,15 @@ def _agmm_check(rank, n, seed, group=None):
 
 
 def _after(rank, n, calls=3):
-    """Plain calls after a failure: each is right, or raises a named commfuse error (never a wrong result)."""
+    """Plain calls after a failure: each is right, or raises a named commfuse error (never a wrong result).
+    Their signature was called before the failure (:func:`_before`): the ranks have checked it, so a rank
+    that checks it again after the failure while its peers do not would hang them."""
     return [_run(lambda i=i: _agmm_check(rank, n, 50 + i)) for i in range(calls)]
+
+
+def _before(rank, n):
+    """The plain calls' signature, called (and checked) once before the failure."""
+    return _agmm_check(rank, n, 49)
 
 
 # -- 1. a producer that raises on one rank -------------------------------------------------------------------
@@ -60,9 +67,11 @@ def _after(rank, n, calls=3):
 
 def producer_raises(rank, n, op, algorithm, where):
     """Rank 1's producer raises on the block or partial it makes first ("first": before any transfer) or on
-    a later one ("later"); then three plain calls. Returns (the failing call's outcome, the next calls')."""
-    first_dest = (rank - 1) % n if op == "produce_reduce_scatter" else (rank + 1) % n
-    bad = first_dest if where == "first" else rank  # the own block/partial is made last
+    the second ("later": mid-ring, with rank 1's sends of what it made still to come); then three plain
+    calls. Returns (the failing call's outcome, the next calls')."""
+    _before(rank, n)
+    step = -1 if op == "produce_reduce_scatter" else 1  # the ring makes for rank - 1 - k, or for rank + 1 + k
+    bad = (rank + step * (1 if where == "first" else 2)) % n
     parts = {d: _ints((4, 6), 10 * rank + d) for d in range(n)}
 
     def producer(d):
@@ -128,6 +137,7 @@ def consumer_raises(rank, n, algorithm, source):
     after all its transfers, or "next": the first one it receives). Then three plain calls and a plain
     torch.distributed all_reduce. Returns (the call's outcome, the next calls', whether the all_reduce
     worked)."""
+    _before(rank, n)
     a = _ints((4, 8), rank)
     full = torch.cat([_ints((4, 8), r) for r in range(n)])
     order = [(rank - k) % n for k in range(n)]  # the ring's: own shard first
@@ -305,3 +315,47 @@ def group_remade(rank, n):
     out["remade"] = _run(lambda: _agmm_check(again, n, 1))[:2]
     out["remade, new signature"] = _run(lambda: _agmm_check(again, n, 3))[:2]
     return out
+
+
+# -- a stream-ordered backend's watchdog reads the board (its pieces, on gloo) ------------------------------
+
+
+def watchdog_reads_the_board(rank, n):
+    """A stream-ordered backend's host never stalls in a wait, so its watchdog reads the board for a step
+    pending past the grace period (``_StreamHandle.told``). The device path is UNVERIFIED here; its pieces
+    run on gloo: rank 1 leaves call #1 before taking part (its note on the board), and rank 0 watches the
+    first step of that call, which rank 1 never answers. Returns, on rank 0, what the watchdog reported and
+    how long after the step was posted."""
+    from commfuse.runtime.c10d import _StreamHandle
+    from commfuse.runtime.executor import Plan, announce_left, cached_schedule, group_state, lane
+    from commfuse.runtime.watchdog import Watchdog
+    from commfuse.schedule import SliceId, Transfer
+
+    _agmm_check(rank, n, 1)  # call #0 of the group, on every rank
+    be = cf.backends.resolve(None, None, "cpu")
+    state = group_state(be)
+    if rank == 1:
+        announce_left(state, "all_gather_matmul", Injected("rank 1's policy failed"))
+        time.sleep(8)
+        return None
+    plan = Plan(cached_schedule("all_gather", n, "ring", 1, 1), be, label="all_gather_matmul", timeout=TIMEOUT,
+                check="once")
+    plan.signature, plan.digest = (), 0
+    state.seq += 1  # this rank enters call #1
+    state.lane = lane()
+    be.begin_call(0, plan)
+    buf = torch.empty(4)
+    step = be.post([], [(Transfer(SliceId(0), 1, 1, 0), buf)])
+    handle = _StreamHandle(step.works, [buf], None, be, None)
+    dog = Watchdog(poll_s=0.05)
+    dog.exit = False
+    reported = []
+    t0 = time.monotonic()
+    dog.watch(step.works, t0 + TIMEOUT, lambda cause: "expired", reported.append, handle.told)
+    while not reported and time.monotonic() - t0 < TOLD_WITHIN:
+        time.sleep(0.05)
+    return [(type(e).__name__, str(e)) for e in reported], time.monotonic() - t0
+
+
+#: How long ``watchdog_reads_the_board`` waits for the watchdog's report.
+TOLD_WITHIN = 10.0

@@ -72,6 +72,8 @@ def test_a_producer_raising_on_one_rank_is_told_to_every_rank_and_no_later_call_
         _consistent(outs, i)
     if where == "later":  # rank 1 completed the call's transfers: the group stays usable
         assert all(after[i][:2] == ("ok", True) for _, after in outs for i in range(3)), outs
+        # rank 1 still had to send what it would have made next: its peers were told, not left to compute on it
+        assert any(failing[0] == "PeerFailedError" for rank, (failing, _) in enumerate(outs) if rank != 1), outs
     else:  # rank 1 left before its first transfer: its peers, waiting on it, ended the group by name
         assert all(failing[0] in NAMED for rank, (failing, _) in enumerate(outs) if rank != 1), outs
         assert all(after[0][0] in NAMED for _, after in outs), outs
@@ -204,3 +206,11 @@ def test_a_group_destroyed_and_made_again_is_never_called_with_old_plans():
             kind, message = out[step]
             assert kind in ("CommfuseValueError", "GroupDeadError") and "destroyed" in message, (step, out[step])
         assert out["remade"] == ("ok", True) and out["remade, new signature"] == ("ok", True), out
+
+
+def test_a_stream_ordered_backends_watchdog_reads_the_board_for_a_pending_step():
+    reported, seconds = launch(cases.watchdog_reads_the_board, 2, timeout=120)[0]
+    assert reported, "the watchdog reported nothing"
+    kind, message = reported[0]
+    assert kind == "PeerFailedError" and "rank 1" in message and "Injected" in message, reported
+    assert seconds < cases.TOLD_WITHIN, seconds

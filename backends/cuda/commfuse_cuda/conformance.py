@@ -14,3 +14,6 @@ class Capabilities(commfuse.testing.Capabilities):
     dist_backend = "nccl"
     # NCCL over NVLink/PCIe with compute on the SMs: the ring should hide most of its communication.
     overlap_threshold = 0.5
+    # A stream-ordered backend ends the group when one rank's compute fails mid-call, by name
+    # (docs/reliability.md); UNVERIFIED on a device.
+    group_survives_one_rank_failure = False

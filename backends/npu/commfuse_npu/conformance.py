@@ -13,3 +13,6 @@ class Capabilities(commfuse.testing.Capabilities):
     device = "npu"
     dist_backend = "hccl"
     overlap_threshold = 0.5
+    # HCCL is stream-ordered: the group ends when one rank's compute fails mid-call, by name
+    # (docs/reliability.md); UNVERIFIED on a device.
+    group_survives_one_rank_failure = False
