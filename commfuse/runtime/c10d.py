@@ -120,6 +120,20 @@ def _delta(timeout: float) -> datetime.timedelta:
     return delta
 
 
+def _wait_works(works, seconds: float) -> None:
+    """Wait for each of ``works`` in turn, each bounded by ``seconds``; a transport's timeout is a TimeoutError."""
+    seconds_, delta = _LAST_DELTA
+    if seconds_ != seconds:
+        delta = _delta(seconds)
+    try:
+        for work in works:
+            work.wait(delta)
+    except RuntimeError as e:
+        if _timed_out(e):
+            raise TimeoutError(str(e)) from e
+        raise
+
+
 class _Handle:
     """Works of one step plus the tensors they touch, kept alive until waited; the host waits.
 
@@ -163,16 +177,7 @@ class _Handle:
     def wait(self, timeout: float) -> list[torch.Tensor]:
         backend = self.backend
         if backend is None or backend._instant:
-            seconds, delta = _LAST_DELTA
-            if seconds != timeout:
-                delta = _delta(timeout)
-            try:
-                for work in self.works:
-                    work.wait(delta)
-            except RuntimeError as e:
-                if _timed_out(e):
-                    raise TimeoutError(str(e)) from e
-                raise
+            _wait_works(self.works, timeout)
             self.inflight = None
             return self.outputs
         self.span = timeout + BACKSTOP_S
@@ -185,14 +190,7 @@ class _Handle:
 
     def _block(self) -> None:
         """On the waiter: the works' own waits, bounded past commfuse's timeout (a backstop)."""
-        delta = _delta(self.span)
-        try:
-            for work in self.works:
-                work.wait(delta)
-        except RuntimeError as e:
-            if _timed_out(e):
-                raise TimeoutError(str(e)) from e
-            raise
+        _wait_works(self.works, self.span)
 
     # -- what commfuse.runtime.waiting asks of a wait --------------------------------------------------------
 

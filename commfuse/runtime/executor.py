@@ -751,47 +751,41 @@ class op_calls:
 
     def __exit__(self, kind, error, tb) -> bool:
         state = self.state
-        if error is None or state is None:
+        if state is None:
             return False
-        for _ in range(self.planned - (state.seq - self.start)):
-            announce_left(state, self.label, error)
+        made = state.seq - self.start
+        planned = self._planned(made, error)
+        if error is not None and state.rank is not None and state.world_size > 1:
+            for _ in range(planned - made):
+                announce_left(state, self.label, error)
         return False
 
+    def _planned(self, made: int, error) -> int:
+        return self.planned
 
-class counted_calls:
+
+class counted_calls(op_calls):
     """:class:`op_calls` for an op whose number of calls is learned rather than known: the first run of
     ``key`` that succeeds records how many calls it made, and a later run of ``key`` that an exception
     leaves early announces the ones it did not make (a run before any success announces none). For layers
-    whose hooks run between their calls (a style's rope hook between its gather and its reduce-scatter)."""
+    whose hooks run between their calls (a style's rope hook between its gather and its reduce-scatter).
+    ``group`` None (a single process): nothing."""
 
-    __slots__ = ("state", "label", "key", "start")
+    __slots__ = ("key",)
     _LEARNED: dict = {}
 
     def __init__(self, group, label: str, key) -> None:
         self.state = state_of_group(group) if group is not None else None
-        self.label, self.key = label, key
+        self.label, self.key, self.planned = label, key, 0
 
-    def __enter__(self) -> "counted_calls":
-        if self.state is not None:
-            self.start = self.state.seq
-        return self
-
-    def __exit__(self, kind, error, tb) -> bool:
-        state = self.state
-        if state is None:
-            return False
-        made = state.seq - self.start
+    def _planned(self, made: int, error) -> int:
         learned = self._LEARNED
         if error is None:
             if len(learned) > 4096:
                 learned.clear()
             learned[self.key] = made
-            return False
-        if state.rank is None or state.world_size <= 1:
-            return False
-        for _ in range(learned.get(self.key, 0) - made):
-            announce_left(state, self.label, error)
-        return False
+            return made
+        return learned.get(self.key, 0)
 
 
 def _left(state: GroupState, seq: int, label: str, step, error: BaseException, which=None) -> None:
@@ -1009,15 +1003,7 @@ def _finisher(plan: Plan, program: Program, seq: int, failed_step: CStep | None)
             peers = _step_peers(plan, st)
             if peers:
                 _gate(plan, seq, peers)
-            pending = []
-            if st.p2p:
-                recvs = [(t, program.buffer(s)) for t, s in st.recvs]
-                try:
-                    pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
-                except Exception as e:
-                    raise _posting_error(plan, st, None, e) from e
-            if st.collectives:
-                _post_collectives(plan, st, program, backend.collective, pending)
+            pending = _post_step(plan, st, program, post, backend.collective)
             _ghost_compute(program, st.compute)
             _wait_all(plan, st, pending, program.land, timeout)
             for s in st.accumulate:
@@ -1135,7 +1121,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
         begin = plan.begin
         if begin is not None:
             begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
-        post, timeout = plan.backend.post, plan.timeout
+        post = plan.backend.post
         landing = held if inbox is None else inbox
         i = -1
         for st, pair, sends, recvs, compute, accumulate, release in walk:
@@ -1161,12 +1147,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
                 if made is not None:
                     held[s] = made
             if handle is not None:
-                try:
-                    got = handle.wait(timeout)
-                except BaseException as e:
-                    raise _waiting_error(plan, st, None, e) from e
-                for (_, s, _), tensor in zip(recvs, got):
-                    landing[s] = tensor
+                _land_lean(plan, st, handle, recvs, landing)
                 if state.told is not None:
                     raise _told(plan, seq, i, _lean_finisher(plan, seq, walk, held, get, put, inbox, None))
             for s, k in accumulate:
@@ -1186,13 +1167,23 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, one: Callable, get: 
         _leave(plan, state)
 
 
+def _land_lean(plan: Plan, st: CStep, handle, recvs, landing: list) -> None:
+    """Wait for a lean step's transfers and put what arrived in ``landing``, by slot."""
+    try:
+        got = handle.wait(plan.timeout)
+    except BaseException as e:
+        raise _waiting_error(plan, st, None, e) from e
+    for (_, s, _), tensor in zip(recvs, got):
+        landing[s] = tensor
+
+
 def _lean_finisher(plan: Plan, seq: int, walk: tuple, held: list, get: Callable, put: Callable,
                    inbox: list | None, failed: int | None):
     """:func:`_finisher` for :func:`execute_one_by_one`'s walk: a reduce-scatter's partials that were not made
     are buffers of their shape (``failed``: the step whose compute raised)."""
 
     def finish(start: int) -> None:
-        post, timeout = plan.backend.post, plan.timeout
+        post = plan.backend.post
         landing = held if inbox is None else inbox
         if failed is not None and inbox is not None:
             s, _, _, k = walk[failed][4]
@@ -1211,12 +1202,7 @@ def _lean_finisher(plan: Plan, seq: int, walk: tuple, held: list, get: Callable,
                 s, _, _, k = compute
                 held[s] = get(k)
             if handle is not None:
-                try:
-                    got = handle.wait(timeout)
-                except BaseException as e:
-                    raise _waiting_error(plan, st, None, e) from e
-                for (_, s, _), tensor in zip(recvs, got):
-                    landing[s] = tensor
+                _land_lean(plan, st, handle, recvs, landing)
             for s, k in accumulate:
                 received = inbox[s]
                 inbox[s] = None
@@ -1375,6 +1361,21 @@ def _run(plan: Plan, program: Program, seq: int) -> None:
             program.release(s)
 
 
+def _post_step(plan: Plan, st: CStep, program: Program, post, run_collective, run_into=None) -> list:
+    """Post one step's point-to-point transfers and whole collectives; their pending handles, as
+    :func:`_wait_all` takes them."""
+    pending = []
+    if st.p2p:
+        recvs = [(t, program.buffer(s)) for t, s in st.recvs]
+        try:
+            pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
+        except Exception as e:
+            raise _posting_error(plan, st, None, e) from e
+    if st.collectives:
+        _post_collectives(plan, st, program, run_collective, pending, run_into)
+    return pending
+
+
 def _post_collectives(plan: Plan, st: CStep, program: Program, run_collective, pending: list,
                       run_into=None) -> None:
     """Post the step's whole collectives; a program that gives single tensors (not lists) runs them with
@@ -1511,16 +1512,8 @@ def _run_observed(plan: Plan, program: Program, mode: str | None, events: list |
         i += 1
         with (record_function(f"{name}.step{st.index}") if prof else _NULL):
             t0 = clock()
-            pending = []
-            if st.p2p:
-                recvs = [(t, program.buffer(s)) for t, s in st.recvs]
-                try:
-                    pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
-                except Exception as e:
-                    raise _posting_error(plan, st, None, e) from e
-            if st.collectives:
-                _post_collectives(plan, st, program, run_collective, pending,
-                                  _done_into if mode == "compute_only" else None)
+            pending = _post_step(plan, st, program, post, run_collective,
+                                 _done_into if mode == "compute_only" else None)
             t1 = clock()
             if not overlap:
                 _wait_all(plan, st, pending, program.land, timeout)

@@ -86,25 +86,23 @@ def forget_plans() -> None:
 
 
 def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
-    found = _PLANS.get(key)
+    return _memo(_PLANS, key, make)
+
+
+def _memo(table: dict, key: tuple, make: Callable):
+    """``table[key]``, made with ``make()`` on the first look-up (a bounded table: cleared past 4096)."""
+    found = table.get(key)
     if found is None:
         found = make()
         with _PLANS_LOCK:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = found
+            if len(table) > 4096:
+                table.clear()
+            found = table.setdefault(key, found)
     return found
 
 
 def _remember(key: tuple, make: Callable[[], Call]) -> Call:
-    found = _DERIVED.get(key)
-    if found is None:
-        found = make()
-        with _PLANS_LOCK:
-            if len(_DERIVED) > 4096:
-                _DERIVED.clear()
-            found = _DERIVED.setdefault(key, found)
-    return found
+    return _memo(_DERIVED, key, make)
 
 
 class _Configured(Call):

@@ -128,21 +128,11 @@ def test_a_consumer_raising_mid_ring_is_told_to_every_peer_that_needs_its_data(a
         assert told >= 1, outs
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "vanilla"])
-def test_an_expert_raising_on_one_rank_is_told_to_every_rank(algorithm):
-    outs = launch(cases.expert_raises, 2, algorithm, timeout=240)
-    for rank, (failing, after) in enumerate(outs):
-        if rank == 1:
-            assert failing[0] == "Injected", failing
-        else:
-            _told(failing, "rank 1", "Injected")
-        _never_wrong(after)
-    for i in range(2):
-        _consistent(outs, i)
-
-
-def test_attention_raising_on_one_rank_mid_ring_is_told_to_every_rank():
-    outs = launch(cases.attention_raises, 3, timeout=240)
+@pytest.mark.parametrize("body,n,args", [
+    (cases.expert_raises, 2, ("ring",)), (cases.expert_raises, 2, ("vanilla",)), (cases.attention_raises, 3, ()),
+], ids=["moe-expert-ring", "moe-expert-vanilla", "attention-query-slice"])
+def test_a_layer_raising_on_one_rank_mid_call_is_told_to_every_rank(body, n, args):
+    outs = launch(body, n, *args, timeout=240)
     for rank, (failing, after) in enumerate(outs):
         if rank == 1:
             assert failing[0] == "Injected", failing
