@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib
 import logging
 
+from commfuse import log as _log
 from commfuse import schedule
 from commfuse.errors import CommfuseError
 
 __version__ = "0.1.0"
 
-# The library logs on "commfuse" (auto's choices, at DEBUG) and leaves handlers to the application.
+# The library logs on "commfuse" (auto's choices, DTensor fallbacks) and leaves handlers to the application,
+# unless COMMFUSE_LOG=info or debug asks for short rank-prefixed lines on stderr (commfuse.log).
 logging.getLogger("commfuse").addHandler(logging.NullHandler())
+_log.configure()
 
 _LAZY = {
     "all_gather_matmul": "commfuse.ops",

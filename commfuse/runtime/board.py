@@ -242,6 +242,7 @@ class Stall:
         self.suspects: dict[int, tuple] = {}  # rank -> what was seen of it last poll (a mismatch must persist)
         self.late: list[int] = []
         self.chain: list[str] = []
+        self.failed: list[dict] = []  # other ranks' failure notes read so far (a mismatch's cause, often)
 
     # -- what a wait calls -------------------------------------------------------------------------------------
 
@@ -308,6 +309,8 @@ class Stall:
         kind = note.get("kind")
         if note.get("rank") == self.rank:
             return
+        if kind == "fail":
+            self.failed = (self.failed + [note])[-3:]
         if kind == "dead":
             raise declare_dead(self.state, heard(note, self.rank, f"waiting in {me['what']} of call #{me['seq']}"),
                                self.poison, note)
@@ -384,8 +387,9 @@ class Stall:
         else:
             what = ("one of them checks the call's fingerprint and the other does not (ranks that checked this "
                     "signature before do not check it again; COMMFUSE_CHECK=always makes every call compare)")
+        said = "".join(f"\nWhat the board says: {_fail_text(note)}" for note in self.failed)
         raise declare_dead(self.state, MismatchError(
             f"rank {self.rank}: {what}:\n"
             f"  rank {self.rank} (this rank): {mine}, waiting in {me['what']}\n"
-            f"  rank {p}: {theirs}, waiting in {pos.get('what')}\n"
+            f"  rank {p}: {theirs}, waiting in {pos.get('what')}{said}\n"
             f"Their transfers can never pair, so the group is dead: {RECOVER}"), self.poison)

@@ -294,7 +294,7 @@ class _StreamHandle(_Handle):
         super().__init__(works, outputs, inflight, backend)
         self.what = what
         state = backend._commfuse_state if hasattr(backend, "_commfuse_state") else group_state(backend)
-        self.call = (state.seq - 1, state.lane)  # the host runs ahead: the call this step belongs to
+        self.call = (state.current(), state.lane)  # the host runs ahead: the call this step belongs to
         if what is None and self.plan is None:  # a post's transfers outside a plan's steps (the call check's)
             sends, _, recvs = inflight
             self.what = "transfers with rank " + ", ".join(map(str, sorted({t.peer for t, _ in (*sends, *recvs)})))

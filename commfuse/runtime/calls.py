@@ -129,7 +129,10 @@ def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -
 
 def _log_choice(collective: Collective, name: str, reason: str, *, world_size: int, slice_bytes: int, flops,
                 be=None, model: str = "not asked", remembered: bool = True) -> None:
-    """Say at DEBUG what ``auto`` took for a new call signature and what it decided on (planning time only)."""
+    """Say what ``auto`` took for a new call signature and why (INFO: one short line, ``COMMFUSE_LOG=info``),
+    and at DEBUG what it decided on (planning time only)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("auto: %s takes %s on %d ranks: %s", collective.value, name, world_size, reason)
     if not log.isEnabledFor(logging.DEBUG):
         return
     if be is None:

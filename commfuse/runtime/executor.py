@@ -185,11 +185,14 @@ class GroupState:
     and what a rank knows of its peers: the group's board (``commfuse.runtime.board``, in the group's
     store) and whether a peer's part of the call in progress failed."""
 
-    __slots__ = ("seq", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "group", "rank",
+    __slots__ = ("seqs", "now", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "group", "rank",
                  "world_size", "board", "told", "lane", "__weakref__")
 
     def __init__(self, name: str, group=None) -> None:
-        self.seq = 0
+        #: the next call number of each thread lane (:func:`lane`'s code): every thread's calls on the group
+        #: are numbered apart, so a call pairs with its thread's call of the same number on every peer
+        self.seqs: dict[int, int] = {}
+        self.now = -1  # the number of the call in progress (set as it takes the group)
         #: the call signatures (fingerprints less the call number) the ranks have agreed on for this group:
         #: kept here, not per plan object, so that every rank checks the same calls however its plans were
         #: made (two threads making one signature's first plan at once, a plan cache that was cleared)
@@ -212,6 +215,16 @@ class GroupState:
         #: this rank stops computing, completes the call's transfers and raises PeerFailedError
         self.told: dict | None = None
         self.lane: tuple[str, int] = ("", 0)  # the thread of the call in progress: (name, code)
+
+    def take(self, code: int) -> int:
+        """The next call number of lane ``code``, taken."""
+        seq = self.seqs.get(code, 0)
+        self.seqs[code] = seq + 1
+        return seq
+
+    def current(self) -> int:
+        """The number of the call in progress."""
+        return self.now
 
 
 _STATES: dict[object, GroupState] = {}
@@ -693,15 +706,14 @@ class Ticket:
     def __enter__(self) -> "Ticket":
         state = self.state
         if not state.lock.acquire(False):
-            raise _busy_label(self.label, state)
+            raise _refused(self.label, state)
         if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
             state.lock.release()
             raise _dead_again(self.label, state) if state.error is not None else _destroyed(self.label, state)
         state.busy = (self.label, threading.get_ident())
-        self.seq = state.seq
-        state.seq += 1
         state.told = None
-        state.lane = lane()
+        state.lane = which = lane()
+        self.seq = state.now = state.take(which[1])
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
@@ -725,9 +737,8 @@ def announce_left(state: GroupState, label: str, error: BaseException) -> None:
     its call number on the group, its failure goes on the board for the peers waiting on it, and the group's
     next call is checked, so it cannot pair with the peers' copy of this call. No lock: the op may have
     failed inside another op's consumer on this group, on this thread."""
-    seq = state.seq
-    state.seq = seq + 1
-    _left(state, seq, label, None, error, lane())
+    which = lane()
+    _left(state, state.take(which[1]), label, None, error, which)
 
 
 class op_calls:
@@ -738,7 +749,7 @@ class op_calls:
     peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
     call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
 
-    __slots__ = ("state", "label", "planned", "start")
+    __slots__ = ("state", "label", "planned", "start", "code")
 
     def __init__(self, backend, label: str, planned: int) -> None:
         self.state = None if backend is None else group_state(backend)
@@ -746,14 +757,15 @@ class op_calls:
 
     def __enter__(self) -> "op_calls":
         if self.state is not None:
-            self.start = self.state.seq
+            self.code = lane()[1]
+            self.start = self.state.seqs.get(self.code, 0)
         return self
 
     def __exit__(self, kind, error, tb) -> bool:
         state = self.state
         if state is None:
             return False
-        made = state.seq - self.start
+        made = state.seqs.get(self.code, 0) - self.start
         planned = self._planned(made, error)
         if error is not None and state.rank is not None and state.world_size > 1:
             for _ in range(planned - made):
@@ -829,7 +841,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
             plan.learn_signature(program)
         code = state.lane[1]
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
-            signature = (plan.signature, code)
+            signature = plan.signature
             if state.dirty or plan.check == "always" or signature not in state.checked:
                 if plan.capturing:
                     raise _capture_refusal(plan, state)
@@ -1221,15 +1233,14 @@ def _enter(plan: Plan, state: GroupState) -> int:
     probe = plan.probe
     capturing = probe is not None and bool(probe())
     if not state.lock.acquire(False):
-        raise _busy(plan, state)
+        raise _refused(plan.label, state)
     if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
         state.lock.release()
         raise _dead_again(plan.label, state) if state.error is not None else _destroyed(plan.label, state)
     state.busy = (plan.label, threading.get_ident())
-    seq = state.seq
-    state.seq = seq + 1
     state.told = None
-    state.lane = lane()
+    state.lane = which = lane()
+    seq = state.now = state.take(which[1])
     if capturing:
         plan.capturing = True
     return seq
@@ -1278,8 +1289,14 @@ def _destroyed(label: str, state: GroupState) -> GroupDeadError:
     )
 
 
-def _busy(plan: Plan, state: GroupState) -> ConcurrentUseError:
-    return _busy_label(plan.label, state)
+def _refused(label: str, state: GroupState) -> ConcurrentUseError:
+    """A call refused while another op is in flight on the group: it still takes its thread's call number,
+    announced on the board like any call that fails before communicating (a rank whose peers ran that call
+    tells them so), and the error to raise."""
+    error = _busy_label(label, state)
+    if state.rank is not None and state.world_size > 1:
+        announce_left(state, label, error)
+    return error
 
 
 def _busy_label(label: str, state: GroupState) -> ConcurrentUseError:
@@ -1453,7 +1470,7 @@ def stall_position(plan: Plan | None, checking: Plan | None, seq: int | None, po
                     what = f"step {st.index} of {plan.label} ({plan.schedule.describe()}), {_what(st.step, call)}"
     else:
         what = f"hop {post_no} of the call check of {checking.label}"
-    number = state.seq - 1  # the call in progress (one op per group at a time); ``seq`` is its tag base
+    number = state.current()  # the call in progress (one op per group at a time); ``seq`` is its tag base
     signature = list(which.signature or ())
     position = {"seq": number, "lane": state.lane[1], "thread": state.lane[0], "digest": which.digest,
                 "label": which.label, "check": plan is None, "waits": sorted(set(peers)), "what": what,
@@ -1471,6 +1488,8 @@ def _posting_error(plan: Plan, st: CStep, call, e: Exception) -> CommunicationEr
 
 
 def _waiting_error(plan: Plan, st: CStep, call, e: BaseException) -> BaseException:
+    if isinstance(e, CommfuseError):  # named already (a verdict of the group's board, a refusal)
+        return e
     if isinstance(e, TimeoutError):
         hint = ""
         if plan.check != "always":

@@ -103,13 +103,20 @@ def broken_profile(rank, n, path):
 
 
 def two_threads(rank, n, calls):
-    """Two threads share the group, each making ``calls`` ring calls with its own data. Returns (right,
-    wrong, errors named by commfuse, other errors) summed over both threads."""
+    """Two threads share the group, each making ``calls`` ring calls with its own data; on even ranks thread
+    0 makes the first call, on odd ranks thread 1 (the threads reach the group in different orders, as two
+    racing threads do). Returns (right, wrong, errors named by commfuse, other errors) summed over both
+    threads."""
     counts = {"right": 0, "wrong": 0, "named": 0, "other": 0}
     lock = threading.Lock()
+    first, go = rank % 2, threading.Event()
 
     def worker(t):
+        if t != first:
+            go.wait(TIMEOUT)
         for i in range(calls):
+            if i == 1 and t == first:
+                go.set()
             seed = 100 * t + i
             try:
                 ok = _agmm_check(rank, n, seed)
@@ -120,6 +127,7 @@ def two_threads(rank, n, calls):
                 key = "other"
             with lock:
                 counts[key] += 1
+        go.set()
 
     threads = [threading.Thread(target=worker, args=(t,), name=f"worker-{t}") for t in range(2)]
     for t in threads:
@@ -341,8 +349,8 @@ def watchdog_reads_the_board(rank, n):
     plan = Plan(cached_schedule("all_gather", n, "ring", 1, 1), be, label="all_gather_matmul", timeout=TIMEOUT,
                 check="once")
     plan.signature, plan.digest = (), 0
-    state.seq += 1  # this rank enters call #1
     state.lane = lane()
+    state.now = state.take(state.lane[1])  # this rank enters call #1
     be.begin_call(0, plan)
     buf = torch.empty(4)
     step = be.post([], [(Transfer(SliceId(0), 1, 1, 0), buf)])
