@@ -4,8 +4,8 @@ Tier: benchmark (prints figures, asserts nothing). torch's ``fake`` process
 group makes this one process rank 0 of N: every send, receive and collective
 completes at once without moving data, so what is timed is the Python and
 torch dispatch an op costs on the host, which on a GPU decides whether the
-host can keep the device busy (issue: "The op layer, rebuilt for
-accelerators"). Tensors are tiny so the matmuls cost next to nothing.
+host can keep the device busy. Tensors are tiny so the matmuls cost next to
+nothing.
 
 Rows, per world size (median over rounds of the mean per call):
 - ``floor ring``: per step one ``batch_isend_irecv`` (send to r+1, receive
@@ -18,7 +18,7 @@ Rows, per world size (median over rounds of the mean per call):
 - commfuse's ``ring``, ``vanilla`` and ``auto`` for ``all_gather_matmul``
   and ``matmul_reduce_scatter``.
 
-Targets (issue 12): ring and reduce-scatter ring at most 1.3x the floor at
+Design targets: ring and reduce-scatter ring at most 1.3x the floor at
 n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
 ``auto`` at most 5 us over the algorithm it picks.
 

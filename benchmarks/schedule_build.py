@@ -1,6 +1,6 @@
 """Print how long building a schedule and giving one rank its steps take, up to 4096 ranks.
 
-Target (issue: schedule core): one rank's steps for 4096 ranks in well under
+Design target: one rank's steps for 4096 ranks in well under
 50 ms. ``steps(rank)`` rotates the template to the rank's ring position, so it
 is O(steps); ``build`` also proves the schedule by symbolic execution
 (rotation argument; exhaustively per rank up to 32 ranks).

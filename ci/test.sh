@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (ci/setup.sh), run the whole test suite, then the conformance suite
+# Set up (ci/setup.sh), run the whole test suite, then the plain install (commfuse
+# with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the XLA stage in its own environment
 # (ci/test_xla.sh), and the CPU tests again on the torch floor in that
@@ -12,6 +13,7 @@ venv="${COMMFUSE_VENV:-.venv}"
 "$venv/bin/python" -m pytest "$@"
 mkdir -p ci-artifacts
 status=0
+bash ci/test_plain_install.sh || status=1
 for n in 2 3 4; do
     "$venv/bin/commfuse" conformance --backend gloo --world-size "$n" \
         --report "ci-artifacts/conformance-w$n.json" || status=1

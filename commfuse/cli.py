@@ -8,6 +8,8 @@ library (backends, bench, conformance, simulate) add theirs the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -27,6 +29,78 @@ def command(name: str, help: str, arguments: Callable[[argparse.ArgumentParser],
         return run
 
     return register
+
+
+# -- optional dependencies -------------------------------------------------
+
+#: The extras of ``pyproject.toml`` (``[project.optional-dependencies]``) that parts of the command need, and the
+#: modules each installs that those parts import. ``pip install .`` alone gives every other subcommand.
+EXTRAS = {
+    "test": ("pytest",),  # the conformance suite is a pytest plugin
+    "bench": ("matplotlib",),  # bench --plot's Gantt chart
+}
+
+
+class MissingExtraError(CommfuseError, RuntimeError):
+    """A part of the command needs a package that is not installed; the message says how to install it."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent that does not import, or a finder that refuses the name
+        return False
+
+
+def missing_extra(extra: str, what: str) -> str | None:
+    """None when every module of ``extra`` can be imported, else the sentence that says ``what`` (``"--plot"``,
+    ``"commfuse conformance"``) needs the missing ones and how to install them."""
+    absent = [m for m in EXTRAS[extra] if not _importable(m)]
+    if not absent:
+        return None
+    return (f"{what} needs {' and '.join(absent)}, which {'is' if len(absent) == 1 else 'are'} not installed: "
+            f"install commfuse's {extra!r} extra with `pip install '.[{extra}]'` in a clone of the commfuse "
+            f"repository (or `pip install {' '.join(absent)}`)")
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Raise :class:`MissingExtraError` (see :func:`missing_extra`) unless ``extra`` is installed. Called where the
+    arguments are read, before any work."""
+    why = missing_extra(extra, what)
+    if why:
+        raise MissingExtraError(why)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionalCommand:
+    """A subcommand whose module cannot even be imported without an extra (the conformance suite is a pytest
+    plugin). Without the extra, ``commfuse --help`` still lists it, and running it says what to install."""
+
+    name: str
+    help: str
+    extra: str
+
+
+#: Subcommand modules that need an extra to import, by module name; the module registers itself with this
+#: record's name and help.
+OPTIONAL_COMMANDS = {
+    "commfuse.testing.command": OptionalCommand(
+        "conformance", "run the conformance suite against a backend (correct, deadlock-free, overlapping)", "test"),
+}
+
+
+class _Unavailable:
+    """The ``run`` of a subcommand whose extra is missing: it takes any arguments and refuses with the hint."""
+
+    def __init__(self, spec: OptionalCommand) -> None:
+        self.spec = spec
+        self.why = missing_extra(spec.extra, f"commfuse {spec.name}") or ""
+
+    def arguments(self, p: argparse.ArgumentParser) -> None:
+        p.description = f"{self.spec.help}. Not available here: {self.why}."
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        raise MissingExtraError(self.why)
 
 
 # -- argument types and output paths, for every subcommand -----------------
@@ -267,7 +341,8 @@ def _backends(args: argparse.Namespace) -> int:
 # -- entry point -----------------------------------------------------------
 
 #: Modules that register further subcommands with ``@command`` when imported.
-#: They must import only argparse-level things at module level (torch lazily).
+#: They must import only argparse-level things at module level (torch lazily);
+#: those that need an extra to import at all are in :data:`OPTIONAL_COMMANDS`.
 COMMAND_MODULES = ("commfuse.bench.command", "commfuse.sim.command", "commfuse.testing.command")
 
 
@@ -275,6 +350,12 @@ def _load_commands() -> None:
     import importlib
 
     for name in COMMAND_MODULES:
+        spec = OPTIONAL_COMMANDS.get(name)
+        if spec is not None and missing_extra(spec.extra, spec.name):
+            if not any(c[0] == spec.name for c in COMMANDS):
+                stub = _Unavailable(spec)
+                COMMANDS.append((spec.name, f"{spec.help} (needs the {spec.extra!r} extra)", stub.arguments, stub))
+            continue
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -299,7 +380,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown and not isinstance(getattr(args, "run", None), _Unavailable):  # that one refuses whatever it is given
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "run", None):
         p.print_help()
         return 2

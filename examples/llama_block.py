@@ -11,6 +11,7 @@ SwiGLU's up projections share one gather. Run with torchrun::
 
 import argparse
 import os
+import sys
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,10 +25,18 @@ p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the res
 p.add_argument("--plan", choices=("torch", "commfuse"), default="commfuse", help="whose styles to use")
 p.add_argument("--steps", type=int, default=5, help="AdamW steps")
 args = p.parse_args()
+if "WORLD_SIZE" not in os.environ:  # torchrun sets it in every process it starts, one per rank
+    print("WORLD_SIZE is not set: start one process per rank with torchrun: torchrun --nproc-per-node 4 "
+          "examples/llama_block.py --tp 2", file=sys.stderr)
+    sys.exit(2)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 world = int(os.environ["WORLD_SIZE"])
 mesh = init_device_mesh(device, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+# clip_grad_norm_'s total norm is a DTensor partial over both axes; reading it whole (full_tensor, below) takes
+# one all-reduce per axis unless a flattened dp x tp mesh exists, and torch (2.13) warns so on every rank. With
+# it, DTensor reduces over all ranks at once: one all-reduce, no warning.
+mesh._flatten("dp_tp")
 dp, tp = mesh["dp"], mesh["tp"]
 torch.manual_seed(0)
 block = Block(dim=32, n_heads=4, n_kv_heads=2, ffn=64).to(device)

@@ -12,6 +12,7 @@ to DEBUG to see what it took and why.
 """
 
 import os
+import sys
 from collections import OrderedDict
 
 import torch
@@ -21,6 +22,11 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse.tp import ColwiseParallel, RowwiseParallel
+
+if "WORLD_SIZE" not in os.environ:  # torchrun sets it in every process it starts, one per rank
+    print("WORLD_SIZE is not set: start one process per rank with torchrun: torchrun --nproc-per-node 4 "
+          "examples/tp_mlp.py", file=sys.stderr)
+    sys.exit(2)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 mesh = init_device_mesh(device, (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("tp",))

@@ -42,7 +42,7 @@ from commfuse.bench.config import (
     Shape,
     scaled,
 )
-from commfuse.cli import MAX_LAUNCHED_RANKS, check_outputs, command, integer, seconds
+from commfuse.cli import MAX_LAUNCHED_RANKS, check_outputs, command, integer, require_extra, seconds
 from commfuse.errors import CommfuseError, CommfuseValueError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -146,7 +146,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the records as JSON to FILE, or to stdout (the table then goes to stderr)")
     g.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of one iteration per algorithm")
-    g.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart of one iteration per algorithm")
+    g.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart of one iteration per algorithm (needs "
+                   "matplotlib: commfuse's 'bench' extra)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g = p.add_argument_group(
         "fake process group: one process, every transfer completes at once without moving data; times each "
@@ -330,8 +331,7 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     if result.get("mode") == "compile":
         return _emit_compiled(result, config, args)
     recs = report.records(result, config)
-    text = report.table(recs, config) + "\n\n" + "targets (printed, never asserted):\n" + "\n".join(
-        report.targets(recs)) + "\n"
+    text = report.table(recs, config) + "\n\n" + "\n".join(report.targets(recs, config)) + "\n"
     _write(text, recs, args.json)
     if args.trace:
         from commfuse.bench import trace
@@ -372,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
     from commfuse.bench import netns
 
     torchrun = under_torchrun()
+    if args.plot and (not torchrun or os.environ.get("RANK") == "0"):  # before any work; rank 0 draws it
+        require_extra("bench", "--plot")
     if not torchrun or os.environ.get("RANK") == "0":  # before any work; rank 0 writes them
         check_outputs(args, "json", "trace", "plot")
     config = config_from_args(args)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from commfuse.bench.config import BenchConfig, applies
 from commfuse.bench.progress import Progress
-from commfuse.bench.runner import _fingerprints, _load, run_info
+from commfuse.bench.runner import _fingerprints, _load, gather_objects, run_info
 from commfuse.bench.workloads import compare, make
 
 #: The two kinds of step timed side by side.
@@ -178,8 +178,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                 wall = wall.to(dev)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             # every rank's reason, so that rank 0 can name one that only another rank saw
-            reasons: list = [None] * world_size
-            dist.all_gather_object(reasons, failed)
+            reasons = gather_objects(failed, world_size, dev)
             why = [next((r[i] for r in reasons if r[i]), "") for i in range(len(algs))]
             results.append({
                 "workload": name,

@@ -28,7 +28,7 @@ Two more columns, timed the same way in the same shuffled batches:
 
 - **captured** (CUDA only): each call (the reference GEMM's too) captured
   once in a ``torch.cuda.CUDAGraph`` after warm-up, then replayed: the ops'
-  GEMMs and stream ordering without their host work (the issue's target: the
+  GEMMs and stream ordering without their host work (the design target: the
   captured ring at most 1.15x the unsliced GEMM). Elsewhere the column says
   it was not measured and why ("capture needs a CUDA device");
 - **compiled** (``--compile [BACKEND]``, any device): ``torch.compile`` with
@@ -63,10 +63,10 @@ OPS = {"ag_matmul": "all_gather_matmul", "matmul_rs": "matmul_reduce_scatter"}
 #: Where the reference GEMM is named in the records.
 GEMM = "gemm"
 
-#: The issue's targets on an H100 (fake group, n = 8, bf16, tokens 8192, hidden 8192, ffn 28672): an
+#: The project's design targets on an H100 (fake group, n = 8, bf16, tokens 8192, hidden 8192, ffn 28672): an
 #: algorithm's device time per call at most this many times the unsliced GEMM's. Printed, never asserted.
 TARGETS = {"ring": 1.25, "vanilla": 1.05}
-#: The issue's capture target in the same setting: the ring captured in a CUDA graph and replayed, at most this
+#: The design target for capture in the same setting: the ring captured in a CUDA graph and replayed, at most this
 #: many times the unsliced (eager) GEMM, for both ops. Printed, never asserted.
 CAPTURED_TARGETS = {"ring": 1.15}
 TARGET_SETTING = {"world_size": 8, "dtype": "bfloat16", "tokens": 8192, "hidden": 8192, "ffn": 28672}
@@ -558,14 +558,14 @@ def _cell(r: dict, kind: str) -> str:
 
 
 def targets(recs: list[dict]) -> list[str]:
-    """The issue's H100 targets against this run's figures; printed, never asserted."""
+    """The project's H100 design targets against this run's figures; printed, never asserted."""
     r0 = recs[0] if recs else None
     if r0 is None:
         return []
     setting = {"world_size": r0["world_size"], "dtype": r0["dtype"], "tokens": r0["tokens"], "hidden": r0["hidden"],
                "ffn": r0["ffn"]}
     same = setting == TARGET_SETTING and r0["device"].startswith("cuda")
-    lines = [("the issue's targets (an H100, fake group of 8, bfloat16, tokens 8192, hidden 8192, ffn 28672; "
+    lines = [("the project's design targets (an H100, fake group of 8, bfloat16, tokens 8192, hidden 8192, ffn 28672; "
               "printed, never asserted)")
              + ("" if same else "; this run's setting differs: figures only, no verdict") + ":"]
     for alg, bound in TARGETS.items():

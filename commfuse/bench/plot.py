@@ -45,11 +45,10 @@ def write(run: dict, path: str | Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
-    except ImportError as e:
-        raise PlotError(
-            f"--plot needs matplotlib ({e}); install it with `pip install 'commfuse[bench]'` "
-            "or `pip install matplotlib`"
-        ) from None
+    except ImportError as e:  # the commands check before any work (commfuse.cli.require_extra); a caller may not
+        from commfuse.cli import missing_extra
+
+        raise PlotError(missing_extra("bench", "--plot") or f"--plot: matplotlib does not import ({e})") from None
     results = [r for r in run["results"] if r["traces"]]
     if not results:
         raise PlotError("nothing was traced: --plot needs the traced iteration of at least one workload")

@@ -12,11 +12,14 @@ Per algorithm, over the repeats (each repeat's figure is the slowest rank's):
   host spans do not show device time (accelerators);
 - ``exposed_ms = median_ms - compute_only_ms``: the communication the
   algorithm did not hide (what it adds on top of computing alone);
-- ``hidden_fraction = (compute_only + comm - median) / comm`` clipped to
-  [0, 1], with ``comm = comm_only - outside`` the pure communication time:
-  1 means every transfer ran behind compute, 0 that the run took as long as
-  computing and communicating one after the other. It equals
-  ``1 - exposed / comm``.
+- ``hidden_fraction``: the time hidden over the most that could be hidden,
+  :func:`hidden_fraction` of the median, the pure compute
+  (``compute_only - outside``) and the pure communication
+  (``comm = comm_only - outside``): 1 means overlap as perfect as the
+  shorter side allows, 0 that the run took as long as computing and
+  communicating one after the other (docs/benchmarks.md, "The hidden
+  fraction"; the conformance suite's overlap tier judges the same figure);
+- ``exposed_fraction = exposed / comm``, not clipped above;
 - ``speedup_vs_vanilla``: vanilla's median over this one;
 - ``collective_effect`` and ``overlap_effect``: the workload's ring speed-up
   over vanilla taken apart with ``serial`` (the ring's hops and compute with
@@ -39,6 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 
+from commfuse.schedule import hidden_fraction  # noqa: F401 - the bench's figure, defined once there
 from commfuse.bench.config import BenchConfig, describe_rate
 
 SCHEMA_KEYS = (
@@ -89,8 +93,8 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
             exposed = None if comp is None else med - comp
             hidden = None
             comm = None if outside is None or comm_only is None else comm_only - outside
-            if comm is not None and comm > 0 and comp is not None:
-                hidden = min(1.0, max(0.0, (comp + comm - med) / comm))
+            if comm is not None and comp is not None:
+                hidden = hidden_fraction(med - outside, comp - outside, comm)
             rows.append({
                 "workload": res["workload"],
                 "algorithm": alg,
@@ -246,7 +250,8 @@ def table(recs: list[dict], config: BenchConfig) -> str:
         lines.append(load)
     lines.append("ms: milliseconds per iteration. compute-only: transfers removed; comm-only: compute removed; "
                  "exposed = median - compute-only;")
-    lines.append("hidden: fraction of the communication that ran behind compute, 1 - exposed / comm.")
+    lines.append("hidden: the time overlap saved over the most it could save, the shorter of compute and comm; "
+                 "1 - exposed / comm where comm <= compute.")
     if any(r["collective_effect"] is not None for r in recs):
         lines.append("serial: the ring's hops and compute, each step waiting for its transfers; collective = "
                      "vanilla / serial (the ring's hops vs the")
@@ -257,9 +262,40 @@ def table(recs: list[dict], config: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-def targets(recs: list[dict]) -> list[str]:
-    """The issue's targets, measured: printed, never asserted. Only those whose algorithms ran."""
-    lines = []
+#: The project's design targets for the overlap (docs/benchmarks.md, "Targets"). Each assumes a regime, and
+#: :func:`targets` judges it only where that regime holds: communication about half of the compute (the regime of
+#: tensor parallelism on an accelerator, which ``--link-rate`` gives a CPU), at sizes that are not a smoke test.
+EXPOSED_AT_MOST = 0.10  # ring exposes at most this share of its comm-only time
+VS_VANILLA_AT_LEAST = 1.3  # ring's speed-up over vanilla
+VS_SLICED_AT_LEAST = 1.05  # ring's speed-up over sliced:4 (data slicing's exposed chunk, the tail)
+AUTO_TINY_AT_MOST = 0.05  # auto at most this much slower than vanilla at tiny sizes (--preset tiny)
+#: Below this comm-only / compute-only the exposed share of the communication is within the compute's run-to-run
+#: spread (10% of it is under 2% of the run), so the exposure target is not judged.
+MIN_RATIO = 0.2
+#: The preset of the auto target, and the one smoke-test preset: hops of a few KiB are latency-bound, not the
+#: bandwidth-bound hops the overlap targets are set for.
+TINY_PRESET = "tiny"
+
+
+def _ratio(r: dict | None) -> float | None:
+    """comm-only / compute-only of a record, or None where one was not measured."""
+    if r is None or not r["compute_only_ms"] or r["comm_only_ms"] is None:
+        return None
+    return r["comm_only_ms"] / r["compute_only_ms"]
+
+
+def _verdict(ok: bool, why_not_judged: str | None) -> str:
+    return f"not judged: {why_not_judged}" if why_not_judged else ("met" if ok else "MISSED")
+
+
+def targets(recs: list[dict], config: BenchConfig | None = None) -> list[str]:
+    """The project's design targets against this run's figures: printed, never asserted. Only those whose
+    algorithms ran; each judged (met / MISSED) only where the regime it assumes holds, and otherwise one line that
+    says why not. ``config`` gives the preset (without it, not the smoke-test preset)."""
+    preset = config.preset if config is not None else None
+    smoke = f"--preset {TINY_PRESET} is a smoke test (latency-bound hops)" if preset == TINY_PRESET else None
+    lines = [("the project's design targets (printed, never asserted), each judged only where the regime it "
+              "assumes holds (docs/benchmarks.md, \"Targets\"):")]
     by = {(r["workload"], r["algorithm"]): r for r in recs}
     for workload in dict.fromkeys(r["workload"] for r in recs):
         van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
@@ -272,32 +308,59 @@ def targets(recs: list[dict]) -> list[str]:
                                  f" {r['speedup_vs_vanilla']:.2f}x torch's speed")
             continue
         sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
-        ratios = [f"{r['algorithm']} {r['comm_only_ms'] / r['compute_only_ms']:.2f}" for r in (van, ring)
-                  if r and r["compute_only_ms"] and r["comm_only_ms"] is not None]
+        ratios = [f"{r['algorithm']} {_ratio(r):.2f}" for r in (van, ring) if _ratio(r) is not None]
         lines.append(f"{workload}: comm-only / compute-only {', '.join(ratios)} (the overlap targets assume about "
-                     "0.4-0.5)" if ratios else f"{workload}:")
+                     "0.3-0.5, an accelerator's ratio; --link-rate gives it on a CPU)" if ratios else f"{workload}:")
+        n = (van or ring or recs[0])["world_size"]
+        hides = (n - 1) / n  # a ring of n ranks hides its hops behind at most this share of the compute
+        rho_v = _ratio(van)
         # the pairwise ring and its sliced forms (ring:m), each against the same targets
         rings = [r for r in recs if r["workload"] == workload and
                  (r["algorithm"] == "ring" or r["algorithm"].startswith("ring:"))]
         for r in rings:
-            name = r["algorithm"]
+            name, rho = r["algorithm"], _ratio(r)
+            # what the ring must leave exposed at best: the comm beyond what (n-1)/n of the compute hides
+            excess = max(0.0, rho - hides) if rho is not None else 0.0
             if r["exposed_fraction"] is not None:
                 x = r["exposed_fraction"]
+                why = smoke
+                if why is None and rho is not None and rho < MIN_RATIO:
+                    why = (f"comm-only is {rho:.2f} of compute-only, under {MIN_RATIO}: too little communication for "
+                           "its exposed share to stand above the compute's noise")
+                elif why is None and rho is not None and excess / rho > EXPOSED_AT_MOST:
+                    why = (f"with {n} ranks a ring hides behind at most {n - 1}/{n} of the compute, so at "
+                           f"comm-only / compute-only {rho:.2f} it exposes at least {100 * excess / rho:.0f}%")
                 lines.append(f"  {name} exposes {100 * x:.1f}% of its comm-only time "
-                             f"(target <= 10%): {'met' if x <= 0.10 else 'MISSED'}")
+                             f"(target <= {100 * EXPOSED_AT_MOST:.0f}%): {_verdict(x <= EXPOSED_AT_MOST, why)}")
             if van:
                 s = r["speedup_vs_vanilla"]
-                lines.append(f"  {name} vs vanilla {s:.2f}x (target >= 1.3x): {'met' if s >= 1.3 else 'MISSED'}")
+                why = smoke
+                if why is None and rho_v is not None:
+                    bound = (1 + rho_v) / (1 + excess)  # vanilla's compute + comm over the ring's best
+                    if bound < VS_VANILLA_AT_LEAST:
+                        why = (f"vanilla's comm-only is {rho_v:.2f} of its compute-only, so hiding all of it gains "
+                               f"at most about {bound:.2f}x")
+                lines.append(f"  {name} vs vanilla {s:.2f}x (target >= {VS_VANILLA_AT_LEAST}x): "
+                             f"{_verdict(s >= VS_VANILLA_AT_LEAST, why)}")
                 if r["collective_effect"] is not None and name == "ring":
                     lines.append(f"    of which collective {r['collective_effect']:.2f}x (vanilla / serial) and "
                                  f"overlap {r['overlap_effect']:.2f}x (serial / ring)")
             if sliced:
                 s = sliced["median_ms"] / r["median_ms"]
-                lines.append(f"  {name} vs sliced:4 {s:.2f}x (target >= 1.05x): {'met' if s >= 1.05 else 'MISSED'}")
+                why, rho_s = smoke, _ratio(sliced)
+                if why is None and rho_s is not None:
+                    bound = (1 + rho_s / 4) / (1 + excess)  # sliced:4's best leaves one chunk's collective exposed
+                    if bound < VS_SLICED_AT_LEAST:
+                        why = (f"sliced:4's one exposed chunk is about {100 * rho_s / 4:.0f}% of the compute here, "
+                               f"too little for a ring to be {VS_SLICED_AT_LEAST}x faster")
+                lines.append(f"  {name} vs sliced:4 {s:.2f}x (target >= {VS_SLICED_AT_LEAST}x): "
+                             f"{_verdict(s >= VS_SLICED_AT_LEAST, why)}")
         if auto and van:
             slower = auto["median_ms"] / van["median_ms"] - 1
-            lines.append(f"  auto ({auto['taken']}) vs vanilla: {100 * slower:+.1f}% time (target <= +5% on tiny "
-                         f"sizes): {'met' if slower <= 0.05 else 'MISSED'}")
+            why = None if preset == TINY_PRESET else (f"the target is for tiny sizes (--preset {TINY_PRESET}), where "
+                                                      "vanilla's one collective can beat a ring's hops")
+            lines.append(f"  auto ({auto['taken']}) vs vanilla: {100 * slower:+.1f}% time (target <= "
+                         f"+{100 * AUTO_TINY_AT_MOST:.0f}% at tiny sizes): {_verdict(slower <= AUTO_TINY_AT_MOST, why)}")
     return lines
 
 

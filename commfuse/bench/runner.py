@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
 import time
 
@@ -34,6 +35,12 @@ from commfuse.runtime import measure, record_events
 
 MODES = ("normal", "compute_only", "comm_only")
 
+
+
+def _auxiliary(label: str) -> bool:
+    """Whether an executor call of ``label`` is one a layer makes besides its fused ops (MoE's count exchange,
+    auto's token count, a replicated parameter's gradient all-reduce), which the ``taken`` column leaves out."""
+    return label.endswith(".sizes") or label == "moe.tokens" or label.startswith("replicated_grad.")
 
 def shuffled(items: list, seed: int, rep: int) -> list:
     """``items`` in the order of repeat ``rep``: a permutation drawn anew every repeat, the same on every rank.
@@ -55,6 +62,22 @@ def units(config: BenchConfig) -> int:
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (1 + len(MODES) * (config.warmup + config.repeats) + (1 if config.trace else 0)) + 1
     return total
+
+
+def gather_objects(obj, world_size: int, device: torch.device) -> list:
+    """Every rank's ``obj``, in rank order, on every rank: ``dist.all_gather_object`` without numpy (torch's
+    unpickles through ``Tensor.numpy``, and commfuse does not require numpy). ``device`` is where the group's
+    collectives take tensors (the CPU for gloo)."""
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    dist.all_gather(out, mine.to(device))
+    return [pickle.loads(bytes(t[: int(s.item())].cpu().tolist())) for t, s in zip(out, sizes)]
 
 
 @contextlib.contextmanager
@@ -147,8 +170,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         ref = reference() if reference is not None else workload.run("vanilla")
         routing = None
         if hasattr(workload, "routing"):  # rows each rank's tokens send to each rank (moe)
-            routing = [None] * world_size
-            dist.all_gather_object(routing, workload.routing())
+            routing = gather_objects(workload.routing(), world_size, dev)
         ok, err, taken = [], [], []
         for alg in algs:
             with record_events() as events, _fingerprints(True):
@@ -158,8 +180,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             ok.append(1.0 if good else 0.0)
             err.append(worst)
             seen = sorted({(e["label"], e["algorithm"]) for e in events})
-            if any(not l.endswith(".sizes") for l, _ in seen):  # moe's count exchange: always one small all-to-all
-                seen = [(l, a) for l, a in seen if not l.endswith(".sizes")]
+            if any(not _auxiliary(l) for l, _ in seen):  # the small exchanges a layer makes besides its fused ops
+                seen = [(l, a) for l, a in seen if not _auxiliary(l)]
             schedules = sorted({a for _, a in seen})
             taken.append(",".join(schedules) if len(schedules) <= 1 else ",".join(f"{l}:{a}" for l, a in seen))
             bar.advance(f"{name} {alg}: checked")
@@ -229,8 +251,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                 end = clock() - t_ref
                 traces[alg] = {"rank": rank, "end": end, "events": _relative(events, t_ref)}
                 bar.advance(f"{name} {alg}: traced")
-            gathered: list = [None] * world_size
-            dist.all_gather_object(gathered, traces)
+            gathered = gather_objects(traces, world_size, dev)
             traces = {alg: [g[alg] for g in gathered] for alg in algs}
         results.append({
             "workload": name,

@@ -246,10 +246,10 @@ class MixtureOfExperts(Workload):
 
     ``reference()``: what every algorithm is checked against, vanilla
     included: ``moe_reference`` on this rank's tokens with every expert, its
-    output and input gradient, and the experts' gradients summed over every
-    rank's tokens (an all-reduce of the full-size gradients, once, in set-up)
-    then cut to this rank's experts. The router's gradient is this rank's
-    tokens' only, as the layer's is.
+    output and input gradient, and the parameters' gradients of the mean of
+    the ranks' losses, as the layer gives them: the full-size gradients summed
+    over every rank's tokens (an all-reduce, once, in set-up) and divided by
+    the world size, the experts' then cut to this rank's.
     """
 
     name = "moe"
@@ -284,7 +284,7 @@ class MixtureOfExperts(Workload):
             p.grad = None
         y = self.module(self.x)
         y.backward(self.dy)
-        return [y.detach(), self.x.grad] + [p.grad for p in self.params]
+        return [y.detach(), self.x.grad] + [_local(p.grad) for p in self.params]
 
     def reference(self) -> list[torch.Tensor]:
         import torch.distributed as dist
@@ -299,12 +299,14 @@ class MixtureOfExperts(Workload):
         x = self.x.detach().clone().requires_grad_()
         y = moe_reference(x, router, w13, w2, c.topk)
         y.backward(self.dy)
-        # every rank's tokens reach every expert: the experts' gradients are the sum over ranks
-        experts = torch.cat([w13.grad.flatten(), w2.grad.flatten()])
-        dist.all_reduce(experts)
-        dw13, dw2 = experts.split([w13.numel(), w2.numel()])
+        # the gradients of the mean of the ranks' losses (the layer's): summed over ranks, divided by their count
+        whole = torch.cat([router.grad.flatten(), w13.grad.flatten(), w2.grad.flatten()])
+        dist.all_reduce(whole)
+        whole /= self.n
+        drouter, dw13, dw2 = whole.split([router.numel(), w13.numel(), w2.numel()])
         start, stop = self.module.expert_range
-        grads = {"router": router.grad, "w13": dw13.view_as(w13)[start:stop], "w2": dw2.view_as(w2)[start:stop]}
+        grads = {"router": drouter.view_as(router), "w13": dw13.view_as(w13)[start:stop],
+                 "w2": dw2.view_as(w2)[start:stop]}
         names = {id(p): name for name, p in self.module.named_parameters()}
         return [y.detach(), x.grad] + [grads[names[id(p)]] for p in self.params]
 

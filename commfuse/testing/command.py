@@ -1,13 +1,17 @@
-"""``commfuse conformance``: run the conformance suite against a backend and write a report."""
+"""``commfuse conformance``: run the conformance suite against a backend and write a report.
+
+This module imports pytest (through :mod:`commfuse.testing`, the suite's pytest plugin): ``commfuse.cli`` imports
+it only where the ``test`` extra is installed, and otherwise registers a command of the same name that says how
+to install it (:data:`commfuse.cli.OPTIONAL_COMMANDS`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from pathlib import Path
 
-from commfuse.cli import MAX_LAUNCHED_RANKS, check_output_file, command, integer
+from commfuse.cli import MAX_LAUNCHED_RANKS, OPTIONAL_COMMANDS, check_output_file, command, integer
 from commfuse.errors import BackendUnavailableError, CommfuseValueError
 from commfuse.testing import MIN_WORLD_SIZE
 
@@ -60,14 +64,13 @@ def _check_reference(option: str, ref: str, default: str | None) -> None:
         raise CommfuseValueError(f"{option} {ref!r}: module {module!r} has no callable {attr!r}")
 
 
-@command("conformance", "run the conformance suite against a backend (correct, deadlock-free, overlapping)",
-         _arguments)
+_SPEC = OPTIONAL_COMMANDS[__name__]
+
+
+@command(_SPEC.name, _SPEC.help, _arguments)
 def _conformance(args: argparse.Namespace) -> int:
-    try:
-        import pytest
-    except ImportError:
-        print("commfuse conformance needs pytest: pip install 'commfuse[test]'", file=sys.stderr)
-        return 2
+    import pytest
+
     from commfuse.testing import suite  # noqa: F401 - fails early if the suite cannot import
 
     _check_backend(args.backend)

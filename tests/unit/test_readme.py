@@ -1,5 +1,6 @@
-"""Tier (a), no processes: README.md stays true to the code: its table names every ``COMMFUSE_*`` variable the
-code reads, and its model example is the file it says it quotes."""
+"""Tier (a), no processes: README.md stays true to the code: its tables name every ``COMMFUSE_*`` variable the
+code reads, those for users apart from those of the CI scripts and those commfuse sets for itself, and its model
+example is the file it says it quotes."""
 
 from __future__ import annotations
 
@@ -52,6 +53,33 @@ def table_variables() -> dict[str, list[str]]:
     return rows
 
 
+#: The tables of README's "Environment variables", by their ``###`` titles: for users, for the CI scripts, and
+#: those commfuse sets for a copy of itself.
+USERS, CI, INTERNAL = "For your program and the command", "For the scripts in `ci/`", "Set by commfuse itself"
+
+
+def tables() -> dict[str, set[str]]:
+    """``###`` title -> the variables of its table."""
+    parts = re.split(r"^### (.+)$", readme_section("Environment variables"), flags=re.MULTILINE)
+    return {title: set(re.findall(r"^\| `(COMMFUSE_[A-Z0-9_]+)` \|", body, flags=re.MULTILINE))
+            for title, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_readme_keeps_user_variables_apart_from_ci_and_internal_ones():
+    found, by_table = names_in_code(), tables()
+    assert list(by_table) == [USERS, CI, INTERNAL], list(by_table)
+    assert all(by_table.values()), by_table
+    for name in found:
+        holding = [title for title, names in by_table.items() if name in names]
+        assert len(holding) == 1, f"{name} must be in exactly one of README's tables, is in {holding}"
+    # the CI scripts' table: exactly the variables only the scripts in ci/ (and .ci/) read
+    only_ci = {name for name, files in found.items() if all(f.split("/")[0] in ("ci", ".ci") for f in files)}
+    assert by_table[CI] == only_ci, f"ci/'s variables: {sorted(only_ci)}; README's table: {sorted(by_table[CI])}"
+    # what users set says nothing of not being for them
+    users = readme_section("Environment variables").split(f"### {USERS}", 1)[1].split("### ", 1)[0]
+    assert "not for users" not in users.lower()
+
+
 def test_the_scan_finds_variables_the_code_is_known_to_read():
     found = names_in_code()
     # one from the library, one from a vendor backend, one from a CI script: the scan reaches all three
@@ -75,7 +103,7 @@ def test_readme_table_names_every_variable_the_code_reads():
 def test_readme_model_example_is_the_file_it_quotes():
     section = readme_section("Use it in your model")
     assert "examples/tp_mlp.py" in section
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert len(blocks) == 1, f"expected one python block in 'Use it in your model', found {len(blocks)}"
     source = (ROOT / "examples" / "tp_mlp.py").read_text()
     assert blocks[0] in source, "README's example differs from examples/tp_mlp.py: quote the file again"
