@@ -5,6 +5,7 @@ experts' ranks fused with the experts' first GEMM, and combined fused with the s
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -12,24 +13,36 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from commfuse.nn import MoE
 
+if "WORLD_SIZE" not in os.environ:  # torchrun sets it in every process it starts, one per rank
+    print("WORLD_SIZE is not set: start one process per rank with torchrun: torchrun --nproc-per-node 2 "
+          "examples/moe.py", file=sys.stderr)
+    sys.exit(2)
+
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if device == "cuda":
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 mesh = init_device_mesh(device, (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("ep",))
-torch.manual_seed(0)  # the same router on every rank (the experts differ: each rank holds its own)
+# Seed every rank alike: the router is replicated, so it must start the same everywhere. The experts still
+# differ from rank to rank: each is drawn from its own generator, seeded by its global index.
+torch.manual_seed(0)
 moe = MoE(256, 512, experts=4, topk=2, group=mesh["ep"], algorithm="ring", device=device)
+# the parameters are DTensors: w13 and w2 sharded over the ranks by expert (Shard(0)), the router replicated
+start, stop = moe.expert_range
 opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
 rank = dist.get_rank()
 for step in range(3):
     x = torch.randn(2, 64, 256, device=device, generator=torch.Generator(device).manual_seed(step * 100 + rank))
     y = moe(x)  # the same shape as x
-    loss = y.pow(2).mean()
+    loss = y.pow(2).mean()  # this rank's own tokens' loss
+    # The backward gives the gradients of the mean of the ranks' losses, as DDP would for a replicated model:
+    # the layer averages the router's gradient over the ranks and divides each expert's (summed over every
+    # rank's tokens routed to it) by their number. Nothing to add here; beside a data-parallel axis, shard or
+    # replicate over mesh["dp"] only (fully_shard, or DDP with device_mesh=mesh["dp"]), never over "ep".
     loss.backward()
-    # the router is replicated and saw only this rank's tokens: average its gradient over the ranks, as a
-    # data-parallel wrapper (DDP, FSDP) over the same ranks would
-    dist.all_reduce(moe.router.grad)
-    moe.router.grad /= dist.get_world_size()
     opt.step()
     opt.zero_grad()
     print(f"rank {rank}: step {step} y {tuple(y.shape)} loss {loss.item():.4f}", flush=True)
+# each rank's experts are its own; w13's shape is the whole layer's, as state_dict and torch.distributed.checkpoint
+# see it (a checkpoint holds every rank's experts)
+print(f"rank {rank}: experts {start}..{stop - 1} of w13 {tuple(moe.w13.shape)}", flush=True)
 dist.destroy_process_group()

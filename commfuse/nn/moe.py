@@ -35,11 +35,16 @@ only behind the own block's compute; ``auto`` takes ``ring:2`` there when it
 takes the ring and half a block carries at least 64 KiB. The grouped GEMM over a rank's local experts is torch's
 ``torch.nn.functional.grouped_mm`` where this build runs it for the device and
 dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
+
+What the parameters are (DTensors: experts sharded by expert, the router
+replicated), which mean the gradients are of, and what runs in which dtype
+under ``torch.autocast``: :class:`MoE`.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -47,13 +52,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from commfuse import backends
-from commfuse.errors import CommfuseValueError
-from commfuse.nn._common import resolve_group, world
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.nn._common import as_param, gather_dim, layer_mesh, local, replicated, resolve_group, world
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, min_slice_bytes, resolve_call
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.executor import op_calls, register_format
-from commfuse.schedule import Collective
+from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
 
@@ -114,22 +119,23 @@ def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, counts) -> torch.Tensor:
     return out
 
 
-def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts) -> None:
-    """``out[e] += x_e.T @ dy_e`` per expert: a weight gradient accumulated over the slices of a call.
+def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts, alpha: float = 1.0) -> None:
+    """``out[e] += alpha * x_e.T @ dy_e`` per expert: a weight gradient accumulated over the slices of a call.
 
     On a CPU each expert's product is added in place (``addmm_``: no temporary the size of the weights per
-    slice); elsewhere torch's grouped GEMM makes every expert's at once, then one add.
+    slice); elsewhere torch's grouped GEMM makes every expert's at once, then one add. ``alpha`` scales the
+    product within that add (no pass of its own over the gradient).
     """
     counts = list(counts)
     if (x.shape[0] and x.device.type != "cpu" and grouped_mm_kind(x.device, x.dtype) != "loop"
             and _aligned(x, dy) and x.shape[0] % 8 == 0):
         offs = torch.tensor(_cumulative(counts), dtype=torch.int32, device=x.device)
-        out += F.grouped_mm(x.t(), dy, offs=offs)
+        out.add_(F.grouped_mm(x.t(), dy, offs=offs), alpha=alpha)
         return
     at = 0
     for e, c in enumerate(counts):
         if c:
-            out[e].addmm_(x.narrow(0, at, c).t(), dy.narrow(0, at, c))
+            out[e].addmm_(x.narrow(0, at, c).t(), dy.narrow(0, at, c), alpha=alpha)
         at += c
 
 
@@ -145,14 +151,15 @@ def _cumulative(counts) -> list[int]:
 
 
 def route(x: torch.Tensor, router: torch.Tensor, topk: int, gating: str = "softmax", normalize: bool = True):
-    """Top-k routing of tokens ``x`` (tokens, hidden) by ``router`` (experts, hidden).
+    """Top-k routing of tokens ``x`` (tokens, hidden) by ``router`` (experts, hidden; a tensor, or a replicated
+    DTensor such as :attr:`MoE.router`, whose local tensor is the whole).
 
     Returns ``(weights, experts)``, both (tokens, topk): the gate weights in
     ``x``'s dtype (renormalised over the k picked when ``normalize``) and the
     experts picked. ``softmax`` (Mixtral) scores every expert with a softmax of
     its logit, ``sigmoid`` (DeepSeek-V3) with a sigmoid.
     """
-    logits = x @ router.t()
+    logits = x @ local(router).t()
     scores = torch.softmax(logits.float(), dim=-1) if gating == "softmax" else torch.sigmoid(logits.float())
     weights, experts = torch.topk(scores, topk, dim=-1)
     if normalize:
@@ -225,8 +232,9 @@ class _Experts:
     rows it holds.
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, recv_counts: list[list[int]]) -> None:
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, recv_counts: list[list[int]], scale: float = 1.0) -> None:
         self.w13, self.w2, self.recv = w13, w2, recv_counts
+        self.scale = scale  # of the weight gradients: 1 / the group size (the mean of the ranks' losses)
         self.rows = [sum(c) for c in recv_counts]
         n = len(recv_counts)
         self.x: list = [None] * n  # each source's rows, as they arrived
@@ -263,20 +271,33 @@ class _Experts:
         rows = dyq.shape[0]
         counts = _counts_in(self.recv[q], start, rows)
         d_act = grouped_mm(dyq, self.w2.transpose(1, 2), counts)
-        grouped_wgrad_add_(dw2, self.act[q].narrow(0, start, rows), dyq, counts)
+        grouped_wgrad_add_(dw2, self.act[q].narrow(0, start, rows), dyq, counts, self.scale)
         self._keep(self.dh13, q, start, _swiglu_backward(self.h13[q].narrow(0, start, rows), d_act))
 
     def up_backward(self, q: int, start: int, rows: int, dw13: torch.Tensor) -> torch.Tensor:
         counts = _counts_in(self.recv[q], start, rows)
         dh13 = self.dh13[q].narrow(0, start, rows)
         dx = grouped_mm(dh13, self.w13.transpose(1, 2), counts)
-        grouped_wgrad_add_(dw13, self.x[q].narrow(0, start, rows), dh13, counts)
+        grouped_wgrad_add_(dw13, self.x[q].narrow(0, start, rows), dh13, counts, self.scale)
         return dx
 
 
 class _ExpertParallel(torch.autograd.Function):
     """Rows sorted by expert (``send_counts[d]`` per expert of rank d) through the experts of their ranks and
-    back, in the same order: dispatch fused with the gate/up GEMM, the down GEMM fused with combine."""
+    back, in the same order: dispatch fused with the gate/up GEMM, the down GEMM fused with combine.
+
+    ========== =============================== =================================== ================================
+    pass       rows (this rank's)              per source rank q, as it arrives    local experts' weights
+    ========== =============================== =================================== ================================
+    forward    xs (rows, h) -> ys (rows, h)    x_q (rows_q, h) @ w13 -> SwiGLU     w13 (E/N, h, 2f), w2 (E/N, f, h)
+                                               -> act_q (rows_q, f) @ w2 -> back
+    dgrad      dys (rows, h) -> dxs (rows, h)  dy_q @ w2^T -> SwiGLU' -> @ w13^T   (the same)
+    wgrad      (none)                          act_q^T @ dy_q, x_q^T @ dh13_q      dw13, dw2: every source's rows,
+                                                                                   summed, divided by N
+    ========== =============================== =================================== ================================
+
+    The weight gradients are divided by N (in the GEMMs that accumulate them): the layer's gradients are
+    those of the mean of its ranks' losses, as :class:`MoE` says."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
@@ -290,7 +311,7 @@ class _ExpertParallel(torch.autograd.Function):
         recv_counts = pipelined.exchange_sizes(call, send_counts, label="moe.sizes", meta=meta).tolist()
         send_rows = send_counts.sum(dim=1).tolist()
         recv_rows = [sum(c) for c in recv_counts]
-        work = _Experts(w13, w2, recv_counts)
+        work = _Experts(w13, w2, recv_counts, 1.0 / len(recv_counts))
         pipelined.all_to_all_consume_core(
             call, list(xs.split(send_rows)), pipelined.StandIn(work.up, work.up_stand_in), 0,
             recv_sizes=recv_rows, label="moe.dispatch", by_slice=True)
@@ -349,22 +370,123 @@ eager_only(_expert_parallel)
 # -- the layer ---------------------------------------------------------------------------------------------------
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
+def _averaged(t: torch.Tensor, group, n: int) -> torch.Tensor:
+    """``t`` whose gradient is averaged over ``group`` in the backward (each rank's divided by ``n``, then summed
+    over the group: the same on every rank)."""
+    if n == 1 or not torch.is_grad_enabled() or not t.requires_grad:
+        return t
+    return _ScaleGrad.apply(replicated(t, group), 1.0 / n)
+
+
+#: The dtypes torch.autocast casts (it leaves float64 alone).
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast_dtype(x: torch.Tensor, w: torch.Tensor):
+    """The dtype torch.autocast runs a matmul of ``x`` and ``w`` in on ``x``'s device, or None when it is off
+    there (or leaves one of them alone)."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind) or x.dtype not in _AUTOCAST_CASTS or w.dtype not in _AUTOCAST_CASTS:
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded ``seed``; a CPU one where the device has none of its own."""
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError:
+        return torch.Generator().manual_seed(seed)
+
+
+def _normal_(w: torch.Tensor, std: float, g: torch.Generator) -> None:
+    """``w`` drawn from N(0, std^2) by ``g`` (on the CPU and copied, when ``g`` is not on ``w``'s device)."""
+    if g.device == w.device:
+        nn.init.normal_(w, std=std, generator=g)
+    else:
+        w.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(std=std, generator=g))
+
+
+def _placement(kind: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Shard(0) if kind == "shard" else Replicate()
+
+
 class MoE(nn.Module):
     """A mixture-of-experts layer over an expert-parallel group; input and output (..., hidden).
 
     ``experts`` SwiGLU experts of ``ffn_size`` each, ``experts / N`` held on
-    each rank of ``group`` (rank r holds experts r*E/N .. (r+1)*E/N - 1):
-    ``w13`` (E/N, hidden, 2 * ffn), the gate then the up projection, and
-    ``w2`` (E/N, ffn, hidden). The router (``router``, (experts, hidden)) is
-    replicated: its gradient is this rank's tokens' only, to be averaged by the
-    data-parallel reduction over the same ranks (DDP or FSDP do), as the
-    other replicated parameters' are. The experts' gradients hold every token
-    routed to them, from every rank.
+    each rank of ``group`` (rank r holds experts r*E/N .. (r+1)*E/N - 1), and
+    the router ``router`` (experts, hidden) on every rank. ``group`` is a
+    ProcessGroup, a 1-D DeviceMesh (``mesh["ep"]``) or None (the default group).
+
+    **Parameters.** With more than one rank they are DTensors, as torchtitan
+    holds an expert-parallel MoE's: ``w13`` (experts, hidden, 2 * ffn), the
+    gate then the up projection, and ``w2`` (experts, ffn, hidden) placed
+    ``Shard(0)`` (this rank's local tensor holds its E/N experts), ``router``
+    ``Replicate()``, on the group's mesh (a 1-D DeviceMesh given as ``group``
+    is that mesh; a ProcessGroup gets ``DeviceMesh.from_group``). So
+    ``state_dict``, ``torch.distributed.checkpoint``, optimizers and
+    ``clip_grad_norm_`` see the whole layer: a checkpoint holds every rank's
+    experts. The forward runs on the local tensors.
+
+    **Gradients.** The layer treats the ranks of its group as data-parallel
+    ranks, each with its own tokens, and gives the gradients of the *mean* of
+    their losses, as DDP does for what it replicates: the router's gradient is
+    averaged over the group in the backward (one all-reduce of (experts,
+    hidden)); each expert's is the sum over every token routed to it, from
+    every rank, divided by N. So on one expert-parallel axis there is nothing
+    to add. Beside a data-parallel axis (a dp x ep mesh), build the layer with
+    ``group=mesh["ep"]`` and shard or replicate it over ``mesh["dp"]``
+    (``fully_shard(model, mesh=mesh["dp"])``, or DDP with
+    ``device_mesh=mesh["dp"]``): their average over dp makes every gradient
+    that of the mean over all dp x ep ranks. Keep ``fully_shard``'s default
+    gradient divide factor: the layer has divided by N already. Never wrap the
+    layer in DDP over (a group holding ranks of) its expert-parallel group:
+    DDP broadcasts rank 0's parameters, which would overwrite every rank's
+    experts with rank 0's. The layer refuses to run under such a DDP (a
+    :class:`CommfuseValueError` naming DDP's ranks, at its first forward); DDP
+    over a plain process group refuses the DTensor parameters itself when it
+    is built.
+
+    **Initialisation.** The router is drawn from the global RNG: seed every
+    rank alike, as for any replicated parameter. Each expert is drawn from a
+    generator seeded by one draw of the global RNG and the expert's global
+    index, so the experts differ from each other and from rank to rank, and do
+    not depend on the world size.
+
+    **Mixed precision.** Under ``torch.autocast`` (for the input's device
+    type), the dispatched rows, the experts' weights and the combined rows are
+    cast to the autocast dtype: the experts' GEMMs run in it and both
+    exchanges (and the backward's) carry it; the router's matmul is autocast's
+    as any matmul is. Output and gradient dtypes are those of
+    :func:`moe_reference` under the same autocast (for a float32 input or
+    one in the autocast dtype: the output in the input's dtype, as the gate
+    weights are; gradients in the input's and the parameters' dtypes; the
+    router's gradient is averaged in theirs). Outside autocast an input whose
+    dtype is not the parameters' is refused by name, as torch's matmul
+    refuses it.
 
     Every rank must build the same layer (expert count, sizes, top-k,
     gating): each call's size exchange checks it, and a rank that differs is
-    named on every rank. ``auto`` decides once, on its first call, on the
-    blocks of balanced routing for the most tokens any rank has then.
+    named on every rank. ``algorithm`` (the grammar of
+    ``commfuse.schedule.parse_algorithm`` for an all-to-all) is checked when
+    it is set. ``auto`` decides once, on its first call, on the blocks of
+    balanced routing for the most tokens any rank has then.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, experts: int, topk: int = 2, *, gating: str = "softmax",
@@ -378,6 +500,7 @@ class MoE(nn.Module):
                 raise CommfuseValueError(f"MoE: {name} must be a positive int, got {value!r}")
         if topk > experts:
             raise CommfuseValueError(f"MoE: topk={topk} is more than the {experts} experts")
+        self.algorithm = algorithm  # checked (the property below)
         self.group = resolve_group(group)
         self.rank, self.world_size = world(self.group)
         if experts % self.world_size:
@@ -385,21 +508,47 @@ class MoE(nn.Module):
                 f"MoE: rank {self.rank}: {experts} experts do not divide over the {self.world_size} ranks of the "
                 "expert-parallel group")
         self.hidden_size, self.ffn_size, self.experts, self.topk = hidden_size, ffn_size, experts, topk
-        self.gating, self.normalize, self.algorithm = gating, normalize, algorithm
+        self.gating, self.normalize = gating, normalize
         self.local_experts = experts // self.world_size
         self.backend = None
         self._calls: dict = {}
+        self._ddp_seen: dict = {}  # DDP process groups this layer ran under, found harmless
         kw = dict(device=device, dtype=dtype)
-        self.router = nn.Parameter(torch.empty(experts, hidden_size, **kw))
-        self.w13 = nn.Parameter(torch.empty(self.local_experts, hidden_size, 2 * ffn_size, **kw))
-        self.w2 = nn.Parameter(torch.empty(self.local_experts, ffn_size, hidden_size, **kw))
+        # DTensors on the group's mesh with more than one rank (None: plain tensors, the whole layer)
+        mesh = layer_mesh(group, self.group, self.world_size, device)
+        shard, whole = (_placement("shard"), _placement("replicate")) if mesh is not None else (None, None)
+        self.router = as_param(torch.empty(experts, hidden_size, **kw), mesh, whole, (experts, hidden_size))
+        self.w13 = as_param(torch.empty(self.local_experts, hidden_size, 2 * ffn_size, **kw), mesh, shard,
+                            (experts, hidden_size, 2 * ffn_size))
+        self.w2 = as_param(torch.empty(self.local_experts, ffn_size, hidden_size, **kw), mesh, shard,
+                           (experts, ffn_size, hidden_size))
         self.reset_parameters()
 
+    @property
+    def algorithm(self) -> str:
+        return self._algorithm
+
+    @algorithm.setter
+    def algorithm(self, value: str) -> None:
+        try:
+            parse_algorithm(value, Collective.ALL_TO_ALL)
+        except (CommfuseTypeError, CommfuseValueError) as e:  # "unknown algorithm 'rign'; expected one of ..."
+            raise type(e)(f"MoE: {e}") from None
+        self._algorithm = value
+
     def reset_parameters(self) -> None:
+        """The router from the global RNG; expert e from a generator seeded by one draw of the global RNG and e."""
+        router, w13, w2 = local(self.router), local(self.w13), local(self.w2)
+        seed = int(torch.randint(0, 2**62, ()))  # the same on every rank seeded alike
         with torch.no_grad():
-            nn.init.normal_(self.router, std=1.0 / math.sqrt(self.hidden_size))
-            nn.init.normal_(self.w13, std=1.0 / math.sqrt(self.hidden_size))
-            nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.ffn_size))
+            nn.init.normal_(router, std=1.0 / math.sqrt(self.hidden_size))
+            if w13.device.type == "meta":
+                return
+            start, _ = self.expert_range
+            for i in range(w13.shape[0]):
+                g = _generator(w13.device, seed + start + i)
+                _normal_(w13[i], 1.0 / math.sqrt(self.hidden_size), g)
+                _normal_(w2[i], 1.0 / math.sqrt(self.ffn_size), g)
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -407,40 +556,95 @@ class MoE(nn.Module):
         return self.rank * self.local_experts, (self.rank + 1) * self.local_experts
 
     def load_experts(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> "MoE":
-        """Copy this rank's share of every expert's weights (``moe_reference``'s layout) and the router."""
+        """Copy this rank's share of every expert's weights (``moe_reference``'s layout: ``w13`` (experts,
+        hidden, 2 * ffn), ``w2`` (experts, ffn, hidden)) and the router (experts, hidden) into the local
+        tensors."""
+        want = {"router": (self.experts, self.hidden_size), "w13": (self.experts, self.hidden_size, 2 * self.ffn_size),
+                "w2": (self.experts, self.ffn_size, self.hidden_size)}
+        for name, t in (("router", router), ("w13", w13), ("w2", w2)):
+            if tuple(t.shape) != want[name]:
+                raise CommfuseValueError(f"MoE.load_experts: rank {self.rank}: {name} has shape {list(t.shape)}, "
+                                         f"the whole layer's is {list(want[name])}")
         start, stop = self.expert_range
         with torch.no_grad():
-            self.router.copy_(router)
-            self.w13.copy_(w13[start:stop])
-            self.w2.copy_(w2[start:stop])
+            local(self.router).copy_(local(router))
+            local(self.w13).copy_(w13[start:stop])
+            local(self.w2).copy_(w2[start:stop])
         return self
+
+    def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole layer on every rank as ``moe_reference`` (and :meth:`load_experts`) take it: ``(router,
+        w13, w2)``, plain tensors. Gathers every rank's experts: a collective over the group."""
+        router = local(self.router).detach().clone()
+        return (router, gather_dim(self.w13, 0, self.experts, self.group),
+                gather_dim(self.w2, 0, self.experts, self.group))
 
     def _meta(self) -> list[int]:
         return [self.experts, self.hidden_size, self.ffn_size, self.topk, GATINGS.index(self.gating),
                 int(self.normalize)]
+
+    def _refuse_ddp_over_experts(self) -> None:
+        """Refuse to run inside DistributedDataParallel over a group that holds two or more of this layer's
+        ranks: DDP broadcast rank 0's parameters over theirs when it was built and averages their gradients."""
+        ddp_module = sys.modules.get("torch.nn.parallel.distributed")
+        ddp = None if ddp_module is None else ddp_module.DistributedDataParallel._active_ddp_module
+        if ddp is None or self.world_size == 1:
+            return
+        pg = ddp.process_group
+        if pg in self._ddp_seen:
+            return
+        import torch.distributed as dist
+
+        theirs = dist.get_process_group_ranks(pg)
+        mine = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        shared = sorted(set(theirs) & set(mine))
+        if len(shared) > 1:
+            raise CommfuseValueError(
+                f"MoE: rank {self.rank}: it runs inside DistributedDataParallel over global ranks {theirs}, "
+                f"{len(shared)} of which ({shared}) are ranks of its expert-parallel group {mine}: each of them "
+                f"holds experts of its own, which DDP overwrote with global rank {theirs[0]}'s when it was built "
+                "and would average with the others' gradients. Wrap the model in DDP or fully_shard over the "
+                "data-parallel axis only (device_mesh=mesh['dp'] of a dp x ep mesh): the layer averages its "
+                "gradients over its expert-parallel group itself")
+        self._ddp_seen[pg] = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise CommfuseValueError(
                 f"MoE: rank {self.rank}: input has {x.shape[-1]} features in its last dim, the layer's hidden size "
                 f"is {self.hidden_size}")
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._refuse_ddp_over_experts()
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
+        router, w13, w2 = local(self.router), local(self.w13), local(self.w2)
         be = None if self.world_size == 1 else backends.resolve(self.backend, self.group, xt.device)
         first = be is not None and self.algorithm == "auto" and (self.algorithm, self.backend, xt.device,
                                                                   xt.dtype) not in self._calls
         # the router, the sort and the exchanges (auto's token count on the first call, then the sizes, the
         # dispatch and the combine): if this rank leaves before making them all, its peers hear of it
         # (under torch.compile the exchanges run at a graph break, eagerly; the count is not traced)
-        guard = nullcontext() if torch.compiler.is_compiling() else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
+        guard = nullcontext() if compiling else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
         with guard:
-            weights, chosen = route(xt, self.router, self.topk, self.gating, self.normalize)
+            cast = _autocast_dtype(xt, w13)
+            if cast is None and xt.dtype != w13.dtype:
+                raise CommfuseTypeError(
+                    f"MoE: rank {self.rank}: the input is {xt.dtype} and the layer's parameters are {w13.dtype}: "
+                    "torch's matmul does not mix them; cast the input, or the layer (moe.to(dtype)), or run "
+                    "under torch.autocast")
+            router = _averaged(router, self.group, self.world_size)
+            weights, chosen = route(xt, router, self.topk, self.gating, self.normalize)
             order, token, counts = _sort_by_expert(chosen, self.experts)
             xs = xt.index_select(0, token)
             n = self.world_size
             call = self._call(xt)
             send_counts = counts.view(n, self.local_experts)
-            ys = _expert_parallel(xs, self.w13, self.w2, call, send_counts, self._meta())
+            if cast is None:
+                ys = _expert_parallel(xs, w13, w2, call, send_counts, self._meta())
+            else:  # the rows, the experts and both exchanges in autocast's dtype; autocast itself off inside
+                with torch.autocast(xt.device.type, enabled=False):
+                    ys = _expert_parallel(xs.to(cast), w13.to(cast), w2.to(cast), call, send_counts, self._meta())
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
 

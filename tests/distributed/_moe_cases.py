@@ -7,6 +7,7 @@ import torch
 import commfuse as cf
 from commfuse.errors import CommfuseError
 from commfuse.nn import MoE, moe_reference
+from commfuse.nn._common import local
 from commfuse.runtime.c10d import C10dBackend
 from commfuse.runtime.executor import measure
 
@@ -20,10 +21,10 @@ def _weights(n: int, experts: int, *, starve_rank: int | None, starve_expert: in
     router = torch.randn(experts, HIDDEN, generator=g)
     w13 = torch.randn(experts, HIDDEN, 2 * FFN, generator=g) / HIDDEN ** 0.5
     w2 = torch.randn(experts, FFN, HIDDEN, generator=g) / FFN ** 0.5
-    local = experts // n
+    per_rank = experts // n
     starved = set()
     if starve_rank is not None:
-        starved.update(range(starve_rank * local, (starve_rank + 1) * local))
+        starved.update(range(starve_rank * per_rank, (starve_rank + 1) * per_rank))
     if starve_expert is not None:
         starved.add(starve_expert)
     for e in starved:
@@ -40,7 +41,9 @@ def _tokens(n: int, seed: int = 2) -> list[torch.Tensor]:
 
 
 def _reference(xs, router, w13, w2, topk, gating):
-    """The one-process reference over every rank's tokens: outputs by rank and gradients of the same loss."""
+    """The one-process reference over every rank's tokens: outputs and input gradients by rank (each of its
+    own loss), and the parameters' gradients of the mean of the ranks' losses (the experts' summed over every
+    rank's tokens, divided by the rank count; the router's averaged over the ranks)."""
     r_ = router.clone().requires_grad_()
     w13_ = w13.clone().requires_grad_()
     w2_ = w2.clone().requires_grad_()
@@ -56,7 +59,8 @@ def _reference(xs, router, w13, w2, topk, gating):
         y = moe_reference(x, r1, w13, w2, topk, gating)
         (y * _grad_weights(q, y)).sum().backward() if y.numel() else None
         router_grads.append(r1.grad if r1.grad is not None else torch.zeros_like(router))
-    return ys, [x.grad for x in xr], w13_.grad, w2_.grad, router_grads
+    n = len(xs)
+    return ys, [x.grad for x in xr], w13_.grad / n, w2_.grad / n, sum(router_grads) / n
 
 
 def _grad_weights(rank: int, y: torch.Tensor) -> torch.Tensor:
@@ -74,14 +78,15 @@ def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
     """Forward and backward of MoE against the one-process reference: top-1 and top-2, softmax and sigmoid
     gating, skewed routing (a rank with no tokens, an expert no token picks, and at 3+ ranks a rank whose
     experts no token picks). fp32 forward outputs exactly (within 1e-6 where blocks are cut in slices);
-    gradients (sums in another order) within 2e-5."""
+    gradients (sums in another order) within 2e-5: the input's of this rank's loss, the parameters' of the
+    mean of the ranks' losses."""
     problems: list[str] = []
     experts = 2 * n
     starve_rank = n - 1 if n >= 3 else None
     for topk, gating in ((1, "softmax"), (2, "softmax"), (2, "sigmoid")):
         router, w13, w2, starved = _weights(n, experts, starve_rank=starve_rank, starve_expert=0)
         xs = _tokens(n)
-        ys, dxs, dw13, dw2, router_grads = _reference(xs, router, w13, w2, topk, gating)
+        ys, dxs, dw13, dw2, drouter = _reference(xs, router, w13, w2, topk, gating)
         picked = set()
         for x in xs:
             if x.numel():
@@ -104,8 +109,8 @@ def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
             y.backward(_grad_weights(rank, y))
             lo, hi = moe.expert_range
             for name, got, want in (("input", x.grad, dxs[rank]), ("w13", moe.w13.grad, dw13[lo:hi]),
-                                    ("w2", moe.w2.grad, dw2[lo:hi]), ("router", moe.router.grad, router_grads[rank])):
-                got = torch.zeros_like(want) if got is None else got
+                                    ("w2", moe.w2.grad, dw2[lo:hi]), ("router", moe.router.grad, drouter)):
+                got = torch.zeros_like(want) if got is None else local(got)  # a DTensor's: this rank's piece
                 if not _close(got, want):
                     problems.append(f"{where}: {name} gradient differs (max {(got - want).abs().max().item():g})")
             # the measurement modes the benchmark uses run the same layer end to end
@@ -215,10 +220,6 @@ def auto_takes(rank: int, n: int) -> dict:
         (call,) = moe._calls.values()
         xs = [torch.empty(rows, 64) for _ in range(n)]
         torch.distributed.all_gather(xs, x)
-        w13 = torch.empty(2 * n, 64, 64)
-        w2 = torch.empty(2 * n, 32, 64)
-        torch.distributed.all_gather_into_tensor(w13, moe.w13.detach().contiguous())
-        torch.distributed.all_gather_into_tensor(w2, moe.w2.detach().contiguous())
-        want = moe_reference(xs[rank], moe.router.detach(), w13, w2, 2)
+        want = moe_reference(xs[rank], *moe.gather_experts(), 2)
         out[rows] = {"taken": call[0].spec.shown, "reason": call[0].reason, "close": _close(y, want, 1e-5)}
     return out
