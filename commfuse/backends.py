@@ -34,8 +34,8 @@ KNOWN_BACKENDS = {
 }
 
 __all__ = [
-    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "refuse_destroyed",
-    "release", "resolve", "spec", "specs",
+    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "process_group",
+    "refuse_destroyed", "release", "resolve", "spec", "specs",
 ]
 
 
@@ -225,6 +225,27 @@ def fresh() -> None:
 _DESTROYED = object()
 
 
+def process_group(group):
+    """``group`` as a ProcessGroup: a ``DeviceMesh`` of one dimension (``mesh["tp"]``) gives its group; a mesh
+    of more is refused by name (which of its dims the op runs over is for the caller to say); None and
+    anything else come back as they are."""
+    if group is None or type(group).__name__ != "DeviceMesh":
+        return group
+    import sys
+
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    if mesh_module is None or not isinstance(group, mesh_module.DeviceMesh):
+        return group
+    if group.ndim != 1:
+        names = group.mesh_dim_names
+        raise CommfuseValueError(
+            f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}: commfuse runs over one of its dims; pass "
+            f"the 1-D sub-mesh of that dim, e.g. mesh[{names[0] if names else '<dim name>'!r}], or its process "
+            "group"
+        )
+    return group.get_group()
+
+
 def resolve(backend=None, group=None, device=None):
     """The backend object an op call runs on, or None for a single process without torch.distributed.
 
@@ -240,6 +261,7 @@ def resolve(backend=None, group=None, device=None):
         return backend
     import torch.distributed as dist
 
+    group = process_group(group)
     fresh()
     if group is None and not (dist.is_available() and dist.is_initialized()):
         size = os.environ.get("WORLD_SIZE", "")

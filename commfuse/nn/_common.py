@@ -156,9 +156,12 @@ class ReplicatedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        from commfuse.runtime.calls import resolve_call
+        from commfuse.runtime.pipelined import all_reduce_core
+
+        # through commfuse (numbered, bounded by its timeout, told to every rank), not a raw all_reduce
+        call = resolve_call("reduce_scatter", "vanilla", group=ctx.group, device=g.device)
+        return all_reduce_core(call, g.contiguous(), label="replicated_grad"), None
 
 
 def replicated(t: torch.Tensor, group) -> torch.Tensor:

@@ -62,7 +62,8 @@ from commfuse.runtime.programs import (
 from commfuse.schedule import AlgorithmSpec, Collective, SliceId, split_sizes
 
 __all__ = [
-    "StandIn", "a2a_layout", "all_gather_consume_core", "all_to_all_consume_core", "capped", "collect",
+    "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "all_to_all_consume_core", "capped",
+    "collect",
     "configured", "consecutive", "exchange_sizes", "forget_plans", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one", "run_scatter_whole",
@@ -765,6 +766,23 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
         program = ProduceAllToAllProgram(layout, pool, producer, meta=values, made=made, by_slice=by_slice)
         execute(plan, program, ticket=ticket)
     return program.result()
+
+
+def all_reduce_core(call: Call, t: torch.Tensor, *, label: str = "all_reduce") -> torch.Tensor:
+    """The sum of ``t`` over the group's ranks, as two calls through the executor: a reduce-scatter of its flat
+    pieces, then an all-gather of the sums (``call``'s algorithm, ``vanilla`` for two whole collectives). So an
+    all-reduce a layer needs (a replicated parameter's gradient) is numbered, bounded by commfuse's timeout,
+    interruptible, and told to every rank like any call, never a raw collective bounded only by the group's
+    own timeout."""
+    n = call.be.world_size
+    flat = t.reshape(-1)
+    k = -(-flat.numel() // n) or 1
+    if flat.numel() != n * k:
+        flat = torch.cat([flat, flat.new_zeros(n * k - flat.numel())])
+    pieces = flat.view(n, k)
+    mine = produce_reduce_scatter_core(call, lambda d: pieces[d].clone(), 0, label=f"{label}.reduce", inplace=True)
+    whole = all_gather_consume_core(call, mine, collect, 0, label=f"{label}.gather")
+    return torch.cat(whole)[: t.numel()].view(t.shape)
 
 
 def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all.sizes",

@@ -744,6 +744,8 @@ for _label, _what in (
     ("all_gather_consume", "shards"), ("sharded_linear.forward", "weight shards"),
     ("sharded_linear.bias", "bias shards"), ("sharded_linear.dgrad", "weight shards"),
     ("produce_reduce_scatter", "partials"), ("produce_reduce_scatter.backward", "output gradient shards"),
+    ("replicated_grad.reduce", "pieces of a replicated parameter's gradient"),
+    ("replicated_grad.gather", "sums of a replicated parameter's gradient"),
     ("attention_reduce_scatter.backward", "output gradient shards"),
     ("sharded_linear.wgrad", "weight gradient partials"), ("sharded_linear.bgrad", "bias gradient partials"),
     ("all_to_all_consume", "chunks"), ("all_to_all_consume.uneven", "chunks (-1: rows differ per peer)"),

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from commfuse.schedule import hidden_fraction
 from commfuse.sim._engine import Timeline, check_size, simulate_phases
 from commfuse.sim._model import kernel_time
 from commfuse.sim._profile import Profile, ProfileError, load_profile
@@ -60,10 +61,11 @@ class Prediction:
 
     @property
     def hidden_fraction(self) -> float | None:
-        """``(compute_only + comm - time) / comm`` clipped to [0, 1]: 1 = every transfer ran behind compute."""
+        """The bench's figure (``commfuse.schedule.hidden_fraction``) of the predicted run, the compute outside
+        the fused ops taken out of every side; None with nothing to communicate."""
         if self.comm <= 0:
             return None
-        return min(1.0, max(0.0, (self.compute_only + self.comm - self.time) / self.comm))
+        return hidden_fraction(self.time - self.outside, self.compute_only - self.outside, self.comm)
 
     @property
     def mfu(self) -> float:

@@ -525,9 +525,10 @@ def hidden_figures(total: float, compute: float, comm: float) -> dict:
     figure, the time hidden as a fraction of comm-only, kept for reference:
     it cannot exceed compute/comm, so it says little on a slow link.
     """
+    from commfuse.schedule import hidden_fraction
+
     saved = compute + comm - total
-    hideable = min(compute, comm)
-    fraction = max(0.0, min(1.0, saved / hideable)) if hideable > 0 else 1.0
+    fraction = hidden_fraction(total, compute, comm)
     of_comm = max(0.0, min(1.0, saved / comm)) if comm > 0 else 1.0
     return {"total_ms": 1e3 * total, "compute_only_ms": 1e3 * compute, "comm_only_ms": 1e3 * comm,
             "hidden_ms": 1e3 * saved, "hidden_fraction": fraction, "hidden_fraction_of_comm": of_comm}

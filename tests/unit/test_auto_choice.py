@@ -123,7 +123,12 @@ def test_auto_logs_the_inputs_it_decided_on(caplog, monkeypatch):
         resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=8192, flops=1e9)
         resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=1024, flops=1e9)
         resolve_call(Collective.REDUCE_SCATTER, "auto", backend=backend, slice_bytes=8192, flops=1e9)  # memo hit
-    messages = [r.getMessage() for r in caplog.records if r.name == "commfuse"]
+    short = [r.getMessage() for r in caplog.records if r.name == "commfuse" and r.levelno == logging.INFO]
+    assert short == ["auto: reduce_scatter takes ring on 8 ranks: a ring hop carries 8192 bytes: each of the 7 hops "
+                     "hides behind one shard of compute",
+                     "auto: reduce_scatter takes vanilla on 8 ranks: a ring hop would carry 1024 bytes, under 4096: "
+                     "per-step latency would outweigh the overlap, so one collective is cheaper"], short
+    messages = [r.getMessage() for r in caplog.records if r.name == "commfuse" and r.levelno == logging.DEBUG]
     assert len(messages) == 2, messages
     ring, vanilla = messages
     assert ring.startswith("auto chose ring for reduce_scatter: a ring hop carries 8192 bytes"), ring
