@@ -354,13 +354,19 @@ class _ExpertParallel(torch.autograd.Function):
         return torch.cat(dxs) if len(dxs) > 1 else dxs[0]
 
 
-def _expert_parallel(xs, w13, w2, call, send_counts, meta):
+def _not_traced() -> None:
+    """Refuse a torch.compile trace of the exchanges, by name; under fullgraph=False Dynamo then runs this call
+    eagerly (a graph break), where it returns."""
     if torch.compiler.is_compiling():
         raise CommfuseValueError(
             "MoE's dispatch and combine are sized on the host each call (dropless routing), so they cannot be part "
             "of a torch.compile graph: with fullgraph=False torch.compile runs them eagerly (a graph break) and "
             "compiles the router and the gating around them"
         )
+
+
+def _expert_parallel(xs, w13, w2, call, send_counts, meta):
+    _not_traced()
     return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta)
 
 
@@ -614,6 +620,8 @@ class MoE(nn.Module):
                 f"MoE: rank {self.rank}: input has {x.shape[-1]} features in its last dim, the layer's hidden size "
                 f"is {self.hidden_size}")
         compiling = torch.compiler.is_compiling()
+        if compiling and self.world_size > 1:
+            _not_traced()  # before the backend is looked up, which older Dynamo cannot trace
         if not compiling:
             self._refuse_ddp_over_experts()
         shape = x.shape

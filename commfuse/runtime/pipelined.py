@@ -653,14 +653,20 @@ def _shape_less(shape, dim: int) -> tuple:
     return tuple(out)
 
 
+def _refuse_traced_uneven(be, label: str) -> None:
+    """An uneven all-to-all's sizes change every call; a traced backend's graph has fixed shapes."""
+    if getattr(getattr(be, "capabilities", None), "execution", "eager") == "traced":
+        raise CommfuseValueError(
+            f"rank {be.rank}: {label} is an uneven all-to-all, whose sizes change every call; the "
+            f"{getattr(be, 'name', 'traced')} backend traces a graph of fixed shapes: pad every block to "
+            "one capacity and call the even form"
+        )
+
+
 def a2a_layout(plan: Plan, dim: int, shape, dtype, send_sizes, recv_sizes) -> AllToAllLayout:
     """One uneven call's layout (every slice's size), on its plan's compiled steps."""
     if plan.traced:
-        raise CommfuseValueError(
-            f"rank {plan.rank}: {plan.label} is an uneven all-to-all, whose sizes change every call; the "
-            f"{getattr(plan.backend, 'name', 'traced')} backend traces a graph of fixed shapes: pad every block to "
-            "one capacity and call the even form"
-        )
+        _refuse_traced_uneven(plan.backend, plan.label)
     return AllToAllLayout(plan.compiled, dim, shape, dtype, send_sizes, recv_sizes)
 
 
@@ -796,6 +802,7 @@ def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all
     ``compute_only`` measurements too: the sizes are what the data's buffers are made of.
     """
     n = call.be.world_size
+    _refuse_traced_uneven(call.be, label.rsplit(".", 1)[0])  # before any size travels
     if counts.ndim != 2 or counts.shape[0] != n:
         raise CommfuseValueError(f"rank {call.be.rank}: counts must be (world size {n}, k), got {list(counts.shape)}")
     sizes_call = call.vanilla()
