@@ -29,6 +29,7 @@ _LAZY = {
     "all_to_all_consume": "commfuse.ops",
     "produce_all_to_all": "commfuse.ops",
     "choose_algorithm": "commfuse.ops",
+    "explain": "commfuse._explain",
     "backends": None,
     "ops": None,
     "launch": None,

@@ -13,7 +13,8 @@ op                                 what it computes
 all_gather_matmul                  ``(gathered or empty, [AG(a) @ b_i])`` (one gather, many GEMMs)
 matmul_reduce_scatter              ``RS(a @ b)`` along ``scatter_dim``, ``reduce_op`` sum or avg
 attention_reduce_scatter           query-split attention: ``RS_d(attend(q_d, k, v) @ wo^T)`` over
-                                   the query slices d (``commfuse.nn.ParallelAttention``)
+                                   the query slices d, each with its rows of a mask (a dense
+                                   ``attn_mask`` or ``document_ids``; ``commfuse.nn.ParallelAttention``)
 sharded_linear                     ``x @ AG(W_r)^T + AG(b_r)``: FSDP's gathered weight, fused
                                    (``commfuse.nn.ShardedLinear``)
 ``*_backward``                     their gradients, each itself a ring
@@ -333,35 +334,39 @@ def matmul_reduce_scatter(a, b, *, group=None, scatter_dim: int = 0, reduce_op: 
 # -- attention_reduce_scatter (commfuse.nn.ParallelAttention, commfuse.tp.AttentionParallel) -----------------
 
 
-def _attention_producer(q, k, v, wo, causal: bool, n: int):
+def _attention_mask(attn_mask, document_ids):
+    """The op's mask tensors as the ``AttentionMask`` the query slices cut (None: no mask)."""
+    from commfuse.nn.attention import AttentionMask
+
+    if attn_mask is not None:
+        return AttentionMask("dense", attn_mask)
+    if document_ids is not None:
+        return AttentionMask("documents", document_ids)
+    return None
+
+
+def _attention_producer(q, k, causal: bool, n: int, attn_mask=None, document_ids=None):
     """``producer(d, q, k, v, wo)``: query slice d's attention over the keys it may see, times ``wo^T``."""
-    from commfuse.nn.attention import attend
+    from commfuse.nn.attention import query_slices
 
-    b, s = q.shape[0], q.shape[1]
-    rows = s // n
-
-    def producer(dest: int, q, k, v, wo):
-        keys = slice(0, (dest + 1) * rows) if causal else slice(0, s)
-        o = attend(q[:, dest * rows:(dest + 1) * rows], k[:, keys], v[:, keys], causal=causal, q_offset=dest * rows)
-        return o.reshape(b, rows, -1) @ wo.t()
-
-    return producer
+    return query_slices(q, k, causal=causal, world_size=n, mask=_attention_mask(attn_mask, document_ids))
 
 
-def _attention_call(q, k, wo, causal, name, algorithm, n):
+def _attention_call(q, k, wo, causal, name, algorithm, n, attn_mask=None, document_ids=None):
     """The reduce-scatter call of the query-split attention: ``auto`` decides on one partial's bytes, which
-    every rank knows (as ``ParallelAttention`` decides in eager mode); the mask and the heads, which the
-    partials' shape does not show, join its fingerprint."""
+    every rank knows (as ``ParallelAttention`` decides in eager mode); the mask (its kind) and the heads, which
+    the partials' shape does not show, join its fingerprint."""
     from commfuse.runtime.calls import resolve_call
     from commfuse.runtime.pipelined import configured, layer_config
 
     call = resolve_call("reduce_scatter", algorithm, group=_group(name), device=q.device,
                         slice_bytes=q.shape[0] * (q.shape[1] // n) * wo.shape[0] * q.element_size())
+    kind = "dense" if attn_mask is not None else "documents" if document_ids is not None else "none"
     return configured(call, layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2],
-                                         kv_heads=k.shape[2], head_dim=q.shape[3]))
+                                         kv_heads=k.shape[2], head_dim=q.shape[3], mask=kind))
 
 
-def _check_attention(q, k, v, wo, n: int) -> None:
+def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise CommfuseValueError(f"attention_reduce_scatter takes q, k, v as (batch, seq, heads, head_dim), got "
                                  f"shapes {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -371,17 +376,30 @@ def _check_attention(q, k, v, wo, n: int) -> None:
     if wo.ndim != 2 or wo.shape[1] != q.shape[2] * q.shape[3]:
         raise CommfuseValueError(f"attention_reduce_scatter: wo must be (hidden, heads * head_dim) = (.., "
                                  f"{q.shape[2] * q.shape[3]}), got {list(wo.shape)}")
+    if attn_mask is not None and document_ids is not None:
+        raise CommfuseValueError("attention_reduce_scatter: give attn_mask or document_ids, not both")
+    b, s = q.shape[0], q.shape[1]
+    if attn_mask is not None and (attn_mask.ndim != 4 or attn_mask.shape[0] not in (1, b)
+                                  or attn_mask.shape[1] not in (1, q.shape[2]) or attn_mask.shape[2] not in (1, s)
+                                  or attn_mask.shape[3] not in (1, s)):
+        raise CommfuseValueError(f"attention_reduce_scatter: attn_mask must be 4-D and broadcast to (batch {b}, "
+                                 f"this rank's heads {q.shape[2]}, {s}, {s}), got {list(attn_mask.shape)}")
+    if document_ids is not None and (document_ids.ndim != 2 or document_ids.shape[0] not in (1, b)
+                                     or document_ids.shape[1] != s):
+        raise CommfuseValueError(f"attention_reduce_scatter: document_ids must be ({b} or 1, {s}), got "
+                                 f"{list(document_ids.shape)}")
 
 
 @torch.library.custom_op("commfuse::attention_reduce_scatter", mutates_args=())
 def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, causal: bool,
-                              group_name: str, algorithm: str) -> torch.Tensor:
+                              group_name: str, algorithm: str, attn_mask: torch.Tensor | None = None,
+                              document_ids: torch.Tensor | None = None) -> torch.Tensor:
     from commfuse.runtime.pipelined import produce_reduce_scatter_core
 
     _, n = _world(group_name)
-    _check_attention(q, k, v, wo, n)
-    producer = _attention_producer(q, k, v, wo, causal, n)
-    call = _attention_call(q, k, wo, causal, group_name, algorithm, n)
+    _check_attention(q, k, v, wo, n, attn_mask, document_ids)
+    producer = _attention_producer(q, k, causal, n, attn_mask, document_ids)
+    call = _attention_call(q, k, wo, causal, group_name, algorithm, n, attn_mask, document_ids)
     with torch.no_grad():
         if call is None:
             return producer(0, q, k, v, wo).contiguous()
@@ -389,21 +407,22 @@ def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_reduce_scatter.register_fake
-def _(q, k, v, wo, causal, group_name, algorithm):
+def _(q, k, v, wo, causal, group_name, algorithm, attn_mask=None, document_ids=None):
     _, n = _world(group_name)
     return q.new_empty(q.shape[0], q.shape[1] // n, wo.shape[0])
 
 
 @torch.library.custom_op("commfuse::attention_reduce_scatter_backward", mutates_args=())
 def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor,
-                                       dout: torch.Tensor, causal: bool, group_name: str,
-                                       algorithm: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor]:
+                                       dout: torch.Tensor, causal: bool, group_name: str, algorithm: str,
+                                       attn_mask: torch.Tensor | None = None,
+                                       document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          torch.Tensor, torch.Tensor]:
     from commfuse.runtime.pipelined import all_gather_consume_core
 
     _, n = _world(group_name)
-    producer = _attention_producer(q, k, v, wo, causal, n)
-    call = _attention_call(q, k, wo, causal, group_name, algorithm, n)
+    producer = _attention_producer(q, k, causal, n, attn_mask, document_ids)
+    call = _attention_call(q, k, wo, causal, group_name, algorithm, n, attn_mask, document_ids)
     grads: list[torch.Tensor | None] = [None] * 4
 
     def consume(g: torch.Tensor, d: int) -> None:
@@ -422,30 +441,43 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 @_attention_reduce_scatter_backward.register_fake
-def _(q, k, v, wo, dout, causal, group_name, algorithm):
+def _(q, k, v, wo, dout, causal, group_name, algorithm, attn_mask=None, document_ids=None):
     return tuple(torch.empty_like(t) for t in (q, k, v, wo))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, wo, causal, group_name, algorithm = inputs
-    ctx.save_for_backward(q, k, v, wo)
+    q, k, v, wo, causal, group_name, algorithm, attn_mask, document_ids = inputs
+    ctx.save_for_backward(q, k, v, wo, attn_mask, document_ids)
     ctx.options = (causal, group_name, algorithm)
 
 
 def _attention_backward(ctx, dout):
-    q, k, v, wo = ctx.saved_tensors
-    grads = torch.ops.commfuse.attention_reduce_scatter_backward(q, k, v, wo, dout, *ctx.options)
-    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])), None, None, None)
+    q, k, v, wo, attn_mask, document_ids = ctx.saved_tensors
+    grads = torch.ops.commfuse.attention_reduce_scatter_backward(q, k, v, wo, dout, *ctx.options, attn_mask,
+                                                                 document_ids)
+    # the masks are constants: no gradient (commfuse.nn.attention.resolve_mask refuses one that wants it)
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])), None, None, None, None, None)
 
 
 _attention_reduce_scatter.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm: str = "auto") -> torch.Tensor:
+def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm: str = "auto",
+                             mask=None) -> torch.Tensor:
     """Query-split attention fused with the out-projection's reduce-scatter, as one op: q (b, s, Hq, d), k and
     v (b, s, Hkv, d) for this rank's heads, ``wo`` (hidden, Hq * d) this rank's columns of the out-projection;
-    returns (b, s / N, hidden), this rank's rows of the summed output."""
-    return torch.ops.commfuse.attention_reduce_scatter(q, k, v, wo, causal, group_name(group), algorithm)
+    returns (b, s / N, hidden), this rank's rows of the summed output. ``mask``: a resolved
+    ``commfuse.nn.attention.AttentionMask`` or None; it travels as a dense ``attn_mask`` (a BlockMask
+    evaluated for the whole sequence: an op takes no callables) or as ``document_ids``."""
+    attn_mask = document_ids = None
+    if mask is not None:
+        mask = mask.whole(q.shape[1])
+        if mask.kind == "documents":
+            document_ids = mask.tensor
+        else:
+            attn_mask = mask.tensor
+    return torch.ops.commfuse.attention_reduce_scatter(q, k, v, wo, causal, group_name(group), algorithm, attn_mask,
+                                                       document_ids)
 
 
 # -- sharded_linear (commfuse.nn.ShardedLinear) --------------------------------------------------------------
@@ -557,3 +589,50 @@ _replicated.register_autograd(_replicated_backward, setup_context=_replicated_se
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     """``commfuse.nn._common.replicated`` as an op: identity forward, the gradient summed over ``group``."""
     return torch.ops.commfuse.replicated(t, group_name(group))
+
+
+# -- autocast ------------------------------------------------------------------------------------------------
+# Under torch.autocast a custom op is not cast by itself (its autocast key falls through): these rules cast its
+# floating-point inputs (but float64) to the autocast dtype, as the eager ops cast theirs
+# (``commfuse.ops.autocast_dtype``), then run it with autocast off. torch.library.register_autocast takes one
+# fixed dtype per device type; these read the dtype the autocast region asks for (bfloat16 or float16) at each
+# call. CPU is tested; CUDA, XPU and PrivateUse1 (Ascend's NPU) are registered the same way, unverified.
+
+_AUTOCAST_KEYS = ("AutocastCPU", "AutocastCUDA", "AutocastXPU", "AutocastPrivateUse1")
+_autocast_lib = torch.library.Library("commfuse", "IMPL")  # kept: the registrations live as long as it does
+
+
+def _cast(t, device_type: str, dtype: torch.dtype):
+    if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.dtype != dtype
+            and t.device.type == device_type):
+        return t.to(dtype)
+    return t
+
+
+def _autocast_rule(name: str, cast: tuple[int, ...]) -> None:
+    """Cast the arguments at positions ``cast`` (a tensor or a list of tensors each) of ``commfuse::name``."""
+    op = getattr(torch.ops.commfuse, name).default
+
+    def kernel(_keyset, *args):
+        device_type = args[0].device.type
+        dtype = torch.get_autocast_dtype(device_type)
+        args = list(args)
+        for i in cast:
+            if i >= len(args):
+                continue
+            got = args[i]
+            args[i] = [_cast(t, device_type, dtype) for t in got] if isinstance(got, (list, tuple)) else \
+                _cast(got, device_type, dtype)
+        with torch.autocast(device_type, enabled=False):
+            return op(*args)
+
+    for key in _AUTOCAST_KEYS:
+        _autocast_lib.impl(name, kernel, key, with_keyset=True)
+
+
+_autocast_rule("all_gather_matmul", (0, 1))  # a, bs
+_autocast_rule("matmul_reduce_scatter", (0, 1))  # a, b
+_autocast_rule("attention_reduce_scatter", (0, 1, 2, 3, 7))  # q, k, v, wo, an additive attn_mask (a bool one stays)
+# x only: the op gathers its weight shards cast to x's dtype and reduces their gradients in reduce_dtype (else the
+# parameters' dtype), as FSDP2 does under autocast
+_autocast_rule("sharded_linear", (0,))

@@ -22,6 +22,12 @@ that every rank must share, from ``commfuse.runtime.pipelined.layer_config``,
 added to the call's fingerprint so that a rank whose layer differs is named
 on every rank (eager calls; under ``torch.compile`` the custom ops take none).
 
+Under ``torch.autocast`` the fused ops cast their floating-point inputs (but
+float64) to the autocast dtype at entry, as torch's matmul does there: the
+GEMMs run in it and the activations travel in it, and the gradients come
+back in the inputs' own dtypes (:func:`autocast_dtype`). Outside autocast
+mixed dtypes are refused, as torch's matmul refuses them.
+
 This module is validation plus dispatch. The first call of a signature
 (shapes, dtypes, devices, group, dims, options) validates its arguments and
 resolves the call; later calls with the same signature skip straight to the
@@ -70,6 +76,7 @@ __all__ = [
     "all_gather_consume",
     "all_gather_matmul",
     "all_to_all_consume",
+    "autocast_dtype",
     "choose_algorithm",
     "collect",
     "matmul_reduce_scatter",
@@ -117,17 +124,79 @@ def _dim(name: str, dim, ndim: int) -> int:
     return dim % ndim
 
 
-def _same(name: str, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+def _same(name: str, tensors: Sequence[tuple[str, torch.Tensor]], config: tuple | None = None) -> None:
+    """One dtype and one device for ``tensors``; a fused GEMM's mixed dtypes are refused as torch's matmul
+    refuses them outside autocast, in the words of the layer (``config``'s name) when a layer called."""
     first_name, first = tensors[0]
     for other_name, t in tensors[1:]:
         if t.dtype != first.dtype:
-            raise CommfuseValueError(f"{name}: {other_name} has dtype {t.dtype} but {first_name} has {first.dtype}")
+            if config is not None and name != "all_to_all_consume":
+                raise CommfuseValueError(
+                    f"{config[0]}: its input has dtype {first.dtype} but its weight has {t.dtype} ({name}'s "
+                    f"{first_name} and {other_name}); torch's nn.Linear and tensor-parallel styles refuse mixed "
+                    "dtypes too (mat1 and mat2 must have the same dtype): run the model under torch.autocast, "
+                    "which casts both to its dtype, or cast the input or the module to one dtype"
+                )
+            raise CommfuseValueError(
+                f"{name}: {other_name} has dtype {t.dtype} but {first_name} has {first.dtype}; torch.matmul "
+                "refuses mixed dtypes too: cast one to the other's dtype, or call it under torch.autocast, which "
+                "casts both to its dtype"
+            )
         if t.device != first.device:
             raise CommfuseValueError(f"{name}: {other_name} is on {t.device} but {first_name} is on {first.device}")
 
 
 def _grad_wanted(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# -- autocast ----------------------------------------------------------------
+# Under torch.autocast the fused ops do what torch's matmul does there: their floating-point inputs (but
+# float64) are cast to the autocast dtype at entry, so every GEMM runs in it and every activation travels in it
+# (half the bytes of float32 on the ring). The casts are differentiable: gradients come back in the inputs'
+# own dtypes. Compiled, the custom ops cast the same way (commfuse.library registers their autocast rules).
+
+#: torch's one C call that says whether autocast is on for any device type: outside autocast (the common
+#: case) the ops pay this call and nothing more
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: True)
+
+
+def autocast_dtype(t) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts the GEMM input ``t`` to: the autocast dtype of ``t``'s device type
+    while autocast is enabled there and ``t`` is floating point but not float64; else None (``t`` is used as
+    it is). ``t`` may also be a device or a device type ("cpu", "cuda"), which asks only whether autocast is on.
+
+    What the fused ops, the ``commfuse.nn`` layers and the ``commfuse.tp`` styles cast their inputs with."""
+    if not (_compiling() or _any_autocast()):
+        return None
+    if isinstance(t, torch.Tensor):
+        if not t.is_floating_point() or t.dtype == torch.float64:
+            return None
+        device_type = t.device.type
+    else:
+        device_type = t.type if isinstance(t, torch.device) else str(t)
+    if _compiling():  # Dynamo folds is_autocast_enabled; torch 2.9's cannot trace is_autocast_available
+        enabled = torch.is_autocast_enabled(device_type)
+    else:
+        enabled = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _autocast(t):
+    """``t`` as autocast casts a GEMM input (anything else, or a tensor autocast leaves alone, unchanged)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    dtype = autocast_dtype(t)
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _autocast_weights(b):
+    """``b`` (one weight or a list of them) cast as :func:`_autocast` casts."""
+    if isinstance(b, torch.Tensor):
+        return _autocast(b)
+    if isinstance(b, (list, tuple)):
+        return [_autocast(x) for x in b]
+    return b
 
 
 def _taken(report: dict | None, call, rows: int, label: str) -> None:
@@ -153,7 +222,7 @@ def _failed(group, backend, error: BaseException, label: str) -> None:
 
             if group is None and not (dist.is_available() and dist.is_initialized()):
                 return
-            pg = group if group is not None else dist.group.WORLD
+            pg = backends.process_group(group) if group is not None else dist.group.WORLD
             if isinstance(pg, dist.ProcessGroup) and pg not in dist.distributed_c10d._world.pg_map:
                 return  # a destroyed group: nothing more to count on it
             state = state_of_group(pg)
@@ -253,6 +322,8 @@ def all_gather_matmul(
                                             return_gathered=return_gathered, gathered_size=gathered_size,
                                             keep_gathered=keep_gathered, timeout=timeout, check=check,
                                             backend=backend, report=report)
+    if _any_autocast():
+        a_shard, b = _autocast(a_shard), _autocast_weights(b)
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
             key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape, b.dtype, b.device,
@@ -292,7 +363,8 @@ def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathere
             raise CommfuseValueError(f"{'b' if single else f'b[{i}]'} must be 2-D (K, N), got shape {list(bi.shape)}")
     if a.ndim < 2:
         raise CommfuseValueError(f"a_shard must have at least 2 dims, got shape {list(a.shape)}")
-    _same("all_gather_matmul", [("a_shard", a)] + [("b" if single else f"b[{i}]", bi) for i, bi in enumerate(bs)])
+    _same("all_gather_matmul", [("a_shard", a)] + [("b" if single else f"b[{i}]", bi) for i, bi in enumerate(bs)],
+          config)
     gd = _dim("gather_dim", gather_dim, a.ndim)
     contraction = gd == a.ndim - 1
     be = backends.resolve(backend, group, a.device)
@@ -453,6 +525,8 @@ def matmul_reduce_scatter(
         return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
                                                 algorithm=algorithm, timeout=timeout, check=check, backend=backend,
                                                 report=report)
+    if _any_autocast():
+        a, b = _autocast(a), _autocast(b)
     try:
         key = (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
                algorithm, timeout, check, backend, config)
@@ -478,7 +552,7 @@ def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, che
         raise CommfuseValueError(f"b must be 2-D (K, N), got shape {list(b.shape)}")
     if a.shape[-1] != b.shape[0]:
         raise CommfuseValueError(f"a has K = {a.shape[-1]} columns but b has {b.shape[0]} rows")
-    _same("matmul_reduce_scatter", [("a", a), ("b", b)])
+    _same("matmul_reduce_scatter", [("a", a), ("b", b)], config)
     if reduce_op not in ("sum", "avg"):
         raise CommfuseValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     if reduce_op == "avg" and not (a.is_floating_point() or a.is_complex()):

@@ -48,7 +48,7 @@ rank (``MismatchError``) instead of computing something else.
 
 from __future__ import annotations
 
-import logging
+import inspect
 
 import torch
 from torch import nn
@@ -59,11 +59,11 @@ from torch.distributed.tensor.placement_types import Placement
 import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn._common import as_dtensor, config, replicated
+from commfuse.runtime import sites
 from commfuse.runtime.executor import counted_calls
+from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
-
-_log = logging.getLogger("commfuse")
 
 
 def _normalized(p: Placement, ndim: int) -> Placement:
@@ -115,14 +115,21 @@ def _redistributed(local: torch.Tensor, have: Placement, want: Placement, mesh: 
 
 
 class _Style(ParallelStyle):
+    #: the collectives the style's fused ops run ``algorithm`` on, and whether they are all fused GEMMs (which
+    #: have ``native``): ``algorithm`` is checked for them when the style is built
+    _collectives: tuple = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+    _native = True
+
     def __init__(self, *, input_layouts, output_layouts, use_local_output: bool, algorithm: str) -> None:
         super().__init__()
         self.input_layouts = (_single(input_layouts, "input_layouts"),)
         self.output_layouts = (_single(output_layouts, "output_layouts"),)
         self.use_local_output = use_local_output
         if not isinstance(algorithm, str):
-            raise CommfuseTypeError(f"algorithm must be a string such as 'auto' or 'ring', got {algorithm!r}")
-        self.algorithm = algorithm
+            raise CommfuseTypeError(f"commfuse.tp.{type(self).__name__}: algorithm must be a string such as "
+                                    f"'auto' or 'ring', got {algorithm!r}")
+        self.algorithm = site_algorithm(f"commfuse.tp.{type(self).__name__}", algorithm, *self._collectives,
+                                        native=self._native)
         self._said: set[tuple] = set()
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -145,11 +152,12 @@ class _Style(ParallelStyle):
             )
 
     def _once(self, message: str, *args) -> None:
-        """``message`` at DEBUG on the ``commfuse`` logger, once per style and message (not on every call)."""
-        key = (message, *map(repr, args))
+        """A fallback to DTensor: ``message`` written down on the module's site and said at INFO on the
+        ``commfuse`` logger, once per site and message (not on every call)."""
+        key = (id(sites.current()), message, *map(repr, args))
         if key not in self._said:
             self._said.add(key)
-            _log.debug(message, *args)
+            sites.fallback(message % args)
 
     def _distribute(self, module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
         param = getattr(module, name)
@@ -172,6 +180,9 @@ class _Style(ParallelStyle):
     def _install(self, module: nn.Module, mesh: DeviceMesh, forward) -> nn.Module:
         """``module`` with ``forward(module, mesh, *args)`` in place of its own forward."""
         label = f"{type(self).__name__} forward"
+        # what this module runs and takes, for COMMFUSE_LOG and commfuse.explain (commfuse.runtime.sites)
+        site = sites.Site(f"commfuse.tp.{type(self).__name__}", self, mesh, mesh.size(),
+                          f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}")
 
         def fused_forward(*args, **kwargs):
             if torch.compiler.is_compiling():
@@ -179,10 +190,11 @@ class _Style(ParallelStyle):
             # a hook of the user's that raises between the style's calls (the rope hook) leaves the calls
             # this rank will not make on the group's board, for the peers that wait in them
             key = (id(fused_forward), tuple(getattr(a, "shape", None) for a in args[:1]), torch.is_grad_enabled())
-            with counted_calls(mesh.get_group() if mesh.size() > 1 else None, label, key):
+            with counted_calls(mesh.get_group() if mesh.size() > 1 else None, label, key), sites.at_site(site):
                 return forward(module, mesh, *args, **kwargs)
 
         module.forward = fused_forward
+        module.__dict__["_commfuse_site"] = site
         return module
 
     def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple) -> list[torch.Tensor]:
@@ -211,7 +223,8 @@ class _Style(ParallelStyle):
                 local = (x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor)
                          else replicated(local, mesh.get_group()))
             ys = [torch.matmul(local, w) for w in ws]
-        return [y + lin.bias.to_local() if lin.bias is not None else y for y, lin in zip(ys, linears)]
+        # each bias in its output's dtype (autocast's, under it), as nn.Linear adds it there
+        return [y + lin.bias.to_local().to(y.dtype) if lin.bias is not None else y for y, lin in zip(ys, linears)]
 
     def _row(self, mesh: DeviceMesh, local: torch.Tensor, linear: nn.Linear, who: str,
              options: tuple) -> torch.Tensor:
@@ -234,14 +247,14 @@ class _Style(ParallelStyle):
         z = torch.matmul(local, w.t())
         out = as_dtensor(z, mesh, Partial(), z.shape).redistribute(placements=[want])
         if bias is not None:
-            out = out + bias
+            out = out + bias.to(out.dtype)
         return out.to_local() if self.use_local_output else out
 
     def _scattered(self, mesh: DeviceMesh, z: torch.Tensor, placed: Shard, bias) -> torch.Tensor:
         """This rank's reduce-scattered piece ``z`` (placed ``placed``) plus the replicated ``bias``, handed on."""
         if bias is not None:
             # every rank adds the bias to its own rows: the gradient of the whole is the sum over the mesh
-            z = z + replicated(bias.to_local(), mesh.get_group())
+            z = z + replicated(bias.to_local(), mesh.get_group()).to(z.dtype)
         full = list(z.shape)
         full[placed.dim] *= mesh.size()
         return self._output(z, placed, mesh, full)
@@ -262,6 +275,8 @@ class ColwiseParallel(_Style):
     (default ``Shard(-1)``) and ``use_local_output`` (default True) as in torch.
     ``algorithm``: commfuse's algorithm for the fused op (``"auto"``, ``"ring"``...).
     """
+
+    _collectives = (Collective.ALL_GATHER,)
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, algorithm: str = "auto") -> None:
@@ -292,6 +307,8 @@ class RowwiseParallel(_Style):
     as in torch. The bias is added once after the reduction, and its gradient
     is summed over the mesh. ``algorithm``: commfuse's algorithm for the fused op.
     """
+
+    _collectives = (Collective.REDUCE_SCATTER,)
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, algorithm: str = "auto") -> None:
@@ -390,15 +407,38 @@ class AttentionParallel(_Style):
     - one ``all_gather_matmul`` of the input serves the Q, K and V projections;
     - ``rope(q, k, *args, **kwargs) -> (q, k)``, when given, turns the rotary
       embeddings on with the block's own extra forward arguments (a Llama
-      block's ``freqs_cis``); q and k are (batch, sequence, local heads,
-      head_dim) over the whole sequence;
+      block's ``freqs_cis``) but its masks; q and k are (batch, sequence,
+      local heads, head_dim) over the whole sequence;
     - with a sequence-sharded output (``output_layouts``, default
       ``Shard(1)``) each query slice's attention and its ``wo`` partial are the
       producer of a reduce-scatter ring (``produce_reduce_scatter``): the ring
-      carries one slice's partial while the next slice is computed.
+      carries one slice's partial while the next slice is computed; each
+      slice takes its rows of the mask and its keys' columns.
 
     ``causal`` (default True) masks each query to the keys up to its position.
+
+    **Masks and the block's other arguments.** Every argument the block's
+    forward gets after its input is one of two things, decided by the name of
+    the block's own forward parameter it binds to (or the keyword it is
+    given by) and by its type:
+
+    - a mask, when its parameter is named ``attn_mask``, ``attention_mask``,
+      ``attention_masks`` (torchtitan's), ``mask`` or ``block_mask`` (a
+      boolean or additive ``scaled_dot_product_attention`` mask, a
+      FlexAttention ``BlockMask``, or torchtitan's ``VarlenMetadata``),
+      ``document_ids`` or ``doc_ids`` (document ids per position) or
+      ``cu_seqlens`` (cumulative document lengths over the flattened batch),
+      or when its value is a ``BlockMask`` or a ``VarlenMetadata`` whatever its
+      name. Masks cover the whole sequence, are the same on every rank, apply
+      together with ``causal``, and go to the attention only
+      (``commfuse.nn.attention.resolve_mask`` says what each may be);
+    - anything else goes to ``rope``, positionally or by keyword as it came,
+      when the hook's signature takes it; an argument that is neither (no
+      ``rope``, or one that does not take it) is refused by name with a
+      ``CommfuseTypeError``: nothing the block is given is ignored.
     """
+
+    _native = False  # the out-projection's ring is produce_reduce_scatter's
 
     def __init__(self, *, head_dim: int, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True, algorithm: str = "auto",
@@ -411,6 +451,7 @@ class AttentionParallel(_Style):
         if rope is not None and not callable(rope):
             raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
         self.head_dim, self.causal, self.rope = head_dim, causal, rope
+        self._rope_takes = _takes(rope, 2) if rope is not None else (0, frozenset())
         self.names = {"query projection": wq, "key projection": wk, "value projection": wv,
                       "output projection": wo}
 
@@ -426,19 +467,57 @@ class AttentionParallel(_Style):
                 )
             _colwise(self, lin[role], device_mesh)
         _rowwise(self, lin["output projection"], device_mesh)
-        return self._install(module, device_mesh, self._forward)
+        names = _positional_names(module.forward)  # the block's own parameters, read before it is replaced
 
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, x, *args, **kwargs) -> torch.Tensor:
-        from commfuse.nn.attention import attend
+        def forward(module, mesh, x, *args, **kwargs):
+            return self._forward(module, mesh, names, x, *args, **kwargs)
+
+        return self._install(module, device_mesh, forward)
+
+    def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
+        """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
+        as the class docstring says; what is neither is refused by name."""
+        from commfuse.nn.attention import MASK_NAMES, is_mask
+
+        masks, rest, more = {}, [], {}
+        for i, value in enumerate(args):
+            name = names[i] if i < len(names) else None
+            if is_mask(name, value):
+                masks[name or f"argument {i + 1} (a {type(value).__name__})"] = value
+            else:
+                rest.append((name, i, value))
+        for name, value in kwargs.items():
+            if is_mask(name, value):
+                masks[name] = value
+            else:
+                more[name] = value
+        positional, keywords = self._rope_takes
+        refused = [] if positional is None else \
+            [f"{name or f'argument {i + 1}'} ({_described(value)})" for name, i, value in rest[positional:]]
+        refused += [f"{name}= ({_described(value)})" for name, value in more.items()
+                    if keywords is not None and name not in keywords]
+        if refused:
+            hook = "no rope hook is given" if self.rope is None else \
+                f"the rope hook {getattr(self.rope, '__name__', self.rope)!r} does not take it"
+            raise CommfuseTypeError(
+                f"commfuse.tp.AttentionParallel: the block's forward got {', '.join(refused)}, which is not a mask "
+                f"(a parameter named {', '.join(MASK_NAMES)}, or a FlexAttention BlockMask or a VarlenMetadata) "
+                f"and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
+                "hook that takes the argument"
+            )
+        return masks, tuple(value for _, _, value in rest), more
+
+    def _forward(self, module: nn.Module, mesh: DeviceMesh, names: tuple, x, *args, **kwargs) -> torch.Tensor:
+        from commfuse.nn.attention import attend, mask_kind, query_slices, resolve_mask
 
         who = "commfuse.tp.AttentionParallel"
-        names = self.names
-        wq, wk, wv, wo = (getattr(module, names[r]) for r in
+        given, args, kwargs = self._arguments(names, args, kwargs) if args or kwargs else ({}, args, kwargs)
+        wq, wk, wv, wo = (getattr(module, self.names[r]) for r in
                           ("query projection", "key projection", "value projection", "output projection"))
         causal = bool(self.causal)
         options = config(who, causal=causal, head_dim=self.head_dim, rope=self.rope is not None,
                          q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None,
-                         o_bias=wo.bias is not None)
+                         o_bias=wo.bias is not None, mask=mask_kind(given))
         q, k, v = self._columns(mesh, x, [wq, wk, wv], who, options)
         if q.ndim != 3:
             raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {q.ndim}-D")
@@ -447,24 +526,60 @@ class AttentionParallel(_Style):
         if self.rope is not None:
             q, k = self.rope(q, k, *args, **kwargs)
         n = mesh.size()
+        mask = resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
+                            rank=mesh.get_local_rank()) if given else None
         want = _normalized(self.output_layouts[0], 3)
         if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
             from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
 
             z = library.attention_reduce_scatter(q, k, v, wo.weight.to_local(), causal=causal,
-                                                 group=mesh.get_group(), algorithm=self.algorithm)
+                                                 group=mesh.get_group(), algorithm=self.algorithm, mask=mask)
             return self._scattered(mesh, z, want, wo.bias)
         if want == Shard(1) and n > 1 and s % n == 0:
-            rows = s // n
-
-            def producer(dest: int, q, k, v, w):  # query slice `dest`: its attention and out-projection partial
-                queries = slice(dest * rows, (dest + 1) * rows)
-                keys = slice(0, (dest + 1) * rows) if causal else slice(0, s)
-                o = attend(q[:, queries], k[:, keys], v[:, keys], causal=causal, q_offset=dest * rows)
-                return o.reshape(b, rows, -1) @ w.t()
-
+            producer = query_slices(q, k, causal=causal, world_size=n, mask=mask)
             z = ops.produce_reduce_scatter(producer, inputs=(q, k, v, wo.weight.to_local()),
                                            group=mesh.get_group(), dim=1, algorithm=self.algorithm, config=options)
             return self._scattered(mesh, z, want, wo.bias)
-        o = attend(q, k, v, causal=causal)
+        o = attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s))
         return self._row(mesh, o.reshape(b, s, -1), wo, who, options)
+
+
+def _shape_of(module: nn.Module) -> str:
+    """``(in -> out)`` of a linear, or the names of a block's children: how a site is told apart before
+    ``commfuse.explain`` names it by its path."""
+    if isinstance(module, nn.Linear):
+        return f"({module.in_features} -> {module.out_features})"
+    names = [name for name, _ in module.named_children()][:4]
+    return f"({', '.join(names)})" if names else ""
+
+
+def _positional_names(forward) -> tuple:
+    """The names of a module forward's positional parameters after its input (the block's own arguments a
+    style reads its masks from); () when they cannot be read or take ``*args`` only."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(named[1:])
+
+
+def _takes(hook, skip: int) -> tuple[int | None, frozenset | None]:
+    """What ``hook`` takes after its first ``skip`` positional arguments: (how many more positional ones,
+    None: any; the keyword names, None: any). A hook whose signature cannot be read takes anything."""
+    try:
+        params = list(inspect.signature(hook).parameters.values())
+    except (TypeError, ValueError):
+        return None, None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    more = None if any(p.kind == p.VAR_POSITIONAL for p in params) else max(len(positional) - skip, 0)
+    keywords = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(
+        p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return more, keywords
+
+
+def _described(value) -> str:
+    """An argument in a few words: its type, and a tensor's dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -7,6 +7,9 @@ query slice's attention feeds the out-projection's reduce-scatter, and the
 SwiGLU's up projections share one gather. Run with torchrun::
 
     torchrun --nproc-per-node 4 examples/llama_block.py --tp 2 --plan commfuse
+
+``COMMFUSE_LOG=info`` in the environment prints, once per rank, what each
+fused site took and why; ``--explain`` lists the sites at the end.
 """
 
 import argparse
@@ -18,12 +21,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+import commfuse
 from commfuse.models.llama import Block, commfuse_plan, rope_cache, torch_plan
 
 p = argparse.ArgumentParser(description="train a Llama-style block for a few steps under dp x tp")
 p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (the rest are data parallel)")
 p.add_argument("--plan", choices=("torch", "commfuse"), default="commfuse", help="whose styles to use")
 p.add_argument("--steps", type=int, default=5, help="AdamW steps")
+p.add_argument("--explain", action="store_true",
+               help="list every commfuse site of the block and what it took (rank 0, after the last step)")
 args = p.parse_args()
 if "WORLD_SIZE" not in os.environ:  # torchrun sets it in every process it starts, one per rank
     print("WORLD_SIZE is not set: start one process per rank with torchrun: torchrun --nproc-per-node 4 "
@@ -41,6 +47,7 @@ dp, tp = mesh["dp"], mesh["tp"]
 torch.manual_seed(0)
 block = Block(dim=32, n_heads=4, n_kv_heads=2, ffn=64).to(device)
 parallelize_module(block, tp, torch_plan() if args.plan == "torch" else commfuse_plan(head_dim=8))
+commfuse.explain(block)  # names the sites by their paths, for COMMFUSE_LOG's lines
 fully_shard(block, mesh=dp)
 opt = torch.optim.AdamW(block.parameters(), lr=1e-3)
 cache = tuple(t.to(device) for t in rope_cache(8, 16))
@@ -56,3 +63,5 @@ for step in range(args.steps):
     opt.zero_grad()
     if mesh.get_rank() == 0:
         print(f"step {step}: loss {loss.item():.5f} grad norm {norm.item():.5f}")
+if args.explain and mesh.get_rank() == 0:
+    print(commfuse.explain(block))

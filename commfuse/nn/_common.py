@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -9,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.runtime import sites
 from commfuse.runtime.pipelined import layer_config
 from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
-from commfuse.schedule import offsets, split_sizes
+from commfuse.schedule import offsets, site_algorithm, split_sizes
 
 
 def resolve_group(group):
@@ -32,6 +34,33 @@ def resolve_group(group):
     if isinstance(group, dist.ProcessGroup):
         return group
     raise CommfuseTypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def algorithm_option(*collectives, native: bool = False) -> property:
+    """A layer's ``algorithm`` attribute: checked for the ``collectives`` its ops run it on whenever it is set
+    (when the layer is built, and after), so a misspelling is named there and not at the first forward."""
+
+    def get(self):
+        return self._algorithm
+
+    def put(self, value) -> None:
+        self._algorithm = site_algorithm(type(self).__name__, value, *collectives, native=native)
+
+    return property(get, put, doc="the algorithm of the layer's fused ops (``commfuse.schedule.parse_algorithm``)")
+
+
+def site_forward(forward):
+    """A layer's ``forward``, run as the layer's site (``commfuse.runtime.sites``): what its ops take is
+    written down on it for ``COMMFUSE_LOG`` and ``commfuse.explain``. Traced as it is under torch.compile."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        with sites.at_site(sites.layer_site(self)):
+            return forward(self, *args, **kwargs)
+
+    return run
 
 
 def config(layer: str, *more: tuple[str, object], **options) -> tuple:

@@ -15,6 +15,12 @@ RowParallelLinear       (b, s, in/N)               RS(x @ W_r^T): GEMM per step 
 Each layer's options that change what a rank computes but not the shapes (a
 bias, ``keep_gathered``, the MLP's activation) join the fingerprint of its
 ring, so a rank whose layer was built otherwise is named on every rank.
+
+Under ``torch.autocast`` the layers compute as ``nn.Linear`` does there: the
+GEMMs in the autocast dtype, the activations gathered and reduce-scattered in
+it, the bias added in it; the outputs are in it, the gradients in the input's
+and the parameters' own dtypes. Outside autocast an input whose dtype is not
+the weight's is refused by name, as ``nn.Linear`` refuses it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 import commfuse.ops as ops
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
+    algorithm_option,
     as_param,
     config,
     config_words,
@@ -39,8 +46,10 @@ from commfuse.nn._common import (
     replicated,
     resolve_group,
     shard_range,
+    site_forward,
     world,
 )
+from commfuse.schedule import Collective
 
 
 def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
@@ -94,6 +103,8 @@ class ColumnParallelLinear(_TPLinear):
     gathering it again in the backward (time).
     """
 
+    algorithm = algorithm_option(Collective.ALL_GATHER, native=True)
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
                  sequence_dim: int = 1, algorithm: str = "auto", keep_gathered: bool = True,
                  device=None, dtype=None) -> None:
@@ -109,13 +120,14 @@ class ColumnParallelLinear(_TPLinear):
         self.weight = as_param(weight, self._mesh, shard, (out_features, in_features))
         self.bias = as_param(bias_, self._mesh, shard, (out_features,)) if bias else None
 
+    @site_forward
     def _run(self, x: torch.Tensor, more: tuple) -> torch.Tensor:
         y = ops.all_gather_matmul(x, local(self.weight).t(), group=self.group, gather_dim=self.sequence_dim,
                                   algorithm=self.algorithm, keep_gathered=self.keep_gathered,
                                   backend=self.backend,
                                   config=config("ColumnParallelLinear", *more, bias=self.bias is not None,
                                                 keep_gathered=bool(self.keep_gathered)))
-        return y + local(self.bias) if self.bias is not None else y
+        return y + local(self.bias).to(y.dtype) if self.bias is not None else y  # autocast's dtype under it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, sequence_dim: int = 1, algorithm: str = "auto",
@@ -142,6 +154,8 @@ class RowParallelLinear(_TPLinear):
     sequence). Input (b, s, in_r) -> output (b, s/N, out).
     """
 
+    algorithm = algorithm_option(Collective.REDUCE_SCATTER, native=True)
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
                  sequence_dim: int = 1, algorithm: str = "auto", device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias=bias, group=group, sequence_dim=sequence_dim,
@@ -154,11 +168,12 @@ class RowParallelLinear(_TPLinear):
         self.weight = as_param(weight, self._mesh, _placement("shard", 1), (out_features, in_features))
         self.bias = as_param(bias_, self._mesh, _placement("replicate"), (out_features,)) if bias else None
 
+    @site_forward
     def _run(self, x: torch.Tensor, more: tuple) -> torch.Tensor:
         z = ops.matmul_reduce_scatter(x, local(self.weight).t(), group=self.group, scatter_dim=self.sequence_dim,
                                       algorithm=self.algorithm, backend=self.backend,
                                       config=config("RowParallelLinear", *more, bias=self.bias is not None))
-        return z + replicated(local(self.bias), self.group) if self.bias is not None else z
+        return z + replicated(local(self.bias), self.group).to(z.dtype) if self.bias is not None else z
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, sequence_dim: int = 1,

@@ -53,12 +53,21 @@ from torch import nn
 
 from commfuse import backends
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.nn._common import as_param, gather_dim, layer_mesh, local, replicated, resolve_group, world
-from commfuse.runtime import pipelined
+from commfuse.nn._common import (
+    as_param,
+    gather_dim,
+    layer_mesh,
+    local,
+    replicated,
+    resolve_group,
+    site_forward,
+    world,
+)
+from commfuse.runtime import pipelined, sites
 from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, min_slice_bytes, resolve_call
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.executor import op_calls, register_format
-from commfuse.schedule import Collective, parse_algorithm
+from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
 
@@ -521,7 +530,7 @@ class MoE(nn.Module):
         self._ddp_seen: dict = {}  # DDP process groups this layer ran under, found harmless
         kw = dict(device=device, dtype=dtype)
         # DTensors on the group's mesh with more than one rank (None: plain tensors, the whole layer)
-        mesh = layer_mesh(group, self.group, self.world_size, device)
+        mesh = self._mesh = layer_mesh(group, self.group, self.world_size, device)
         shard, whole = (_placement("shard"), _placement("replicate")) if mesh is not None else (None, None)
         self.router = as_param(torch.empty(experts, hidden_size, **kw), mesh, whole, (experts, hidden_size))
         self.w13 = as_param(torch.empty(self.local_experts, hidden_size, 2 * ffn_size, **kw), mesh, shard,
@@ -536,11 +545,7 @@ class MoE(nn.Module):
 
     @algorithm.setter
     def algorithm(self, value: str) -> None:
-        try:
-            parse_algorithm(value, Collective.ALL_TO_ALL)
-        except (CommfuseTypeError, CommfuseValueError) as e:  # "unknown algorithm 'rign'; expected one of ..."
-            raise type(e)(f"MoE: {e}") from None
-        self._algorithm = value
+        self._algorithm = site_algorithm("MoE", value, Collective.ALL_TO_ALL)
 
     def reset_parameters(self) -> None:
         """The router from the global RNG; expert e from a generator seeded by one draw of the global RNG and e."""
@@ -614,6 +619,7 @@ class MoE(nn.Module):
                 "gradients over its expert-parallel group itself")
         self._ddp_seen[pg] = True
 
+    @site_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise CommfuseValueError(
@@ -688,6 +694,7 @@ class MoE(nn.Module):
                 call = Call(ring2.be, ring2.spec, ring2.timeout, ring2.check,
                             f"{call.reason}; two ranks, and half a block carries {slice_bytes // 2} bytes "
                             f"(>= {bar}): each block in two halves (ring:2)")
+                sites.took(None, Collective.ALL_TO_ALL.value, slice_bytes, call, replace=True)
         self._calls[key] = (call,)
         return call
 

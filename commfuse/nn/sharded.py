@@ -12,6 +12,13 @@ weight gradient exists anywhere either. Un-overlapped: nothing but the first
 GEMM's own shard in each ring. The layer's options that change what a rank
 computes but not the shapes (a bias, ``reduce``) join the rings' fingerprint,
 so a rank whose layer was built otherwise is named on every rank.
+
+Mixed precision, as FSDP2's ``MixedPrecisionPolicy`` and ``torch.autocast``
+give it to ``nn.Linear``: the input and the gathered weight shards are in the
+compute dtype (autocast's while it is on, else ``param_dtype``, else the
+parameters' own), so the weight ring carries that dtype; the weight gradients
+are reduced in ``reduce_dtype`` (else the parameters' dtype) and land in the
+parameters' dtype.
 """
 
 from __future__ import annotations
@@ -19,22 +26,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from commfuse import ops
 from commfuse.errors import CommfuseValueError
 from commfuse.nn._common import (
+    algorithm_option,
     as_dtensor,
     config,
     config_words,
+    layer_mesh,
     linear_from_row_shards,
     load_row_shard,
     local,
-    layer_mesh,
     resolve_group,
     shard_range,
+    site_forward,
     world,
 )
 from commfuse.nn.linear import _init_linear
 from commfuse.runtime import pipelined
 from commfuse.runtime.calls import resolve_call
+from commfuse.schedule import Collective
 
 
 config_words("avg", "sum")  # a mismatch names the other rank's reduce too
@@ -163,6 +174,8 @@ class ShardedLinear(nn.Module):
     group size. Input (..., in) -> output (..., out), with each rank's own batch.
     """
 
+    algorithm = algorithm_option(Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group=None,
                  algorithm: str = "auto", reduce: str = "avg", param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None, device=None, dtype=None) -> None:
@@ -258,6 +271,7 @@ class ShardedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"rank={self.rank}/{self.world_size}, algorithm={self.algorithm!r}, reduce={self.reduce!r}")
 
+    @site_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is not self._own[0] or self.bias is not self._own[1]:
             raise CommfuseValueError(
@@ -268,15 +282,24 @@ class ShardedLinear(nn.Module):
                 "commfuse.fsdp.fully_shard(model, mesh=...), or pass "
                 "ignored_params=commfuse.fsdp.sharded_params(model) to torch's fully_shard"
             )
-        compute = self.param_dtype
+        # autocast's dtype when it is on (as nn.Linear under FSDP2 computes: autocast casts the parameters that
+        # FSDP2 gathered in param_dtype), else param_dtype; gradients still reduced in reduce_dtype, else the
+        # parameters' own
+        compute = ops.autocast_dtype(x) or self.param_dtype
         if compute is not None and x.is_floating_point():
             x = x.to(compute)
+        elif compute is None and x.dtype != self.weight.dtype:
+            raise CommfuseValueError(
+                f"rank {self.rank}: ShardedLinear({self.in_features}, {self.out_features}): the input has dtype "
+                f"{x.dtype} but the weight has {self.weight.dtype}; nn.Linear under FSDP2 refuses mixed dtypes too "
+                "(mat1 and mat2 must have the same dtype): run under torch.autocast, give the layer a param_dtype "
+                "(FSDP2's MixedPrecisionPolicy through commfuse.fsdp.fully_shard), or cast the input or the layer"
+            )
         if torch.compiler.is_compiling() and self.world_size > 1:
             return self._compiled(x)
-        return self._ring(x)
+        return self._ring(x, compute)
 
-    def _ring(self, x: torch.Tensor) -> torch.Tensor:
-        compute = self.param_dtype
+    def _ring(self, x: torch.Tensor, compute: torch.dtype | None) -> torch.Tensor:
         if self.world_size == 1:
             w, b = self.weight, self.bias
             if compute is not None:

@@ -131,7 +131,7 @@ def _log_choice(collective: Collective, name: str, reason: str, *, world_size: i
                 be=None, model: str = "not asked", remembered: bool = True) -> None:
     """Say what ``auto`` took for a new call signature and why (INFO: one short line, ``COMMFUSE_LOG=info``),
     and at DEBUG what it decided on (planning time only)."""
-    if log.isEnabledFor(logging.INFO):
+    if log.isEnabledFor(logging.INFO) and _sites.current() is None:  # a site says it itself, with its name
         log.info("auto: %s takes %s on %d ranks: %s", collective.value, name, world_size, reason)
     if not log.isEnabledFor(logging.DEBUG):
         return
@@ -188,6 +188,7 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     if report is not None:
         report.update(algorithm=found.spec.shown, reason=found.reason,
                       world_size=1 if found.be is None else found.be.world_size)
+    _sites.saw(collective, algorithm, slice_bytes, found)  # inside a layer's or style's forward: written down there
     return None if found.be is None else found
 
 
@@ -236,6 +237,7 @@ def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
 
 
 from commfuse import backends as _backends  # noqa: E402
+from commfuse.runtime import sites as _sites  # noqa: E402
 from commfuse.runtime.eager import eager_only  # noqa: E402
 
 # they ask the process group for its rank and size (see commfuse.runtime.eager); commfuse.backends itself

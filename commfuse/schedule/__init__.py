@@ -11,7 +11,14 @@ from commfuse.schedule._overlap import hidden_fraction
 from commfuse.schedule._reference import all_gather_ref, all_to_all_ref, reduce_scatter_ref, run_schedule
 from commfuse.schedule._render import render
 from commfuse.schedule._ring import Ring
-from commfuse.schedule._spec import ALGORITHM_NAMES, AlgorithmSpec, offsets, parse_algorithm, split_sizes
+from commfuse.schedule._spec import (
+    ALGORITHM_NAMES,
+    AlgorithmSpec,
+    offsets,
+    parse_algorithm,
+    site_algorithm,
+    split_sizes,
+)
 from commfuse.schedule._validate import validate
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "reduce_scatter_ref",
     "render",
     "run_schedule",
+    "site_algorithm",
     "split_sizes",
     "validate",
 ]

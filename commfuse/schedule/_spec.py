@@ -110,6 +110,25 @@ def parse_algorithm(algorithm: str | Algorithm, collective: Collective | str | N
     return _parse(text, collective)
 
 
+def site_algorithm(who: str, algorithm, *collectives: Collective | str, native: bool = False):
+    """``algorithm`` checked for every collective a layer or style runs it on, when the layer or style is
+    built (a misspelt ``"rign"`` is named there, not at the first forward); returned as given. ``native`` (a
+    backend's own fused kernel) is allowed where the site's ops are ``all_gather_matmul`` and
+    ``matmul_reduce_scatter`` only. Errors are prefixed with ``who``."""
+    try:
+        for collective in collectives:
+            spec = parse_algorithm(algorithm, collective)
+    except (CommfuseTypeError, CommfuseValueError) as e:  # "unknown algorithm 'rign'; expected one of ..."
+        raise type(e)(f"{who}: {e}") from None
+    if spec.name == "native" and not native:
+        raise CommfuseValueError(
+            f"{who}: algorithm 'native' (a backend's own fused kernel) exists for all_gather_matmul and "
+            "matmul_reduce_scatter only, and this runs other ops too; give auto, ring, bidirectional, serial, "
+            "sliced or vanilla"
+        )
+    return algorithm
+
+
 def split_sizes(length: int, n: int) -> list[int]:
     """Sizes of ``torch.tensor_split(x, n)`` along a dim of ``length``."""
     base, extra = divmod(length, n)
