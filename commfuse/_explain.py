@@ -90,8 +90,10 @@ def _group_text(group, module) -> str:
     """A site's group for people: the mesh dim's name and its global ranks, or a group's ranks."""
     import torch.distributed as dist
 
-    mesh = group if type(group).__name__ == "DeviceMesh" else getattr(module, "_mesh", None)
-    if mesh is not None and type(mesh).__name__ == "DeviceMesh":
+    from commfuse.nn._common import is_mesh
+
+    mesh = group if is_mesh(group) else getattr(module, "_mesh", None)
+    if is_mesh(mesh):
         names = mesh.mesh_dim_names
         ranks = mesh.mesh.flatten().tolist()
         return f"mesh dim {names[0]!r} (ranks {ranks})" if names else f"a 1-D mesh (ranks {ranks})"

@@ -130,7 +130,6 @@ class _Style(ParallelStyle):
                                     f"'auto' or 'ring', got {algorithm!r}")
         self.algorithm = site_algorithm(f"commfuse.tp.{type(self).__name__}", algorithm, *self._collectives,
                                         native=self._native)
-        self._said: set[tuple] = set()
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not isinstance(module, nn.Linear):
@@ -153,11 +152,8 @@ class _Style(ParallelStyle):
 
     def _once(self, message: str, *args) -> None:
         """A fallback to DTensor: ``message`` written down on the module's site and said at INFO on the
-        ``commfuse`` logger, once per site and message (not on every call)."""
-        key = (id(sites.current()), message, *map(repr, args))
-        if key not in self._said:
-            self._said.add(key)
-            sites.fallback(message % args)
+        ``commfuse`` logger, once per site and message (``sites.fallback`` keeps which it has said)."""
+        sites.fallback(message % args)
 
     def _distribute(self, module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement) -> None:
         param = getattr(module, name)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commfuse import backends
+from commfuse import backends, ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn._common import (
     as_param,
@@ -406,19 +406,6 @@ def _averaged(t: torch.Tensor, group, n: int) -> torch.Tensor:
     return _ScaleGrad.apply(replicated(t, group), 1.0 / n)
 
 
-#: The dtypes torch.autocast casts (it leaves float64 alone).
-_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _autocast_dtype(x: torch.Tensor, w: torch.Tensor):
-    """The dtype torch.autocast runs a matmul of ``x`` and ``w`` in on ``x``'s device, or None when it is off
-    there (or leaves one of them alone)."""
-    kind = x.device.type
-    if not torch.is_autocast_enabled(kind) or x.dtype not in _AUTOCAST_CASTS or w.dtype not in _AUTOCAST_CASTS:
-        return None
-    return torch.get_autocast_dtype(kind)
-
-
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     """A generator on ``device`` seeded ``seed``; a CPU one where the device has none of its own."""
     try:
@@ -641,7 +628,8 @@ class MoE(nn.Module):
         # (under torch.compile the exchanges run at a graph break, eagerly; the count is not traced)
         guard = nullcontext() if compiling else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
         with guard:
-            cast = _autocast_dtype(xt, w13)
+            # the dtype torch.autocast runs a matmul of the two in, when it casts both (the ops' own rule)
+            cast = ops.autocast_dtype(xt) if ops.autocast_dtype(w13) is not None else None
             if cast is None and xt.dtype != w13.dtype:
                 raise CommfuseTypeError(
                     f"MoE: rank {self.rank}: the input is {xt.dtype} and the layer's parameters are {w13.dtype}: "

@@ -49,22 +49,26 @@ class Site:
     def label(self) -> str:
         return self.path if self.path is not None else self.described
 
+    @property
+    def heading(self) -> str:
+        """How its log lines begin: ``path (Kind, N ranks)``."""
+        return f"{self.label} ({self.kind.rsplit('.', 1)[-1]}, {self.world_size} ranks)"
+
     def __repr__(self) -> str:
         return f"Site({self.kind!r} at {self.label!r}, world size {self.world_size}, algorithm {self.algorithm!r})"
 
 
 class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
-    """Make ``site`` this thread's current site for the ``with`` block (None: leave it as it is)."""
+    """Make ``site`` this thread's current site for the ``with`` block."""
 
     __slots__ = ("site", "previous")
 
-    def __init__(self, site: Site | None) -> None:
+    def __init__(self, site: Site) -> None:
         self.site = site
 
-    def __enter__(self) -> Site | None:
+    def __enter__(self) -> Site:
         self.previous = getattr(_here, "site", None)
-        if self.site is not None:
-            _here.site = self.site
+        _here.site = self.site
         return self.site
 
     def __exit__(self, *exc) -> bool:
@@ -107,8 +111,8 @@ def took(site: Site | None, collective: str, slice_bytes: int, call, *, replace:
         return
     site.taken[key] = (shown, why)
     if log.isEnabledFor(logging.INFO):
-        log.info("%s (%s, %d ranks): %s%s takes %s: %s", site.label, site.kind.rsplit(".", 1)[-1], site.world_size,
-                 collective, f" of {slice_bytes} bytes per hop" if slice_bytes else "", shown, why)
+        log.info("%s: %s%s takes %s: %s", site.heading, collective,
+                 f" of {slice_bytes} bytes per hop" if slice_bytes else "", shown, why)
 
 
 def fallback(message: str) -> None:
@@ -121,11 +125,10 @@ def fallback(message: str) -> None:
         once(("fallback", message), "%s", message)
         return
     message = message.removeprefix(f"{site.kind}: ")
-    if message in site.fallbacks:
+    if message in site.fallbacks or len(site.fallbacks) >= MAX_TAKEN:
         return
-    if len(site.fallbacks) < MAX_TAKEN:
-        site.fallbacks.append(message)
-    log.info("%s (%s, %d ranks): %s", site.label, site.kind.rsplit(".", 1)[-1], site.world_size, message)
+    site.fallbacks.append(message)
+    log.info("%s: %s", site.heading, message)
 
 
 def layer_site(layer) -> Site:
