@@ -130,7 +130,7 @@ def _same(name: str, tensors: Sequence[tuple[str, torch.Tensor]], config: tuple 
     first_name, first = tensors[0]
     for other_name, t in tensors[1:]:
         if t.dtype != first.dtype:
-            if config is not None and name != "all_to_all_consume":
+            if config is not None:
                 raise CommfuseValueError(
                     f"{config[0]}: its input has dtype {first.dtype} but its weight has {t.dtype} ({name}'s "
                     f"{first_name} and {other_name}); torch's nn.Linear and tensor-parallel styles refuse mixed "
@@ -164,17 +164,14 @@ _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (lambda: 
 def autocast_dtype(t) -> torch.dtype | None:
     """The dtype ``torch.autocast`` casts the GEMM input ``t`` to: the autocast dtype of ``t``'s device type
     while autocast is enabled there and ``t`` is floating point but not float64; else None (``t`` is used as
-    it is). ``t`` may also be a device or a device type ("cpu", "cuda"), which asks only whether autocast is on.
+    it is).
 
     What the fused ops, the ``commfuse.nn`` layers and the ``commfuse.tp`` styles cast their inputs with."""
     if not (_compiling() or _any_autocast()):
         return None
-    if isinstance(t, torch.Tensor):
-        if not t.is_floating_point() or t.dtype == torch.float64:
-            return None
-        device_type = t.device.type
-    else:
-        device_type = t.type if isinstance(t, torch.device) else str(t)
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return None
+    device_type = t.device.type
     if _compiling():  # Dynamo folds is_autocast_enabled; torch 2.9's cannot trace is_autocast_available
         enabled = torch.is_autocast_enabled(device_type)
     else:
