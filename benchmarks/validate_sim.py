@@ -53,7 +53,7 @@ def _inside(rate: str, repeats: int, out: Path) -> None:
     from commfuse.bench import BenchConfig, Shape
     from commfuse.bench import report as bench_report
     from commfuse.bench.command import execute_config
-    from commfuse.sim import _calibrate
+    from commfuse.bench import calibrate as _calibrate
 
     shown = _calibrate.shape_here(rate)
     print(f"  [{rate}] {shown}", file=sys.stderr, flush=True)

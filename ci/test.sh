@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (ci/setup.sh), run the whole test suite, then the plain install (commfuse
+# Set up (ci/setup.sh), check the import layers (lint-imports, .importlinter; the vendor packages are found
+# from their folders), run the whole test suite, then the plain install (commfuse
 # with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the XLA stage in its own environment
@@ -10,6 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 venv="${COMMFUSE_VENV:-.venv}"
+PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
+    "$venv/bin/lint-imports" --config .importlinter
 "$venv/bin/python" -m pytest "$@"
 mkdir -p ci-artifacts
 status=0

@@ -8,7 +8,7 @@ the ring steps too, so they add compute behind the same hops.
 Private ``_CamelCase`` Functions, public snake_case entry points (the ops in
 ``commfuse.ops`` call these when a gradient is wanted), and the forward
 computations the ops run when none is (``*_forward``). Built on the
-pipelined primitives of ``commfuse.runtime.pipelined``.
+pipelined primitives of ``commfuse.planning.pipelined``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commfuse.runtime.calls import Call
-from commfuse.runtime.pipelined import (
+from commfuse.planning.calls import Call
+from commfuse.planning.pipelined import (
     all_gather_consume_core,
     gather_spans,
     join,
@@ -76,11 +76,11 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
     full_a[gd] = total
     dtype, device = a.dtype, a.device
     direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in the outputs
-    prepared = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul", _ag_meta(a, bs, gd, total))
+    planned = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul", _ag_meta(a, bs, gd, total))
 
     def forward(a, bs):
         if not contraction and not return_gathered and len(bs) == 1:
-            return None, [_single(a, bs[0])]
+            return None, [_matmul_one_weight(a, bs[0])]
         outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
         gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
         if contraction:
@@ -98,21 +98,21 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
                 for bi, out in zip(bs, outs):
                     matmul_rows(out, spans, gd, piece, bi, direct)
 
-        run_gather(prepared, a, consume)
+        run_gather(planned, a, consume)
         return gathered, outs
 
-    def _single(a, b0):
+    def _matmul_one_weight(a, b0):
         """One weight, no gathered copy: the common case, with the output made by the first GEMM that
         covers it all (vanilla) or allocated once the ring's first slice arrives."""
-        box = [None]
+        result = [None]  # the output, made by the first slice's GEMM
 
-        def one(start, size, t):
+        def on_slice(start, size, t):
             if size == total:  # every row at once (vanilla): the GEMM makes the output
-                box[0] = torch.matmul(t, b0)
+                result[0] = torch.matmul(t, b0)
                 return
-            out0 = box[0]
+            out0 = result[0]
             if out0 is None:
-                out0 = box[0] = t.new_empty(out_shapes[0])
+                out0 = result[0] = t.new_empty(out_shapes[0])
             if gd == 0:
                 torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
             elif direct:
@@ -122,35 +122,35 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
 
         def consume(spans):
             if len(spans) == 1:
-                one(*spans[0])
+                on_slice(*spans[0])
                 return
-            out0 = box[0]
+            out0 = result[0]
             if out0 is None:
-                out0 = box[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
+                out0 = result[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
             matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
 
-        run_gather(prepared, a, consume, consume_one=one)
-        return box[0]
+        run_gather(planned, a, consume, consume_one=on_slice)
+        return result[0]
 
-    plan = prepared[0]
+    plan = planned.plan
     first_shape = out_shapes[0]
 
-    def _ring_single(a, b0):
-        """:func:`_single` for a ring along dim 0 whose signature is agreed: the output made up front, each
-        slice's GEMM written into its rows, no program."""
-        if not plan.lean():
-            return _single(a, b0)
+    def _ring_matmul_one_weight(a, b0):
+        """:func:`_matmul_one_weight` for a ring along dim 0 whose signature is agreed: the output made up
+        front, each slice's GEMM written into its rows, no program."""
+        if not plan.may_skip_program():
+            return _matmul_one_weight(a, b0)
         out0 = a.new_empty(first_shape)
 
-        def one(start, size, t):
+        def on_slice(start, size, t):
             torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
 
-        run_gather_one_by_one(prepared, a, one)
+        run_gather_one_by_one(planned, a, on_slice)
         return out0
 
     # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly
     forward.single = None if contraction or return_gathered else (
-        _ring_single if gd == 0 and plan.one_by_one else _single)
+        _ring_matmul_one_weight if gd == 0 and plan.one_by_one else _matmul_one_weight)
     return forward
 
 
@@ -168,16 +168,16 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
     def meta():
         return [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
 
-    prepared = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", meta)
-    plan = prepared[0]
-    whole = scatters_whole(prepared)
+    planned = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", meta)
+    plan = planned.plan
+    whole = scatters_whole(planned)
 
     ring = plan.one_by_one
 
     def forward(a, b):
-        if (whole or ring) and plan.lean():  # signature agreed: no program
+        if (whole or ring) and plan.may_skip_program():  # signature agreed: no program
             if whole:  # vanilla: one GEMM, one reduce-scatter
-                return run_scatter_whole(prepared, lambda: torch.matmul(a, b))
+                return run_scatter_whole(planned, lambda: torch.matmul(a, b))
             if last:
                 def part(start, size, _):
                     return torch.matmul(a, b[:, start:start + size])
@@ -187,7 +187,7 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
             else:
                 def part(start, size, _):
                     return torch.matmul(a.narrow(sd, start, size), b)
-            return run_scatter_one_by_one(prepared, part)  # a ring: this rank's partial of each slice
+            return run_scatter_one_by_one(planned, part)  # a ring: this rank's partial of each slice
         if last:
             def produce(spans):
                 y = torch.matmul(a, rows_of(b, spans, 1))
@@ -200,7 +200,7 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
                 y = torch.matmul(rows_of(a, spans, sd), b)
                 return list(torch.split(y, [size for _, size in spans], dim=sd))
 
-        return run_scatter(prepared, produce, produce_whole=lambda: torch.matmul(a, b))
+        return run_scatter(planned, produce, produce_whole=lambda: torch.matmul(a, b))
 
     return forward
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import difflib
 import os
-import threading
 from typing import TYPE_CHECKING
 
 from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
+from commfuse.planning import table
 from commfuse.plugins import manager
 from commfuse.plugins.types import ACCELERATOR, Availability, BackendSpec
 
@@ -178,14 +178,10 @@ def _torch_device(device: object) -> torch.device | None:
 
 # -- the process-wide cache of backend objects the ops use ---------------------------------------------------
 
-_CACHE: dict[tuple, object] = {}
-_CACHE_LOCK = threading.Lock()
-_ON_RELEASE: list = []
-
-
 def on_release(forget) -> None:
-    """Have :func:`release` call ``forget()`` too (modules that remember per-call state register here)."""
-    _ON_RELEASE.append(forget)
+    """Have :func:`release` call ``forget()`` too (a vendor's own per-call state registers here); the same as
+    ``commfuse.planning.table.on_forget``."""
+    table.on_forget(forget)
 
 
 #: The default process group commfuse last planned against (see :func:`fresh`), in a list so that it is
@@ -282,15 +278,22 @@ def resolve(backend=None, group=None, device=None):
             return None
     if group is not None:
         refuse_destroyed(group)
-    key = (backend, group if group is not None else dist.group.WORLD, str(device))
-    found = _CACHE.get(key)
+    key = ("backend", backend, group if group is not None else dist.group.WORLD, str(device))
+    found = table.get(key)
     if found is None:
-        found = get(backend, device=device, group=group)
-        with _CACHE_LOCK:
-            if len(_CACHE) > 64:
-                _CACHE.clear()
-            _CACHE[key] = found
+        found = table.remember(key, get(backend, device=device, group=group))
     return found
+
+
+def adopt(backend, *, group=None, device=None) -> None:
+    """Have :func:`resolve` return ``backend`` for calls that name no backend on ``group`` (None: the default
+    group) and ``device``, until :func:`release`: for a harness that makes its own backend object (the
+    benchmark's fake process group) and wants the ops that resolve one, the compiled ones among them, to
+    run on it."""
+    import torch.distributed as dist
+
+    group = process_group(group)
+    table.remember(("backend", None, group if group is not None else dist.group.WORLD, str(device)), backend)
 
 
 def refuse_destroyed(group) -> None:
@@ -315,13 +318,5 @@ def release() -> None:
     its buffers) kept past destroy can abort the process at exit, and a later
     group must not inherit an old one's call numbers.
     """
-    from commfuse.runtime import calls, executor, pipelined
-
-    with _CACHE_LOCK:
-        _CACHE.clear()
     _SEEN[0] = None
-    calls.forget_calls()
-    pipelined.forget_plans()
-    executor.forget_groups()
-    for forget in _ON_RELEASE:
-        forget()
+    table.forget()

@@ -293,7 +293,7 @@ class Captured:
 
     def _capture(self, args: tuple, kwargs: dict) -> _Entry:
         from commfuse import backends
-        from commfuse.runtime.executor import check_mode
+        from commfuse.runtime.groups import check_mode
 
         graphs = self._graphs
         tensors = _tensors((args, kwargs))

@@ -74,9 +74,9 @@ def _teardown() -> bool:
 
         ok = True
         try:
-            from commfuse.ops import release_backends
+            from commfuse.backends import release
 
-            release_backends()  # a backend kept past destroy can abort the process at exit
+            release()  # a backend kept past destroy can abort the process at exit
         except Exception:  # noqa: BLE001
             ok = False
         gc.collect()

@@ -45,6 +45,11 @@ from __future__ import annotations
 import torch
 
 from commfuse.errors import CommfuseValueError
+from commfuse.fused import attention as fused_attention
+from commfuse.fused import sharded_linear as sharded_linear_impl
+from commfuse.fused.matmul import plan_all_gather_matmul, plan_matmul_reduce_scatter, plan_once
+from commfuse.planning import table
+from commfuse.planning.pipelined import layer_config
 
 __all__ = [
     "all_gather_matmul", "attention_reduce_scatter", "group_name", "matmul_reduce_scatter", "replicated",
@@ -126,32 +131,30 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
 
 
 # -- plans, remembered per signature -----------------------------------------
-# in the eager ops' own tables (``commfuse.ops._AGMM``/``_MMRS``: bounded, locked, forgotten by
-# ``backends.release``), under keys of the op's arguments, which begin with "op" and so never meet an eager key
+# in the planning table, beside the eager ops' entries (``commfuse.fused.matmul``), under keys that say "op"
+# after the op's name and so never meet an eager call's key
 
 
 def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
-    from commfuse import ops
-
-    key = ("op", a.shape, a.dtype, a.device, tuple((b.shape, b.dtype, b.device) for b in bs), name, gd, algorithm,
-           gathered_size, return_gathered)
-    run = ops._AGMM.plans.get(key)
+    key = ("all_gather_matmul", "op", a.shape, a.dtype, a.device, tuple((b.shape, b.dtype, b.device) for b in bs),
+           name, gd, algorithm, gathered_size, return_gathered)
+    run = table.get(key)
     if run is None:
         group = _group(name)
-        run = ops._AGMM.make(key, lambda: ops._agmm_signature(a, list(bs), group, gd, algorithm, return_gathered,
-                                                             gathered_size, True, None, None, None), group, None)
+        run = plan_once(key, lambda: plan_all_gather_matmul(a, list(bs), group, gd, algorithm, return_gathered,
+                                                            gathered_size, True, None, None, None),
+                        "all_gather_matmul", group, None)
     return run
 
 
 def _mmrs_run(a, b, name, sd, algorithm, reduce_op):
-    from commfuse import ops
-
-    key = ("op", a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, name, sd, algorithm, reduce_op)
-    run = ops._MMRS.plans.get(key)
+    key = ("matmul_reduce_scatter", "op", a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, name, sd,
+           algorithm, reduce_op)
+    run = table.get(key)
     if run is None:
         group = _group(name)
-        run = ops._MMRS.make(key, lambda: ops._mmrs_signature(a, b, group, sd, reduce_op, algorithm, None, None,
-                                                             None), group, None)
+        run = plan_once(key, lambda: plan_matmul_reduce_scatter(a, b, group, sd, reduce_op, algorithm, None, None,
+                                                                None), "matmul_reduce_scatter", group, None)
     return run
 
 
@@ -334,36 +337,21 @@ def matmul_reduce_scatter(a, b, *, group=None, scatter_dim: int = 0, reduce_op: 
 # -- attention_reduce_scatter (commfuse.nn.ParallelAttention, commfuse.tp.AttentionParallel) -----------------
 
 
-def _attention_mask(attn_mask, document_ids):
-    """The op's mask tensors as the ``AttentionMask`` the query slices cut (None: no mask)."""
-    from commfuse.nn.attention import AttentionMask
-
-    if attn_mask is not None:
-        return AttentionMask("dense", attn_mask)
-    if document_ids is not None:
-        return AttentionMask("documents", document_ids)
-    return None
+def _attention_call(q, wo, name, algorithm, n):
+    """The reduce-scatter call of the query-split attention: ``auto`` decided on one partial's bytes
+    (``fused.attention.partial_bytes``, which every rank knows, as ``ParallelAttention`` decides in eager
+    mode)."""
+    return fused_attention.reduce_scatter_call(algorithm, batch=q.shape[0], rows=q.shape[1] // n,
+                                               hidden=wo.shape[0], dtype=q.dtype, group=_group(name),
+                                               device=q.device)
 
 
-def _attention_producer(q, k, causal: bool, n: int, attn_mask=None, document_ids=None):
-    """``producer(d, q, k, v, wo)``: query slice d's attention over the keys it may see, times ``wo^T``."""
-    from commfuse.nn.attention import query_slices
-
-    return query_slices(q, k, causal=causal, world_size=n, mask=_attention_mask(attn_mask, document_ids))
-
-
-def _attention_call(q, k, wo, causal, name, algorithm, n, attn_mask=None, document_ids=None):
-    """The reduce-scatter call of the query-split attention: ``auto`` decides on one partial's bytes, which
-    every rank knows (as ``ParallelAttention`` decides in eager mode); the mask (its kind) and the heads, which
-    the partials' shape does not show, join its fingerprint."""
-    from commfuse.runtime.calls import resolve_call
-    from commfuse.runtime.pipelined import configured, layer_config
-
-    call = resolve_call("reduce_scatter", algorithm, group=_group(name), device=q.device,
-                        slice_bytes=q.shape[0] * (q.shape[1] // n) * wo.shape[0] * q.element_size())
+def _attention_config(q, k, causal, attn_mask, document_ids) -> tuple:
+    """What joins the ring's fingerprint: the mask (its kind) and the heads, which the partials' shape does
+    not show."""
     kind = "dense" if attn_mask is not None else "documents" if document_ids is not None else "none"
-    return configured(call, layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2],
-                                         kv_heads=k.shape[2], head_dim=q.shape[3], mask=kind))
+    return layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2], kv_heads=k.shape[2],
+                        head_dim=q.shape[3], mask=kind)
 
 
 def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> None:
@@ -394,16 +382,13 @@ def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> 
 def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, causal: bool,
                               group_name: str, algorithm: str, attn_mask: torch.Tensor | None = None,
                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    from commfuse.runtime.pipelined import produce_reduce_scatter_core
-
     _, n = _world(group_name)
     _check_attention(q, k, v, wo, n, attn_mask, document_ids)
-    producer = _attention_producer(q, k, causal, n, attn_mask, document_ids)
-    call = _attention_call(q, k, wo, causal, group_name, algorithm, n, attn_mask, document_ids)
+    call = _attention_call(q, wo, group_name, algorithm, n)
     with torch.no_grad():
-        if call is None:
-            return producer(0, q, k, v, wo).contiguous()
-        return produce_reduce_scatter_core(call, lambda d: producer(d, q, k, v, wo), 1, None).contiguous()
+        return fused_attention.attention_reduce_scatter(
+            call, q, k, v, wo, causal=causal, mask=fused_attention.mask_of(attn_mask, document_ids),
+            config=_attention_config(q, k, causal, attn_mask, document_ids)).contiguous()
 
 
 @_attention_reduce_scatter.register_fake
@@ -418,26 +403,14 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
                                        attn_mask: torch.Tensor | None = None,
                                        document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, torch.Tensor]:
-    from commfuse.runtime.pipelined import all_gather_consume_core
-
+    # each query slice's attention again, as its output gradient arrives (a custom op cannot keep the
+    # forward's graphs)
     _, n = _world(group_name)
-    producer = _attention_producer(q, k, causal, n, attn_mask, document_ids)
-    call = _attention_call(q, k, wo, causal, group_name, algorithm, n, attn_mask, document_ids)
-    grads: list[torch.Tensor | None] = [None] * 4
-
-    def consume(g: torch.Tensor, d: int) -> None:
-        # slice d's attention again (a custom op cannot keep the forward's graphs), back-propagated through
-        # torch.func.vjp: autograd does not record inside a custom op's kernel
-        _, vjp = torch.func.vjp(lambda *t: producer(d, *t), q, k, v, wo)
-        for i, gi in enumerate(vjp(g)):
-            grads[i] = gi if grads[i] is None else grads[i].add_(gi)
-
-    if call is None:
-        consume(dout, 0)
-    else:
-        all_gather_consume_core(call, dout.contiguous(), consume, 0, keep=False,
-                                label="attention_reduce_scatter.backward")
-    return tuple(_grad_like(g if g is not None else torch.zeros_like(t), t) for g, t in zip(grads, (q, k, v, wo)))
+    grads = fused_attention.attention_reduce_scatter_backward(
+        _attention_call(q, wo, group_name, algorithm, n), q, k, v, wo, dout, causal=causal,
+        mask=fused_attention.mask_of(attn_mask, document_ids),
+        config=_attention_config(q, k, causal, attn_mask, document_ids))
+    return tuple(_grad_like(g, t) for g, t in zip(grads, (q, k, v, wo)))
 
 
 @_attention_reduce_scatter_backward.register_fake
@@ -455,7 +428,7 @@ def _attention_backward(ctx, dout):
     q, k, v, wo, attn_mask, document_ids = ctx.saved_tensors
     grads = torch.ops.commfuse.attention_reduce_scatter_backward(q, k, v, wo, dout, *ctx.options, attn_mask,
                                                                  document_ids)
-    # the masks are constants: no gradient (commfuse.nn.attention.resolve_mask refuses one that wants it)
+    # the masks are constants: no gradient (commfuse.fused.attention.resolve_mask refuses one that wants it)
     return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])), None, None, None, None, None)
 
 
@@ -467,7 +440,7 @@ def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm
     """Query-split attention fused with the out-projection's reduce-scatter, as one op: q (b, s, Hq, d), k and
     v (b, s, Hkv, d) for this rank's heads, ``wo`` (hidden, Hq * d) this rank's columns of the out-projection;
     returns (b, s / N, hidden), this rank's rows of the summed output. ``mask``: a resolved
-    ``commfuse.nn.attention.AttentionMask`` or None; it travels as a dense ``attn_mask`` (a BlockMask
+    ``commfuse.fused.attention.AttentionMask`` or None; it travels as a dense ``attn_mask`` (a BlockMask
     evaluated for the whole sequence: an op takes no callables) or as ``document_ids``."""
     attn_mask = document_ids = None
     if mask is not None:
@@ -484,24 +457,19 @@ def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm
 
 
 def _sharded_call(x, weight, name, algorithm):
-    from commfuse.runtime.calls import resolve_call
-
-    return resolve_call("all_gather", algorithm, group=_group(name), device=x.device,
-                        slice_bytes=weight.shape[0] * weight.shape[1] * x.element_size())
+    return sharded_linear_impl.all_gather_call(algorithm, weight, x.dtype, group=_group(name), device=x.device)
 
 
 @torch.library.custom_op("commfuse::sharded_linear", mutates_args=())
 def _sharded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group_name: str,
                     algorithm: str, reduce: str, reduce_dtype: torch.dtype | None) -> torch.Tensor:
     # reduce ("avg" or "sum") and reduce_dtype are the backward's: the weight gradient's reduction
-    from commfuse.nn.sharded import sharded_linear_forward
-
     call = _sharded_call(x, weight, group_name, algorithm)
     with torch.no_grad():
         if call is None:
             y = torch.nn.functional.linear(x, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
         else:
-            y = sharded_linear_forward(call, x, weight, bias)
+            y = sharded_linear_impl.sharded_linear_forward(call, x, weight, bias)
         return y.contiguous()
 
 
@@ -515,8 +483,6 @@ def _(x, weight, bias, group_name, algorithm, reduce, reduce_dtype):
 def _sharded_linear_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, group_name: str,
                              algorithm: str, reduce: str, reduce_dtype: torch.dtype | None, need_x: bool,
                              need_w: bool, need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from commfuse.nn.sharded import sharded_linear_backward
-
     call = _sharded_call(x, weight, group_name, algorithm)
     if call is None:
         w = weight.to(x.dtype)
@@ -524,7 +490,8 @@ def _sharded_linear_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Te
         dw = (dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if need_w else None
         db = dy.reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype) if need_b else None
     else:
-        dx, dw, db = sharded_linear_backward(call, x, weight, dy, need_x, need_w, need_b, reduce, reduce_dtype)
+        dx, dw, db = sharded_linear_impl.sharded_linear_backward(call, x, weight, dy, need_x, need_w, need_b, reduce,
+                                                                 reduce_dtype)
     return _grad_like(dx, x), _grad_like(dw, weight), (db.contiguous() if db is not None else _empty(weight))
 
 

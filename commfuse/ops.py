@@ -13,12 +13,12 @@ a wrong-sized message (which gloo answers by aborting the process); ``True``
 is that, ``"always"`` checks every call, ``False`` never. ``report``, a dict,
 receives the algorithm taken and why (what ran: a ``ring:m`` whose slices
 would be smaller than one row of the smallest shard is capped, see
-``commfuse.runtime.pipelined.capped``). ``backend`` picks a backend by name or
+``commfuse.planning.pipelined.capped``). ``backend`` picks a backend by name or
 passes a Backend object; by default the one that fits the tensors' device.
 Without an initialised process group and with ``group=None`` the ops run as
 world size 1 (unless ``WORLD_SIZE`` > 1, which raises). ``config`` (the
 fused ops and ``produce_reduce_scatter``; layers pass it): a layer's options
-that every rank must share, from ``commfuse.runtime.pipelined.layer_config``,
+that every rank must share, from ``commfuse.planning.pipelined.layer_config``,
 added to the call's fingerprint so that a rank whose layer differs is named
 on every rank (eager calls; under ``torch.compile`` the custom ops take none).
 
@@ -31,7 +31,7 @@ mixed dtypes are refused, as torch's matmul refuses them.
 This module is validation plus dispatch. The first call of a signature
 (shapes, dtypes, devices, group, dims, options) validates its arguments and
 resolves the call; later calls with the same signature skip straight to the
-ring (``commfuse.runtime.pipelined``). Gradients go through
+ring (``commfuse.planning.pipelined``). Gradients go through
 ``commfuse.autograd``.
 """
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,28 +46,32 @@ import torch
 
 from commfuse import backends
 from commfuse.backends import fresh
-from commfuse.autograd import (
-    all_gather_matmul_fn,
-    all_gather_matmul_planned,
-    matmul_reduce_scatter_fn,
-    matmul_reduce_scatter_planned,
-    produce_reduce_scatter_fn,
-)
+from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.runtime.calls import MIN_SLICE_BYTES, choose_algorithm, resolve_call
-from commfuse.runtime.executor import announce_left, group_state, state_of_group
-from commfuse.runtime.pipelined import (
+from commfuse.fused.matmul import (
+    check_dim,
+    check_same,
+    check_tensor,
+    grad_wanted,
+    note_failed,
+    plan_all_gather_matmul,
+    plan_matmul_reduce_scatter,
+    plan_once,
+    report_taken,
+)
+from commfuse.planning import table
+from commfuse.planning.calls import MIN_SLICE_BYTES, choose_algorithm, resolve_call
+from commfuse.planning.pipelined import (
     StandIn,
     all_gather_consume_core,
     all_to_all_consume_core,
-    capped,
     collect,
     configured,
     exchange_sizes,
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
-from commfuse.schedule import Collective, parse_algorithm, split_sizes
+from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
     "MIN_SLICE_BYTES",
@@ -82,7 +85,6 @@ __all__ = [
     "matmul_reduce_scatter",
     "produce_all_to_all",
     "produce_reduce_scatter",
-    "release_backends",
 ]
 
 log = logging.getLogger("commfuse")
@@ -91,63 +93,8 @@ log = logging.getLogger("commfuse")
 #: knows the function, however it is reached, and takes it as True while it traces
 _compiling = torch.compiler.is_compiling
 
-#: ``commfuse.backends.release``, under the name scripts written for earlier versions call.
-release_backends = backends.release
-
-
-# -- argument handling -------------------------------------------------------
-
-
-def _tensor(name: str, value) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise CommfuseTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if type(value) is not torch.Tensor and _is_dtensor(value):
-        raise CommfuseTypeError(
-            f"{name} is a DTensor (placements {tuple(value.placements)} on {value.device_mesh}): commfuse's "
-            f"functional ops take this rank's local shard; pass {name}.to_local(), or parallelize the module "
-            f"with commfuse.tp's styles, which take DTensors"
-        )
-    return value
-
-
-def _is_dtensor(value) -> bool:
-    """Whether ``value`` is a DTensor (without importing torch.distributed.tensor when nothing has)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
-
-
-def _dim(name: str, dim, ndim: int) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise CommfuseTypeError(f"{name} must be an int, got {dim!r}")
-    if not -ndim <= dim < ndim:
-        raise CommfuseValueError(f"{name}={dim} is out of range for a tensor with {ndim} dims")
-    return dim % ndim
-
-
-def _same(name: str, tensors: Sequence[tuple[str, torch.Tensor]], config: tuple | None = None) -> None:
-    """One dtype and one device for ``tensors``; a fused GEMM's mixed dtypes are refused as torch's matmul
-    refuses them outside autocast, in the words of the layer (``config``'s name) when a layer called."""
-    first_name, first = tensors[0]
-    for other_name, t in tensors[1:]:
-        if t.dtype != first.dtype:
-            if config is not None:
-                raise CommfuseValueError(
-                    f"{config[0]}: its input has dtype {first.dtype} but its weight has {t.dtype} ({name}'s "
-                    f"{first_name} and {other_name}); torch's nn.Linear and tensor-parallel styles refuse mixed "
-                    "dtypes too (mat1 and mat2 must have the same dtype): run the model under torch.autocast, "
-                    "which casts both to its dtype, or cast the input or the module to one dtype"
-                )
-            raise CommfuseValueError(
-                f"{name}: {other_name} has dtype {t.dtype} but {first_name} has {first.dtype}; torch.matmul "
-                "refuses mixed dtypes too: cast one to the other's dtype, or call it under torch.autocast, which "
-                "casts both to its dtype"
-            )
-        if t.device != first.device:
-            raise CommfuseValueError(f"{name}: {other_name} is on {t.device} but {first_name} is on {first.device}")
-
-
-def _grad_wanted(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+#: the planning table's one look-up, bound once (the fast path of a planned signature)
+_planned = table.get
 
 
 # -- autocast ----------------------------------------------------------------
@@ -194,76 +141,6 @@ def _autocast_weights(b):
     if isinstance(b, (list, tuple)):
         return [_autocast(x) for x in b]
     return b
-
-
-def _taken(report: dict | None, call, rows: int, label: str) -> None:
-    """Let ``report`` say what the plan runs: ``call``'s algorithm as :func:`capped` leaves it for shards whose
-    smallest has ``rows`` along the dim (the planning code caps with the same helper)."""
-    if report is None or call is None:
-        return
-    taken = capped(call, rows, label)
-    if taken is not call:
-        report.update(algorithm=taken.spec.shown, reason=taken.reason)
-
-
-def _failed(group, backend, error: BaseException, label: str) -> None:
-    """A call failed on this rank before it reached the executor (its validation, its policy, a producer it
-    called first): it still takes its call number on the group, the failure goes on the group's board for
-    the peers that wait on this rank in that call (they say why, instead of waiting out the timeout), and
-    the group's next call is checked, so it cannot pair with the peers' copy of this call."""
-    try:
-        if backend is not None and not isinstance(backend, str):
-            state = group_state(backend)
-        else:
-            import torch.distributed as dist
-
-            if group is None and not (dist.is_available() and dist.is_initialized()):
-                return
-            pg = backends.process_group(group) if group is not None else dist.group.WORLD
-            if isinstance(pg, dist.ProcessGroup) and pg not in dist.distributed_c10d._world.pg_map:
-                return  # a destroyed group: nothing more to count on it
-            state = state_of_group(pg)
-            if state.rank is None and isinstance(pg, dist.ProcessGroup):
-                state.rank, state.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-    except Exception:  # noqa: BLE001 - the caller's own error is what matters
-        return
-    announce_left(state, label, error)
-
-
-class _Signatures:
-    """Per op: what the first call of each signature resolved, so later calls skip validation."""
-
-    def __init__(self, label: str) -> None:
-        self.plans: dict[tuple, Any] = {}
-        self.lock = threading.Lock()
-        self.label = label
-
-    def make(self, key, signature: Callable[[], Any], group, backend):
-        """``signature()`` (validate, resolve, plan), remembered under ``key`` (None: not remembered); a
-        call that fails it still takes its call number on the group (:func:`_failed`)."""
-        try:
-            run = signature()
-        except BaseException as e:
-            _failed(group, backend, e, self.label)
-            raise
-        if key is not None:
-            with self.lock:
-                if len(self.plans) > 4096:
-                    self.plans.clear()
-                self.plans[key] = run
-        return run
-
-
-_AGMM = _Signatures("all_gather_matmul")
-_MMRS = _Signatures("matmul_reduce_scatter")
-
-
-def _forget() -> None:
-    _AGMM.plans.clear()
-    _MMRS.plans.clear()
-
-
-backends.on_release(_forget)
 
 
 def _library():
@@ -323,168 +200,28 @@ def all_gather_matmul(
         a_shard, b = _autocast(a_shard), _autocast_weights(b)
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
-            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape, b.dtype, b.device,
-                   group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend,
+            key = ("all_gather_matmul", type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape,
+                   b.dtype, b.device, group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend,
                    config)
         else:
-            key = (type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
+            key = ("all_gather_matmul", type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
                    tuple((type(x), x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
                    gathered_size, keep_gathered, timeout, check, backend, config)
         fresh()  # a default group destroyed (and made again) since: forget what was planned on it
-        run = _AGMM.plans.get(key)
+        run = _planned(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
     if run is None:
-        run = _AGMM.make(key, lambda: _agmm_signature(a_shard, b, group, gather_dim, algorithm, return_gathered,
-                                                      gathered_size, keep_gathered, timeout, check, backend, config),
-                         group, backend)
+        run = plan_once(key, lambda: plan_all_gather_matmul(a_shard, b, group, gather_dim, algorithm,
+                                                            return_gathered, gathered_size, keep_gathered, timeout,
+                                                            check, backend, config),
+                        "all_gather_matmul", group, backend)
     if report is not None:
         report.update(run.report)
     lean = run.lean
     if lean is not None and not (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
         return lean(a_shard, b)  # the common call: one weight, no gradient, no native kernel
     return run(a_shard, b)
-
-
-def _agmm_signature(a, b, group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout,
-                    check, backend, config=None):
-    """Validate one signature of :func:`all_gather_matmul` and return the function that runs it."""
-    a = _tensor("a_shard", a)
-    single = isinstance(b, torch.Tensor)
-    bs = [b] if single else list(b)
-    if not bs:
-        raise CommfuseValueError("b is an empty list: give at least one weight")
-    for i, bi in enumerate(bs):
-        _tensor("b" if single else f"b[{i}]", bi)
-        if bi.ndim != 2:
-            raise CommfuseValueError(f"{'b' if single else f'b[{i}]'} must be 2-D (K, N), got shape {list(bi.shape)}")
-    if a.ndim < 2:
-        raise CommfuseValueError(f"a_shard must have at least 2 dims, got shape {list(a.shape)}")
-    _same("all_gather_matmul", [("a_shard", a)] + [("b" if single else f"b[{i}]", bi) for i, bi in enumerate(bs)],
-          config)
-    gd = _dim("gather_dim", gather_dim, a.ndim)
-    contraction = gd == a.ndim - 1
-    be = backends.resolve(backend, group, a.device)
-    n = 1 if be is None else be.world_size
-    rank = 0 if be is None else be.rank
-    length = a.shape[gd]
-    if gathered_size is None:
-        sizes = [length] * n
-    else:
-        if isinstance(gathered_size, bool) or not isinstance(gathered_size, int) or gathered_size < 0:
-            raise CommfuseValueError(f"gathered_size must be a non-negative int, got {gathered_size!r}")
-        sizes = split_sizes(gathered_size, n)
-        if sizes[rank] != length:
-            raise CommfuseValueError(
-                f"rank {rank}: a_shard has size {length} along gather_dim {gd}, but tensor_split of the gathered "
-                f"size {gathered_size} over world size {n} gives rank {rank} a shard of {sizes[rank]}"
-            )
-    total = sum(sizes)
-    k_needed = total if contraction else a.shape[-1]
-    for i, bi in enumerate(bs):
-        if bi.shape[0] != k_needed:
-            raise CommfuseValueError(
-                f"{'b' if single else f'b[{i}]'} has {bi.shape[0]} rows but the gathered a has K = {k_needed}"
-                + (" (gather_dim is the contraction dim)" if contraction else "")
-            )
-    # auto decides on the largest shard, which every rank knows, never on this rank's own
-    slice_bytes = a.element_size() * sizes[0]
-    for i, d in enumerate(a.shape):
-        slice_bytes *= 1 if i == gd else d
-    flops = 2.0 * slice_bytes / a.element_size() * sum(bi.shape[1] for bi in bs)
-    said: dict = {}
-    native, algorithm = _native(be, "all_gather_matmul", algorithm, said, a_shard=a, bs=bs, gather_dim=gd,
-                                return_gathered=return_gathered, gathered_size=gathered_size, group=group)
-    call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=be if be is not None else backend,
-                        device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
-                        report=None if native else said)
-    call = configured(call, config)
-    if not native:
-        _taken(said, call, min(sizes), "all_gather_matmul")
-    keep = keep_gathered or return_gathered
-    forward = None if call is None else all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)
-
-    if call is None:
-        def run(a, b):
-            bs = [b] if single else b
-            outs = [torch.matmul(a, bi) for bi in bs]
-            results = outs[0] if single else list(outs)
-            return (a, results) if return_gathered else results
-    else:
-        def run(a, b):
-            bs = [b] if single else list(b)
-            got = None if native is None else native(a, bs)  # None: gradients wanted, the ring runs
-            if got is not None:
-                results = got[1][0] if single else list(got[1])
-                return (got[0], results) if return_gathered else results
-            if torch.is_grad_enabled() and (a.requires_grad or any(bi.requires_grad for bi in bs)):
-                if contraction:
-                    raise CommfuseValueError(
-                        "all_gather_matmul has no backward when gather_dim is the contraction (last) dim; "
-                        "gather another dim or run it under torch.no_grad()"
-                    )
-                gathered, outs = all_gather_matmul_fn(call, a, bs, gd, sizes, keep)
-                gathered = gathered if return_gathered else None
-            else:
-                gathered, outs = forward(a, bs)
-            results = outs[0] if single else list(outs)
-            return (gathered, results) if return_gathered else results
-
-    run.report = said
-    run.call, run.sizes, run.gd = call, sizes, gd  # for the compiled op's backward (commfuse.library)
-    # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
-    run.lean = forward.single if call is not None and single and native is None else None
-    return run
-
-
-def _native(be, op: str, algorithm, said: dict, **signature):
-    """The backend's own fused kernel for this call signature, if it declares ``op`` and the call qualifies
-    (``algorithm`` "native" or "auto"); else None. Returns (runner or None, the algorithm the ring takes:
-    ``auto``'s own choice when the kernel is taken, since a call that wants gradients still runs the ring).
-
-    "native" that does not qualify raises, naming why; autograd never takes the kernel (it has none).
-    """
-    spec = parse_algorithm(algorithm)
-    if spec.name not in ("native", "auto"):
-        return None, algorithm
-    fallback = "auto"
-    caps = getattr(be, "capabilities", None)
-    declared = be is not None and op in getattr(caps, "native_fused_ops", ()) and hasattr(be, "native_op")
-    if be is None or be.world_size == 1 or not declared:
-        if spec.name == "native":
-            what = "no backend (a single process)" if be is None else (
-                f"backend {getattr(be, 'name', be)!r} declares no native {op}")
-            raise CommfuseValueError(f"algorithm 'native' for {op}: {what}; use ring, bidirectional or auto")
-        return None, algorithm
-    runner, reason = be.native_op(op, **signature)
-    if runner is None:
-        if spec.name == "native":
-            raise CommfuseValueError(f"algorithm 'native' for {op}: the call does not qualify: {reason}")
-        return None, algorithm
-    said.update(algorithm="native", reason=reason, world_size=be.world_size)
-    if spec.name == "auto":
-        log.debug("auto chose native for %s: %s [world size %d, backend %r declares it in native_fused_ops and its "
-                  "native_op accepted this signature; a call that wants gradients runs auto's ring-side choice]",
-                  op, reason, be.world_size, getattr(be, "name", type(be).__name__))
-
-    def run(*tensors):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in _flat_tensors(tensors)):
-            if spec.name == "native":
-                raise CommfuseValueError(
-                    f"algorithm 'native' for {op}: the backend's fused kernel has no backward; run it under "
-                    "torch.no_grad() or take 'auto' (which runs the ring when gradients are wanted)")
-            return None
-        return runner(*tensors)
-
-    return run, fallback
-
-
-def _flat_tensors(items):
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            yield item
-        else:
-            yield from item
 
 
 # -- matmul_reduce_scatter ---------------------------------------------------
@@ -525,78 +262,19 @@ def matmul_reduce_scatter(
     if _any_autocast():
         a, b = _autocast(a), _autocast(b)
     try:
-        key = (type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device, group, scatter_dim, reduce_op,
-               algorithm, timeout, check, backend, config)
+        key = ("matmul_reduce_scatter", type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device,
+               group, scatter_dim, reduce_op, algorithm, timeout, check, backend, config)
         fresh()
-        run = _MMRS.plans.get(key)
+        run = _planned(key)
     except (AttributeError, TypeError):
         key, run = None, None
     if run is None:
-        run = _MMRS.make(key, lambda: _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check,
-                                                      backend, config), group, backend)
+        run = plan_once(key, lambda: plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm,
+                                                                timeout, check, backend, config),
+                        "matmul_reduce_scatter", group, backend)
     if report is not None:
         report.update(run.report)
     return run(a, b)
-
-
-def _mmrs_signature(a, b, group, scatter_dim, reduce_op, algorithm, timeout, check, backend, config=None):
-    """Validate one signature of :func:`matmul_reduce_scatter` and return the function that runs it."""
-    a = _tensor("a", a)
-    b = _tensor("b", b)
-    if a.ndim < 2:
-        raise CommfuseValueError(f"a must have at least 2 dims, got shape {list(a.shape)}")
-    if b.ndim != 2:
-        raise CommfuseValueError(f"b must be 2-D (K, N), got shape {list(b.shape)}")
-    if a.shape[-1] != b.shape[0]:
-        raise CommfuseValueError(f"a has K = {a.shape[-1]} columns but b has {b.shape[0]} rows")
-    _same("matmul_reduce_scatter", [("a", a), ("b", b)], config)
-    if reduce_op not in ("sum", "avg"):
-        raise CommfuseValueError(f"reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    if reduce_op == "avg" and not (a.is_floating_point() or a.is_complex()):
-        raise CommfuseValueError(f"reduce_op 'avg' needs a floating dtype, got {a.dtype}")
-    out_shape = [*a.shape[:-1], b.shape[1]]
-    sd = _dim("scatter_dim", scatter_dim, len(out_shape))
-    be = backends.resolve(backend, group, a.device)
-    n = 1 if be is None else be.world_size
-    sizes = split_sizes(out_shape[sd], n)
-    per_rank = 1
-    for i, d in enumerate(out_shape):
-        per_rank *= sizes[0] if i == sd else d
-    said: dict = {}
-    native, algorithm = _native(be, "matmul_reduce_scatter", algorithm, said, a=a, b=b, scatter_dim=sd,
-                                reduce_op=reduce_op, group=group)
-    call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group,
-                        backend=be if be is not None else backend, device=a.device,
-                        slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
-                        timeout=timeout, check=check, report=None if native else said)
-    call = configured(call, config)
-    if not native:
-        _taken(said, call, min(sizes), "matmul_reduce_scatter")
-    avg = reduce_op == "avg"
-    last = sd == len(out_shape) - 1
-    forward = None if call is None else matmul_reduce_scatter_planned(call, a, b, sd)
-
-    if call is None:
-        def run(a, b):
-            return torch.matmul(a, b)
-    else:
-        def run(a, b):
-            got = None if native is None else native(a, b)  # None: gradients wanted, the ring runs
-            if got is not None:
-                return got
-            if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-                if last:
-                    raise CommfuseValueError(
-                        "matmul_reduce_scatter has no backward when scatter_dim is the last (output feature) dim; "
-                        "scatter another dim or run it under torch.no_grad()"
-                    )
-                return matmul_reduce_scatter_fn(call, a, b, sd, reduce_op)
-            out = forward(a, b)
-            return out.div_(n) if avg else out
-
-    run.report = said
-    run.call = call  # for the compiled op's backward (commfuse.library)
-    return run
 
 
 # -- consume / produce forms -------------------------------------------------
@@ -651,20 +329,20 @@ def all_gather_consume(
     if _compiling():
         _not_compiled("all_gather_consume")
     try:
-        shard = _tensor("shard", shard)
+        shard = check_tensor("shard", shard)
         _checked("consumer", consumer)
         if shard.ndim == 0:
             raise CommfuseValueError("shard is a 0-d tensor; give it at least one dim")
-        d = _dim("dim", dim, shard.ndim)
+        d = check_dim("dim", dim, shard.ndim)
         call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=backend, device=shard.device,
                             slice_bytes=shard.numel() * shard.element_size(), timeout=timeout, check=check,
                             report=report)
     except BaseException as e:
-        _failed(group, backend, e, "all_gather_consume")
+        note_failed(group, backend, e, "all_gather_consume")
         raise
     if call is None:
         return [consumer(shard, 0)]
-    _taken(report, call, shard.shape[d], "all_gather_consume")
+    report_taken(report, call, shard.shape[d], "all_gather_consume")
     return all_gather_consume_core(call, shard, consumer, d, private=True)
 
 
@@ -705,7 +383,7 @@ def produce_reduce_scatter(
         inputs = tuple(inputs) if inputs is not None else None
         if inputs is not None:
             for i, t in enumerate(inputs):
-                _tensor(f"inputs[{i}]", t)
+                check_tensor(f"inputs[{i}]", t)
         device = inputs[0].device if inputs else None
         be = backends.resolve(backend, group, device)
         n = 1 if be is None else be.world_size
@@ -713,25 +391,25 @@ def produce_reduce_scatter(
         if n == 1:
             resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=backend, device=device,
                          timeout=timeout, check=check, report=report)  # validates the options
-            return _tensor("producer(0)", call_producer(0))
+            return check_tensor("producer(0)", call_producer(0))
         early: dict[int, torch.Tensor] = {}
         slice_bytes = 0
         if parse_algorithm(algorithm, Collective.REDUCE_SCATTER).name == "auto":
             src = (be.rank - 1) % n  # the partial the ring needs first: its size is every rank's slice size
-            first = _tensor(f"producer({src})", call_producer(src))
+            first = check_tensor(f"producer({src})", call_producer(src))
             early[src] = first
             slice_bytes = first.numel() * first.element_size()
         call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=be, device=device,
                             slice_bytes=slice_bytes, timeout=timeout, check=check, report=report)
         call = configured(call, config)
     except BaseException as e:
-        _failed(group, backend, e, "produce_reduce_scatter")
+        note_failed(group, backend, e, "produce_reduce_scatter")
         raise
-    if inputs is not None and _grad_wanted(*inputs):
+    if inputs is not None and grad_wanted(*inputs):
         out = produce_reduce_scatter_fn(call, producer, inputs, dim)
     else:
         out = produce_reduce_scatter_core(call, call_producer, dim, early)
-    _taken(report, call, out.shape[dim], "produce_reduce_scatter")  # the partials' rows: this rank's shard's
+    report_taken(report, call, out.shape[dim], "produce_reduce_scatter")  # the partials' rows: this rank's shard's
     return out
 
 
@@ -791,7 +469,7 @@ def all_to_all_consume(
         if uneven and call is not None and output_splits is not None:
             output_splits = _splits("output_splits", output_splits, n, call.be.rank)
     except BaseException as e:
-        _failed(group, backend, e, "all_to_all_consume")
+        note_failed(group, backend, e, "all_to_all_consume")
         raise
     if call is None:
         return [consumer(chunks[0], 0)]
@@ -807,7 +485,7 @@ def all_to_all_consume(
         if wrong is not None:
             raise wrong
         return got
-    _taken(report, call, chunks[0].shape[d], "all_to_all_consume")
+    report_taken(report, call, chunks[0].shape[d], "all_to_all_consume")
     return all_to_all_consume_core(call, chunks, consumer, d, private=True)
 
 
@@ -863,7 +541,7 @@ def produce_all_to_all(
         first = None
         if n > 1 and not uneven and parse_algorithm(algorithm, Collective.PRODUCE_ALL_TO_ALL).name == "auto":
             # the ring's first block, made now: its size is every block's, which auto decides on
-            first = _tensor(f"producer({(be.rank + 1) % n})", producer((be.rank + 1) % n))
+            first = check_tensor(f"producer({(be.rank + 1) % n})", producer((be.rank + 1) % n))
         call = resolve_call(Collective.PRODUCE_ALL_TO_ALL, algorithm, group=group,
                             backend=be if be is not None else backend, device=device,
                             slice_bytes=0 if first is None else first.numel() * first.element_size(),
@@ -877,13 +555,13 @@ def produce_all_to_all(
         if call is not None and uneven and input_splits is None:  # the rows sent are the blocks': made now
             made, input_splits = _blocks_first(producer, dim, rank, n)
     except BaseException as e:
-        _failed(group, backend, e, "produce_all_to_all")
+        note_failed(group, backend, e, "produce_all_to_all")
         raise
     if call is None:
-        return [_tensor("producer(0)", producer(0))]
+        return [check_tensor("producer(0)", producer(0))]
     if not uneven:
         got = produce_all_to_all_core(call, producer, dim, first=first)
-        _taken(report, call, got[0].shape[dim], "produce_all_to_all")
+        report_taken(report, call, got[0].shape[dim], "produce_all_to_all")
         return got
     sent = torch.tensor([[x] for x in input_splits], dtype=torch.int64, device=getattr(call.be, "device", None))
     actual = exchange_sizes(call, sent).flatten().tolist()
@@ -925,7 +603,7 @@ def _blocks_first(producer: Callable, dim: int, rank: int, n: int) -> tuple[dict
     made: dict[int, torch.Tensor] = {}
     for k in range(1, n + 1):
         dest = (rank + k) % n
-        block = _tensor(f"producer({dest})", producer(dest))
+        block = check_tensor(f"producer({dest})", producer(dest))
         if not -block.ndim <= dim < block.ndim:
             raise CommfuseValueError(f"rank {rank}: dim={dim} is out of range for producer({dest})'s block of shape "
                                      f"{list(block.shape)}")
@@ -953,17 +631,17 @@ def _a2a_chunks(chunks, group, backend, dim, uneven: bool):
     Returns (chunks, backend, world size, dim)."""
     if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence):
         raise CommfuseTypeError(f"chunks must be a list of tensors, one per rank, got {type(chunks).__name__}")
-    chunks = [_tensor(f"chunks[{i}]", c) for i, c in enumerate(chunks)]
+    chunks = [check_tensor(f"chunks[{i}]", c) for i, c in enumerate(chunks)]
     if not chunks:
         raise CommfuseValueError("chunks is empty: give one tensor per rank")
     be = backends.resolve(backend, group, chunks[0].device)
     n = 1 if be is None else be.world_size
     if len(chunks) != n:
         raise CommfuseValueError(f"chunks has {len(chunks)} tensors but the world size is {n}: give one per rank")
-    _same("all_to_all_consume", [(f"chunks[{i}]", c) for i, c in enumerate(chunks)])
+    check_same("all_to_all_consume", [(f"chunks[{i}]", c) for i, c in enumerate(chunks)])
     if n > 1 and chunks[0].ndim == 0:
         raise CommfuseValueError("chunks are 0-d tensors; give them at least one dim")
-    d = _dim("dim", dim, chunks[0].ndim) if n > 1 else 0
+    d = check_dim("dim", dim, chunks[0].ndim) if n > 1 else 0
     first = list(chunks[0].shape)
     for i, c in enumerate(chunks):
         shape = list(c.shape)

@@ -58,9 +58,10 @@ from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.fused import attention as fused_attention
 from commfuse.nn._common import as_dtensor, config, replicated
 from commfuse.runtime import sites
-from commfuse.runtime.executor import counted_calls
+from commfuse.runtime.groups import counted_calls
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
@@ -427,7 +428,7 @@ class AttentionParallel(_Style):
       or when its value is a ``BlockMask`` or a ``VarlenMetadata`` whatever its
       name. Masks cover the whole sequence, are the same on every rank, apply
       together with ``causal``, and go to the attention only
-      (``commfuse.nn.attention.resolve_mask`` says what each may be);
+      (``commfuse.fused.attention.resolve_mask`` says what each may be);
     - anything else goes to ``rope``, positionally or by keyword as it came,
       when the hook's signature takes it; an argument that is neither (no
       ``rope``, or one that does not take it) is refused by name with a
@@ -473,17 +474,15 @@ class AttentionParallel(_Style):
     def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
         """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
         as the class docstring says; what is neither is refused by name."""
-        from commfuse.nn.attention import MASK_NAMES, is_mask
-
         masks, rest, more = {}, [], {}
         for i, value in enumerate(args):
             name = names[i] if i < len(names) else None
-            if is_mask(name, value):
+            if fused_attention.is_mask(name, value):
                 masks[name or f"argument {i + 1} (a {type(value).__name__})"] = value
             else:
                 rest.append((name, i, value))
         for name, value in kwargs.items():
-            if is_mask(name, value):
+            if fused_attention.is_mask(name, value):
                 masks[name] = value
             else:
                 more[name] = value
@@ -497,15 +496,13 @@ class AttentionParallel(_Style):
                 f"the rope hook {getattr(self.rope, '__name__', self.rope)!r} does not take it"
             raise CommfuseTypeError(
                 f"commfuse.tp.AttentionParallel: the block's forward got {', '.join(refused)}, which is not a mask "
-                f"(a parameter named {', '.join(MASK_NAMES)}, or a FlexAttention BlockMask or a VarlenMetadata) "
-                f"and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
+                f"(a parameter named {', '.join(fused_attention.MASK_NAMES)}, or a FlexAttention BlockMask or a "
+                f"VarlenMetadata) and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
                 "hook that takes the argument"
             )
         return masks, tuple(value for _, _, value in rest), more
 
     def _forward(self, module: nn.Module, mesh: DeviceMesh, names: tuple, x, *args, **kwargs) -> torch.Tensor:
-        from commfuse.nn.attention import attend, mask_kind, query_slices, resolve_mask
-
         who = "commfuse.tp.AttentionParallel"
         given, args, kwargs = self._arguments(names, args, kwargs) if args or kwargs else ({}, args, kwargs)
         wq, wk, wv, wo = (getattr(module, self.names[r]) for r in
@@ -513,7 +510,7 @@ class AttentionParallel(_Style):
         causal = bool(self.causal)
         options = config(who, causal=causal, head_dim=self.head_dim, rope=self.rope is not None,
                          q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None,
-                         o_bias=wo.bias is not None, mask=mask_kind(given))
+                         o_bias=wo.bias is not None, mask=fused_attention.mask_kind(given))
         q, k, v = self._columns(mesh, x, [wq, wk, wv], who, options)
         if q.ndim != 3:
             raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {q.ndim}-D")
@@ -522,7 +519,7 @@ class AttentionParallel(_Style):
         if self.rope is not None:
             q, k = self.rope(q, k, *args, **kwargs)
         n = mesh.size()
-        mask = resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
+        mask = fused_attention.resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
                             rank=mesh.get_local_rank()) if given else None
         want = _normalized(self.output_layouts[0], 3)
         if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
@@ -532,11 +529,15 @@ class AttentionParallel(_Style):
                                                  group=mesh.get_group(), algorithm=self.algorithm, mask=mask)
             return self._scattered(mesh, z, want, wo.bias)
         if want == Shard(1) and n > 1 and s % n == 0:
-            producer = query_slices(q, k, causal=causal, world_size=n, mask=mask)
-            z = ops.produce_reduce_scatter(producer, inputs=(q, k, v, wo.weight.to_local()),
-                                           group=mesh.get_group(), dim=1, algorithm=self.algorithm, config=options)
+            # auto decided on the partials' size (known before any attention runs), so that each query slice's
+            # attention runs once: the ring's own producer calls are the only ones
+            w = wo.weight.to_local()
+            call = fused_attention.reduce_scatter_call(self.algorithm, batch=b, rows=s // n, hidden=w.shape[0],
+                                                       dtype=ops.autocast_dtype(q) or q.dtype,
+                                                       group=mesh.get_group(), device=q.device)
+            z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask, config=options)
             return self._scattered(mesh, z, want, wo.bias)
-        o = attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s))
+        o = fused_attention.attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s))
         return self._row(mesh, o.reshape(b, s, -1), wo, who, options)
 
 

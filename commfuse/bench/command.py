@@ -53,7 +53,7 @@ _SIZE_FLAGS = (("batch", "b"), ("seq", "s"), ("hidden", "h"), ("ffn", "ffn"), ("
 
 def _timeout(text: str) -> float:
     """``--timeout``: seconds within the bounds the library puts on every wait."""
-    from commfuse.runtime.executor import MAX_TIMEOUT_S, MIN_TIMEOUT_S  # imports torch: only when one is given
+    from commfuse.runtime.groups import MAX_TIMEOUT_S, MIN_TIMEOUT_S  # imports torch: only when one is given
 
     return seconds(MIN_TIMEOUT_S, MAX_TIMEOUT_S)(text)
 
@@ -138,7 +138,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "private network namespace; needs root (default: plain loopback)")
     g.add_argument("--timeout", type=_timeout, default=1800.0,
                    help="seconds before the launched ranks are killed (default 1800; within the library's bounds "
-                   "on a wait, commfuse.runtime.executor.MIN_TIMEOUT_S to MAX_TIMEOUT_S)")
+                   "on a wait, commfuse.runtime.groups.MIN_TIMEOUT_S to MAX_TIMEOUT_S)")
     g.add_argument("--seed", type=int, default=0,
                    help="seeds the inputs, the layers' parameters and the order the algorithms run in each repeat "
                    "(default 0)")

@@ -32,11 +32,7 @@ first-step figure a load, not a compile.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import shutil
-import tempfile
 import time
 
 import torch
@@ -44,7 +40,14 @@ import torch.distributed as dist
 
 from commfuse.bench.config import BenchConfig, applies
 from commfuse.bench.progress import Progress
-from commfuse.bench.runner import _fingerprints, _load, gather_objects, run_info
+from commfuse.bench.shared import (
+    fingerprint_exchange,
+    fresh_inductor_cache,
+    gather_objects,
+    load_average,
+    recompile_room,
+    run_info,
+)
 from commfuse.bench.workloads import compare, make
 
 #: The two kinds of step timed side by side.
@@ -58,35 +61,6 @@ def units(config: BenchConfig) -> int:
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (2 + len(KINDS) * (config.warmup + config.repeats)) + 1
     return total
-
-
-@contextlib.contextmanager
-def fresh_inductor_cache(rank: int):
-    """``TORCHINDUCTOR_CACHE_DIR`` pointed at a new temporary directory for the duration (see the module)."""
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    path = tempfile.mkdtemp(prefix=f"commfuse-bench-inductor-r{rank}-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    try:
-        yield path
-    finally:
-        if before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def recompile_room(graphs: int):
-    """Let dynamo keep at least ``graphs`` graphs per code object (one per algorithm; its default limit is 8)."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    before = getattr(config, name)
-    setattr(config, name, max(before, graphs + 2))
-    try:
-        yield
-    finally:
-        setattr(config, name, before)
 
 
 def _first_line(e: BaseException) -> str:
@@ -114,7 +88,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
 
     clock = time.perf_counter
     backend = config.compile_backend or "inductor"
-    load_before = _load()
+    load_before = load_average()
     bar = Progress(units(config), enabled=progress and rank == 0)
     results = []
     with fresh_inductor_cache(rank), recompile_room(len(config.algorithms)):
@@ -130,14 +104,14 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             first = [float("nan")] * len(algs)
             ok, err, failed = [], [], []
             for i, alg in enumerate(algs):
-                with _fingerprints(True):
+                with fingerprint_exchange(True):
                     ref = workload.run(alg)
                 sync()
                 bar.advance(f"{name} {alg}: eager reference")
                 dist.barrier()
                 sync()
                 try:
-                    with _fingerprints(config.fingerprint):
+                    with fingerprint_exchange(config.fingerprint):
                         t0 = clock()
                         got = workload.run(alg, compiled=True)
                         sync()
@@ -161,7 +135,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             items = [(i, k) for i in range(len(algs)) for k in range(len(KINDS)) if not (k == 1 and broken[i])]
             reps, warm = config.repeats, config.warmup
             wall = torch.full((reps, len(algs), len(KINDS)), float("nan"), dtype=torch.float64)
-            with _fingerprints(config.fingerprint):
+            with fingerprint_exchange(config.fingerprint):
                 for rep in range(warm + reps):
                     for i, k in random.Random(1_000_003 * config.seed + rep).sample(items, len(items)):
                         dist.barrier()

@@ -248,24 +248,6 @@ class BenchConfig:
                         f"multiples of {n} (--batch/--seq/--hidden/--ffn/--heads) or another --world-size"
                     )
 
-    def flops(self, workload: str, n: int) -> float | None:
-        """Per-rank multiply-add FLOPs of one iteration of the GEMM workloads (None for the others)."""
-        s = self.shape
-        if workload in ("ag_matmul", "matmul_rs"):
-            return 2.0 * s.batch * s.seq * s.hidden * s.ffn / n
-        return None
-
-    def comm_bytes(self, workload: str, n: int, element_size: int) -> float | None:
-        """Bytes one rank receives in one iteration of the GEMM workloads (None for the others)."""
-        s = self.shape
-        if workload in ("ag_matmul", "matmul_rs"):
-            return (n - 1) * s.batch * s.seq / n * s.hidden * element_size
-        return None
-
-
-def element_size(dtype: str) -> int:
-    return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[dtype]
-
 
 def describe_rate(rate: str | None) -> str:
     return f"loopback shaped to {rate}" if rate else "plain loopback"
@@ -274,5 +256,5 @@ def describe_rate(rate: str | None) -> str:
 __all__ = [
     "ALGORITHMS", "COMPILE_BACKENDS", "MOE_EXPERTS", "MOE_TOPK", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
     "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
-    "scaled", "element_size", "describe_rate",
+    "scaled", "describe_rate",
 ]

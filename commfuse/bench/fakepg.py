@@ -173,11 +173,10 @@ def _setting_up(config: BenchConfig):
     """What the run sets for its duration: ``COMMFUSE_CHECK=0`` (what arrives on a fake group is garbage, and
     a compiled op takes its check mode from there) and, with ``--compile``, a fresh inductor cache and room for
     one graph per algorithm (``commfuse.bench.compiled``). Returns the function that undoes it."""
-    from commfuse.bench.compiled import fresh_inductor_cache, recompile_room
-    from commfuse.bench.runner import _fingerprints
+    from commfuse.bench.shared import fingerprint_exchange, fresh_inductor_cache, recompile_room
 
     stack = contextlib.ExitStack()
-    stack.enter_context(_fingerprints(False))
+    stack.enter_context(fingerprint_exchange(False))
     if config.compile_backend is not None:
         stack.enter_context(fresh_inductor_cache(0))
         stack.enter_context(recompile_room(len(config.algorithms)))
@@ -386,12 +385,9 @@ def _serve_compiled_calls(backend, dev: torch.device) -> None:
     """Have the compiled ops (which take no ``backend``: they resolve the group's, ``commfuse.backends.resolve``)
     run on ``backend``, the fake group's, whose works report completion; without it, on CUDA, the watchdog would
     poll torch's fake works, which never do, until the op timeout. Forgotten by ``backends.release()``."""
-    import torch.distributed as dist
-
     from commfuse import backends
 
-    with backends._CACHE_LOCK:
-        backends._CACHE[(None, dist.group.WORLD, str(dev))] = backend
+    backends.adopt(backend, device=dev)
 
 
 def _compiled(name: str, inputs, config: BenchConfig, dev: torch.device) -> dict:

@@ -43,6 +43,7 @@ import math
 import statistics
 
 from commfuse.schedule import hidden_fraction  # noqa: F401 - the bench's figure, defined once there
+from commfuse.schedule import parse_algorithm
 from commfuse.bench.config import BenchConfig, describe_rate
 
 SCHEMA_KEYS = (
@@ -316,7 +317,7 @@ def targets(recs: list[dict], config: BenchConfig | None = None) -> list[str]:
         rho_v = _ratio(van)
         # the pairwise ring and its sliced forms (ring:m), each against the same targets
         rings = [r for r in recs if r["workload"] == workload and
-                 (r["algorithm"] == "ring" or r["algorithm"].startswith("ring:"))]
+                 parse_algorithm(r["algorithm"]).name == "ring"]
         for r in rings:
             name, rho = r["algorithm"], _ratio(r)
             # what the ring must leave exposed at best: the comm beyond what (n-1)/n of the compute hides

@@ -19,9 +19,6 @@ nothing about device time, and outside time is left unknown.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
 import random
 import time
 
@@ -30,11 +27,11 @@ import torch.distributed as dist
 
 from commfuse.bench.config import BenchConfig, applies
 from commfuse.bench.progress import Progress
+from commfuse.bench.shared import fingerprint_exchange, gather_objects, load_average, run_info
 from commfuse.bench.workloads import compare, make
 from commfuse.runtime import measure, record_events
 
 MODES = ("normal", "compute_only", "comm_only")
-
 
 
 def _auxiliary(label: str) -> bool:
@@ -62,53 +59,6 @@ def units(config: BenchConfig) -> int:
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (1 + len(MODES) * (config.warmup + config.repeats) + (1 if config.trace else 0)) + 1
     return total
-
-
-def gather_objects(obj, world_size: int, device: torch.device) -> list:
-    """Every rank's ``obj``, in rank order, on every rank: ``dist.all_gather_object`` without numpy (torch's
-    unpickles through ``Tensor.numpy``, and commfuse does not require numpy). ``device`` is where the group's
-    collectives take tensors (the CPU for gloo)."""
-    data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world_size)]
-    dist.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
-    dist.all_gather(out, mine.to(device))
-    return [pickle.loads(bytes(t[: int(s.item())].cpu().tolist())) for t, s in zip(out, sizes)]
-
-
-@contextlib.contextmanager
-def _fingerprints(on: bool):
-    """Timed runs skip the ops' fingerprint exchange (``COMMFUSE_CHECK=0``) unless ``on``.
-
-    The exchange is a safety check, one small round trip before an op's first
-    transfer, not part of any algorithm; the checked first run of every
-    algorithm has already shown that the ranks agree. ``--fingerprint`` times
-    it too (what a caller gets with the default ``check``).
-    """
-    if on:
-        yield
-        return
-    before = os.environ.get("COMMFUSE_CHECK")
-    os.environ["COMMFUSE_CHECK"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["COMMFUSE_CHECK"]
-        else:
-            os.environ["COMMFUSE_CHECK"] = before
-
-
-def _load() -> float | None:
-    """The 1-minute load average: how busy the machine was besides (and with) this run."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
 
 
 def _executor_seconds(events: list[dict]) -> float:
@@ -154,7 +104,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             torch.accelerator.synchronize(dev)
 
     clock = time.perf_counter
-    load_before = _load()
+    load_before = load_average()
     bar = Progress(units(config), enabled=progress and rank == 0)
     results = []
     for name in config.workloads:
@@ -173,7 +123,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
             routing = gather_objects(workload.routing(), world_size, dev)
         ok, err, taken = [], [], []
         for alg in algs:
-            with record_events() as events, _fingerprints(True):
+            with record_events() as events, fingerprint_exchange(True):
                 got = workload.run(alg)
             sync()
             good, worst = compare(got, ref)
@@ -191,7 +141,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         usable, why = [True], [""]
         for mode in MODES[1:]:
             try:
-                with measure(mode), _fingerprints(config.fingerprint):
+                with measure(mode), fingerprint_exchange(config.fingerprint):
                     workload.run("vanilla")
                 sync()
                 usable.append(True)
@@ -211,7 +161,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         reps, warm = config.repeats, config.warmup
         wall = torch.full((reps, len(algs), len(MODES)), float("nan"), dtype=torch.float64)
         outside = torch.full((reps, len(algs)), float("nan"), dtype=torch.float64)
-        with _fingerprints(config.fingerprint):
+        with fingerprint_exchange(config.fingerprint):
             for rep in range(warm + reps):
                 for i in shuffled(list(range(len(algs))), config.seed, rep):
                     for m in shuffled(modes, config.seed + 1, rep):
@@ -245,7 +195,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                 dist.barrier()
                 sync()
                 t_ref = clock()
-                with record_events() as events, _fingerprints(config.fingerprint):
+                with record_events() as events, fingerprint_exchange(config.fingerprint):
                     workload.run(alg)
                     sync()
                 end = clock() - t_ref
@@ -268,17 +218,6 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
         })
         del workload
     return {**run_info(load_before, world_size, dev), "results": results}
-
-
-def run_info(load_before, world_size: int, dev) -> dict:
-    """What a rank's run reports besides its results: the load before and after, the cores, the group."""
-    return {
-        "load": [load_before, _load()],
-        "cpus": os.cpu_count(),
-        "world_size": world_size,
-        "backend": dist.get_backend(),
-        "device": str(dev),
-    }
 
 
 def release_backends() -> None:

@@ -212,7 +212,7 @@ class LlamaBlock(Workload):
         self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
 
     def run(self, algorithm: str) -> list[torch.Tensor]:
-        from commfuse.runtime.executor import measuring
+        from commfuse.runtime.observe import measuring
 
         if algorithm == "vanilla":
             if measuring() is not None:

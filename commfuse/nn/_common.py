@@ -11,7 +11,7 @@ from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime import sites
-from commfuse.runtime.pipelined import layer_config
+from commfuse.planning.pipelined import layer_config
 from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
 from commfuse.schedule import offsets, site_algorithm, split_sizes
 
@@ -185,8 +185,8 @@ class ReplicatedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        from commfuse.runtime.calls import resolve_call
-        from commfuse.runtime.pipelined import all_reduce_core
+        from commfuse.planning.calls import resolve_call
+        from commfuse.planning.pipelined import all_reduce_core
 
         # through commfuse (numbered, bounded by its timeout, told to every rank), not a raw all_reduce
         call = resolve_call("reduce_scatter", "vanilla", group=ctx.group, device=g.device)

@@ -30,20 +30,35 @@ so a rank whose layer was built otherwise is named on every rank
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import commfuse.ops as ops
 from commfuse import backends
-from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.errors import CommfuseValueError
+from commfuse.fused import attention as fused_attention
+
+# the attention and its masks live in commfuse.fused.attention (one implementation for these layers, the tp
+# styles and the compiled op); their public names are re-exported here, where they have always been
+from commfuse.fused.attention import (  # noqa: F401
+    CUMULATIVE_MASK_NAMES,
+    DENSE_MASK_NAMES,
+    DOCUMENT_MASK_NAMES,
+    MASK_KINDS,
+    MASK_NAMES,
+    AttentionMask,
+    attend,
+    is_block_mask,
+    is_mask,
+    is_varlen,
+    mask_kind,
+    query_slices,
+    resolve_mask,
+)
 from commfuse.nn._common import (
     algorithm_option,
     as_param,
-    config_words,
     gather_dim,
     is_mesh,
     layer_mesh,
@@ -54,263 +69,10 @@ from commfuse.nn._common import (
     world,
 )
 from commfuse.nn.linear import _init_linear, _placement
-from commfuse.runtime import pipelined
-from commfuse.runtime.calls import resolve_call
-from commfuse.runtime.executor import op_calls
+from commfuse.planning import pipelined
+from commfuse.planning.calls import resolve_call
+from commfuse.runtime.groups import op_calls
 from commfuse.schedule import Collective
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int = 0,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d), query rows starting at ``q_offset``.
-
-    With ``causal`` query row i (global position q_offset + i) sees keys 0..q_offset+i. ``mask`` (what
-    :meth:`AttentionMask.rows` cuts for these rows and keys), broadcastable to (b, Hq, Lq, Lk), is
-    ``scaled_dot_product_attention``'s ``attn_mask``: boolean (True attends) or added to the scores; with
-    ``causal`` both apply. Grouped-query: every group of Hq/Hkv query heads shares one key/value head.
-    """
-    hq, hkv = q.shape[2], k.shape[2]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if hq != hkv:
-        kt = kt.repeat_interleave(hq // hkv, dim=1)
-        vt = vt.repeat_interleave(hq // hkv, dim=1)
-    allowed = None
-    if causal:
-        rows = torch.arange(q.shape[1], device=q.device).unsqueeze(1) + q_offset
-        cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
-        allowed = cols <= rows
-    if mask is None:
-        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed).transpose(1, 2)
-    if mask.dtype == torch.bool:
-        combined = mask if allowed is None else mask & allowed
-    else:  # additive, in the queries' dtype (as SDPA wants it; autocast casts it so too)
-        combined = mask.to(q.dtype)
-        if allowed is not None:
-            combined = combined.masked_fill(~allowed, float("-inf"))
-    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=combined).transpose(1, 2)
-
-
-# -- masks -----------------------------------------------------------------------------------------------------
-#
-# The query-split attention computes each query slice (rows r0..r1 of the whole sequence, this rank's heads)
-# against the keys it may see, so a mask over the whole sequence is cut per slice: its rows r0..r1, the slice's
-# keys' columns, this rank's heads; the causal offset is the slice's first row.
-
-#: parameter names whose values are masks (``commfuse.tp.AttentionParallel`` reads a block's forward arguments
-#: by these names)
-DENSE_MASK_NAMES = ("attn_mask", "attention_mask", "attention_masks", "mask", "block_mask")
-DOCUMENT_MASK_NAMES = ("document_ids", "doc_ids")
-CUMULATIVE_MASK_NAMES = ("cu_seqlens",)
-MASK_NAMES = DENSE_MASK_NAMES + DOCUMENT_MASK_NAMES + CUMULATIVE_MASK_NAMES
-
-#: what a mask is, in the fingerprint of the rings it changes (every rank must pass the same kind)
-MASK_KINDS = ("none", "dense", "documents", "block")
-config_words(*MASK_KINDS)
-
-
-def is_block_mask(value) -> bool:
-    """Whether ``value`` is FlexAttention's ``BlockMask`` (without importing flex attention when nothing has)."""
-    module = sys.modules.get("torch.nn.attention.flex_attention")
-    return module is not None and isinstance(value, module.BlockMask)
-
-
-def is_varlen(value) -> bool:
-    """Whether ``value`` carries cumulative document lengths as torchtitan's ``VarlenMetadata`` does
-    (``cu_seq_q`` and ``cu_seq_k``)."""
-    return not isinstance(value, torch.Tensor) and hasattr(value, "cu_seq_q") and hasattr(value, "cu_seq_k")
-
-
-def is_mask(name: str | None, value) -> bool:
-    """Whether a forward argument is a mask: by its parameter name (:data:`MASK_NAMES`), or by its type
-    (FlexAttention's ``BlockMask``, torchtitan's ``VarlenMetadata``)."""
-    return name in MASK_NAMES or is_block_mask(value) or is_varlen(value)
-
-
-def mask_kind(given: dict) -> str:
-    """The kind of mask (:data:`MASK_KINDS`) among ``given`` (forward arguments by name) that
-    :func:`resolve_mask` resolves, read from names and types only (it joins a fingerprint before the mask is
-    checked): "none" when every value is None."""
-    kinds = []
-    for name, value in given.items():
-        if value is None:
-            continue
-        if is_block_mask(value):
-            kinds.append("block")
-        elif is_varlen(value) or name in DOCUMENT_MASK_NAMES or name in CUMULATIVE_MASK_NAMES:
-            kinds.append("documents")
-        else:
-            kinds.append("dense")
-    return kinds[0] if len(kinds) == 1 else "none" if not kinds else "+".join(kinds)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionMask:
-    """A mask over the whole sequence, resolved once per forward (:func:`resolve_mask`) and cut per query slice.
-
-    ``kind`` "dense": ``tensor`` is SDPA's ``attn_mask`` as 4-D (batch or 1, this rank's heads or 1, seq or 1,
-    seq or 1), boolean or additive; "documents": ``tensor`` is (batch or 1, seq) document ids, a query sees
-    the keys of its own document only; "block": ``block_mask`` is FlexAttention's BlockMask, its ``mask_mod``
-    evaluated for each slice's rows and keys and this rank's heads (``head_offset`` onwards, ``heads`` of them).
-    """
-
-    kind: str
-    tensor: torch.Tensor | None = None
-    block_mask: object = None
-    batch: int = 1
-    head_offset: int = 0
-    heads: int = 1
-
-    def rows(self, start: int, length: int, keys: int) -> torch.Tensor:
-        """The mask of query rows ``start .. start + length`` against keys ``0 .. keys``, broadcastable to
-        (batch, heads, length, keys): what :func:`attend` takes as ``mask``."""
-        if self.kind == "documents":
-            ids = self.tensor
-            return (ids[:, start : start + length, None] == ids[:, None, :keys]).unsqueeze(1)
-        if self.kind == "block":
-            from torch.nn.attention.flex_attention import create_mask
-
-            mod, heads = self.block_mask.mask_mod, self.head_offset
-
-            def shifted(b, h, q, kv):  # this slice's rows and this rank's heads, by their global indices
-                return mod(b, h + heads, q + start, kv)
-
-            return create_mask(shifted, self.batch, self.heads, length, keys, self.tensor_device)
-        m = self.tensor
-        if m.shape[-2] != 1:
-            m = m[..., start : start + length, :]
-        return m if m.shape[-1] == 1 else m[..., :keys]
-
-    @property
-    def tensor_device(self):
-        return self.block_mask.kv_num_blocks.device if self.kind == "block" else self.tensor.device
-
-    def whole(self, seq: int) -> AttentionMask:
-        """This mask with a block mask evaluated once for the whole sequence (a dense mask: what a custom op,
-        which takes no callables, can be given)."""
-        if self.kind != "block":
-            return self
-        return AttentionMask("dense", self.rows(0, seq, seq), batch=self.batch, heads=self.heads)
-
-
-def resolve_mask(who: str, given: dict, *, batch: int, seq: int, heads: int, world_size: int,
-                 rank: int) -> AttentionMask | None:
-    """The one mask among ``given`` (forward arguments by name, None values left out), checked against the
-    attention it masks: ``batch`` rows, a whole sequence of ``seq`` positions, ``heads`` query heads on this
-    rank out of ``heads * world_size``. None without a mask. Everything it cannot interpret is refused by
-    name (``CommfuseValueError``/``CommfuseTypeError``), never ignored."""
-    given = {name: value for name, value in given.items() if value is not None}
-    if not given:
-        return None
-    if len(given) > 1:
-        raise CommfuseValueError(f"{who}: two masks were given ({', '.join(sorted(given))}); give one: combine "
-                                 "them into one boolean or additive attn_mask")
-    (name, value), = given.items()
-    if is_block_mask(value):
-        q_len, kv_len = value.seq_lengths
-        if (q_len, kv_len) != (seq, seq):
-            raise CommfuseValueError(f"{who}: {name} is a BlockMask for {q_len} queries and {kv_len} keys, but "
-                                     f"the whole sequence has {seq}: build it for the whole (unsharded) sequence")
-        b_mask = value.kv_num_blocks.shape[0]
-        if b_mask not in (1, batch):
-            raise CommfuseValueError(f"{who}: {name} is a BlockMask for a batch of {b_mask}, the input has {batch}")
-        return AttentionMask("block", block_mask=value, batch=batch, head_offset=rank * heads, heads=heads)
-    if is_varlen(value):
-        if value.cu_seq_q is not value.cu_seq_k and not torch.equal(value.cu_seq_q, value.cu_seq_k):
-            raise CommfuseValueError(f"{who}: {name} has cu_seq_q != cu_seq_k; self-attention needs the same "
-                                     "documents for queries and keys")
-        return AttentionMask("documents", _from_cumulative(who, f"{name}.cu_seq_q", value.cu_seq_q, batch, seq))
-    if isinstance(value, dict):
-        raise CommfuseTypeError(f"{who}: {name} is a dict of masks ({sorted(value)}); give the one this attention "
-                                "uses")
-    if not isinstance(value, torch.Tensor):
-        raise CommfuseTypeError(f"{who}: {name} must be a tensor, a FlexAttention BlockMask or a VarlenMetadata "
-                                f"(cu_seq_q, cu_seq_k), got {type(value).__name__}")
-    if value.requires_grad:
-        raise CommfuseValueError(f"{who}: {name} requires a gradient, which the query-split attention does not "
-                                 "give a mask: pass it detached (masks are constants here)")
-    if name in CUMULATIVE_MASK_NAMES:
-        return AttentionMask("documents", _from_cumulative(who, name, value, batch, seq))
-    if name in DOCUMENT_MASK_NAMES:
-        return AttentionMask("documents", _document_ids(who, name, value, batch, seq))
-    return AttentionMask("dense", _dense(who, name, value, batch, seq, heads, world_size, rank))
-
-
-def _document_ids(who: str, name: str, ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise CommfuseTypeError(f"{who}: {name} must hold integer document ids, got {ids.dtype}")
-    if ids.ndim == 1:
-        ids = ids.unsqueeze(0)
-    if ids.ndim != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != seq:
-        raise CommfuseValueError(
-            f"{who}: {name} has shape {list(ids.shape)}, but the attention takes ({batch}, {seq}) or ({seq},): one "
-            f"id per position of the whole (unsharded) sequence, the same on every rank"
-        )
-    return ids
-
-
-def _from_cumulative(who: str, name: str, cu, batch: int, seq: int) -> torch.Tensor:
-    """Document ids (batch, seq) from cumulative lengths over the flattened batch (flash-attention's and
-    torchtitan's varlen ``cu_seqlens``: 0, end of document 0, ..., batch * seq)."""
-    cu = torch.as_tensor(cu)
-    if cu.ndim != 1 or cu.is_floating_point() or cu.numel() < 2:
-        raise CommfuseValueError(f"{who}: {name} must be a 1-D integer tensor of cumulative lengths, got "
-                                 f"{cu.dtype} of shape {list(cu.shape)}")
-    ends = cu.tolist()
-    total = batch * seq
-    if ends[0] != 0 or ends[-1] != total or any(b < a for a, b in zip(ends, ends[1:])):
-        raise CommfuseValueError(f"{who}: {name} = {ends} is not cumulative lengths from 0 to batch * seq = "
-                                 f"{total}")
-    missing = [r * seq for r in range(1, batch) if r * seq not in ends]
-    if missing:
-        raise CommfuseValueError(f"{who}: {name} has a document that runs from one batch row into the next (no "
-                                 f"boundary at position {missing[0]}); every row must end a document")
-    positions = torch.arange(total, device=cu.device)
-    return torch.searchsorted(cu[1:].to(positions.dtype), positions, right=True).view(batch, seq)
-
-
-def _dense(who: str, name: str, m: torch.Tensor, batch: int, seq: int, heads: int, world_size: int,
-           rank: int) -> torch.Tensor:
-    if not (m.dtype == torch.bool or m.is_floating_point()):
-        raise CommfuseTypeError(
-            f"{who}: {name} has dtype {m.dtype}; it is scaled_dot_product_attention's attn_mask, boolean (True "
-            "attends) or floating (added to the scores). A (batch, seq) padding or document index is "
-            "document_ids=..."
-        )
-    if not 2 <= m.ndim <= 4:
-        raise CommfuseValueError(f"{who}: {name} has {m.ndim} dims; attn_mask is (seq, seq) up to (batch, heads, "
-                                 "seq, seq)")
-    shape = list(m.shape)
-    while m.ndim < 4:
-        m = m.unsqueeze(0)
-    total = heads * world_size
-    b, h, q, k = m.shape
-    if b not in (1, batch) or h not in (1, total) or q not in (1, seq) or k not in (1, seq):
-        raise CommfuseValueError(
-            f"{who}: {name} has shape {shape}, which does not broadcast to (batch {batch}, heads {total}, "
-            f"seq {seq}, seq {seq}): give the mask of the whole (unsharded) sequence and every head, the same on "
-            "every rank"
-        )
-    if h > 1 and world_size > 1:
-        m = m[:, rank * heads : (rank + 1) * heads]  # this rank's heads
-    return m
-
-
-def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: int,
-                 mask: AttentionMask | None = None):
-    """``producer(dest, q, k, v, wo)`` of the query-split reduce-scatter: query slice ``dest``'s attention
-    over the keys it may see (with ``causal``, those up to its last row; its rows of ``mask`` and those keys'
-    columns; the causal offset of its first row), times ``wo^T``."""
-    b, s = q.shape[0], q.shape[1]
-    rows = s // world_size
-
-    def producer(dest: int, q, k, v, wo):
-        start = dest * rows
-        keys = start + rows if causal else s
-        cut = None if mask is None else mask.rows(start, rows, keys)
-        o = attend(q[:, start : start + rows], k[:, :keys], v[:, :keys], causal=causal, q_offset=start, mask=cut)
-        return o.reshape(b, rows, -1) @ wo.t()
-
-    return producer
 
 
 def _heads(hidden_size: int, num_heads: int, num_kv_heads: int | None, n: int) -> tuple[int, int, int]:
@@ -401,9 +163,10 @@ class ParallelAttention(nn.Module):
             return self._run(x, self._mask(given, b, rows_here * n), None)
         # auto decided here, on the partials' size (the same on every rank), as for every other op: left to
         # produce_reduce_scatter it would run one attention slice an extra time to learn that size
-        itemsize = (ops.autocast_dtype(x) or x.dtype).itemsize  # under autocast the partials are in its dtype
-        call = resolve_call("reduce_scatter", self.algorithm, group=self.group, backend=self.backend,
-                            device=x.device, slice_bytes=b * rows_here * self.hidden_size * itemsize)
+        call = fused_attention.reduce_scatter_call(
+            self.algorithm, batch=b, rows=rows_here, hidden=self.hidden_size,
+            dtype=ops.autocast_dtype(x) or x.dtype,  # under autocast the partials are in its dtype
+            group=self.group, backend=self.backend, device=x.device)
         # a rank whose mask is refused leaves both calls: its peers, waiting in them, are told why
         with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2):
             return self._run(x, self._mask(given, b, rows_here * n), call)
@@ -434,10 +197,8 @@ class ParallelAttention(nn.Module):
             out = library.attention_reduce_scatter(q, k, v, local(self.wo), causal=causal, group=self.group,
                                                    algorithm=self.algorithm, mask=mask)
         else:
-            producer = query_slices(q, k, causal=causal, world_size=self.world_size, mask=mask)
-            out = ops.produce_reduce_scatter(producer, inputs=(q, k, v, local(self.wo)), group=self.group, dim=1,
-                                             algorithm="vanilla" if call is None else call.spec.shown,
-                                             backend=self.backend, config=config)
+            out = fused_attention.attention_reduce_scatter(call, q, k, v, local(self.wo), causal=causal, mask=mask,
+                                                           config=config)
         return out + replicated(local(self.bo), self.group).to(out.dtype) if self.bo is not None else out
 
     @classmethod
@@ -516,7 +277,7 @@ class _UlyssesAttention(torch.autograd.Function):
 
         def attend_chunk(q_s: torch.Tensor, s: int) -> torch.Tensor:
             keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
-            return attend(q_s, kk[:, keys], vv[:, keys], causal=causal, q_offset=s * length)
+            return fused_attention.attend(q_s, kk[:, keys], vv[:, keys], causal=causal, q_offset=s * length)
 
         # every arriving query chunk's attention runs while the next chunk is in flight
         # (comm_only measurements: the attention's stand-in is an empty tensor of its shape, that of q_s)
@@ -543,7 +304,7 @@ class _UlyssesAttention(torch.autograd.Function):
                 q_s = q_all[s].detach().requires_grad_()
                 k_s = kk[:, keys].detach().requires_grad_()
                 v_s = vv[:, keys].detach().requires_grad_()
-                o = attend(q_s, k_s, v_s, causal=causal, q_offset=s * length)
+                o = fused_attention.attend(q_s, k_s, v_s, causal=causal, q_offset=s * length)
                 dq_s, dk_s, dv_s = torch.autograd.grad(o, (q_s, k_s, v_s), do_s)
             dk[:, keys] += dk_s
             dv[:, keys] += dv_s
@@ -584,7 +345,7 @@ def _ulysses(q, k, v, causal, group, algorithm, timeout, backend, config) -> tor
     be = backends.resolve(backend, group, q.device)
     n = 1 if be is None else be.world_size
     if n == 1:
-        return attend(q, k, v, causal=causal)
+        return fused_attention.attend(q, k, v, causal=causal)
     for name, t in (("q", q), ("k", k)):
         if t.shape[2] % n:
             raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")

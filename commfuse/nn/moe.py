@@ -63,10 +63,10 @@ from commfuse.nn._common import (
     site_forward,
     world,
 )
-from commfuse.runtime import pipelined, sites
-from commfuse.runtime.calls import MIN_SLICE_BYTES, Call, min_slice_bytes, resolve_call
+from commfuse.planning import pipelined
+from commfuse.planning.calls import resolve_call
 from commfuse.runtime.eager import eager_only
-from commfuse.runtime.executor import op_calls, register_format
+from commfuse.runtime.groups import op_calls, register_format
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
@@ -118,13 +118,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
         if c:
             torch.matmul(x.narrow(0, at, c), w[e], out=out.narrow(0, at, c))
         at += c
-    return out
-
-
-def grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, counts) -> torch.Tensor:
-    """Per expert e, ``x_e.T @ dy_e`` over its ``counts[e]`` rows: (experts, k, m)."""
-    out = x.new_zeros(len(list(counts)), x.shape[1], dy.shape[1])
-    grouped_wgrad_add_(out, x, dy, counts)
     return out
 
 
@@ -668,21 +661,9 @@ class MoE(nn.Module):
             rows = max(int(t.item()) for t in pipelined.all_gather_consume_core(counts, mine, pipelined.collect, 0,
                                                                                label="moe.tokens"))
         slice_bytes = rows * self.topk // self.world_size * self.hidden_size * xt.element_size()
+        # the experts take half blocks, so on two ranks auto may cut each block in two (the policy's rule)
         call = resolve_call(Collective.ALL_TO_ALL, self.algorithm, group=self.group, backend=be, device=xt.device,
-                            slice_bytes=slice_bytes)
-        if self.algorithm == "auto" and self.world_size == 2 and call is not None and call.spec.name == "ring":
-            # One hop per exchange, which plain ring hides behind the own block only: cut each block in two and
-            # lead each half's compute by one half (schedules/all_to_all/README.md), when half a block still
-            # carries MIN_SLICE_BYTES (or the backend's own bar, if higher): below that a step's fixed cost
-            # outweighs what the second half hides.
-            bar = max(MIN_SLICE_BYTES, min_slice_bytes(getattr(be, "capabilities", None)))
-            if slice_bytes // 2 >= bar:
-                ring2 = resolve_call(Collective.ALL_TO_ALL, "ring:2", group=self.group, backend=be,
-                                     device=xt.device, slice_bytes=slice_bytes)
-                call = Call(ring2.be, ring2.spec, ring2.timeout, ring2.check,
-                            f"{call.reason}; two ranks, and half a block carries {slice_bytes // 2} bytes "
-                            f"(>= {bar}): each block in two halves (ring:2)")
-                sites.took(None, Collective.ALL_TO_ALL.value, slice_bytes, call, replace=True)
+                            slice_bytes=slice_bytes, halves=True)
         self._calls[key] = (call,)
         return call
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from commfuse import ops
 from commfuse.errors import CommfuseValueError
+from commfuse.fused import sharded_linear
 from commfuse.nn._common import (
     algorithm_option,
     as_dtensor,
@@ -43,127 +44,11 @@ from commfuse.nn._common import (
     world,
 )
 from commfuse.nn.linear import _init_linear
-from commfuse.runtime import pipelined
-from commfuse.runtime.calls import resolve_call
+from commfuse.planning import pipelined
 from commfuse.schedule import Collective
 
 
 config_words("avg", "sum")  # a mismatch names the other rank's reduce too
-
-
-class _ShardedLinear(torch.autograd.Function):
-    """``y = x @ W^T + b`` with W (and b) row-sharded over the group.
-
-    ======== =============================================== ===============================
-    pass     computes                                        communication
-    ======== =============================================== ===============================
-    forward  y[..., cols_s] = x @ W_s^T per shard s          all-gather ring of W_r
-    dgrad    dx = sum_s dy[..., cols_s] @ W_s                all-gather ring of W_r
-    wgrad    dW_d = sum_ranks dy[..., cols_d]^T @ x          reduce-scatter ring (Flash-RS)
-    bias     b gathered / db reduce-scattered                two tiny rings
-    ======== =============================================== ===============================
-
-    Shapes: x (..., in), W_r (out/N, in), b_r (out/N), y (..., out). The
-    three big rings move tensors of one shape, so they share one pool of
-    receive buffers.
-    """
-
-    @staticmethod
-    def forward(ctx, call, layer: "ShardedLinear", x: torch.Tensor, weight: torch.Tensor, bias):
-        y = sharded_linear_forward(call, x, weight, bias)
-        ctx.call, ctx.layer, ctx.has_bias = call, layer, bias is not None
-        ctx.save_for_backward(x, weight)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        call, layer = ctx.call, ctx.layer
-        n = call.world_size
-        need_x, need_w, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        dx = sharded_linear_dgrad(call, x, weight, dy) if need_x else None
-        wgrad, bgrad = _grad_parts(x, weight, dy, need_w, ctx.has_bias and need_b, layer.reduce_dtype)
-        if not layer.requires_gradient_sync:
-            # accumulate this rank's whole gradient without reducing it; the next synced backward reduces the sum
-            layer._hold("weight", [wgrad(d) for d in range(n)] if wgrad else None)
-            layer._hold("bias", [bgrad(d) for d in range(n)] if bgrad else None)
-            return None, None, dx, None, None
-        if wgrad is not None:
-            wgrad = layer._with_held("weight", wgrad)
-        if bgrad is not None:
-            bgrad = layer._with_held("bias", bgrad)
-        dw, db = _reduce_grads(call, weight, wgrad, bgrad, layer.reduce)
-        layer._held.clear()
-        return None, None, dx, dw, db
-
-
-def sharded_linear_forward(call, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    """``x @ W^T + b`` from this rank's row shard of W (and b): the weight's all-gather ring, one output block
-    per arriving shard (see :class:`_ShardedLinear`)."""
-    rows = weight.shape[0]
-    y = x.new_empty(*x.shape[:-1], rows * call.world_size)
-    compute = x.dtype  # the layer's param_dtype when it has one (the module cast x)
-
-    def consume(w_s: torch.Tensor, s: int) -> None:
-        y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
-
-    # a mixed-precision layer gathers its shards already cast: half the bytes on the ring
-    pipelined.all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
-                                      label="sharded_linear.forward")
-    if bias is not None:
-        y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach().to(compute), pipelined.collect, 0,
-                                                         label="sharded_linear.bias"))
-    return y
-
-
-def sharded_linear_dgrad(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """``dx = sum_s dy[..., cols_s] @ W_s``: the weight's all-gather ring again."""
-    rows = weight.shape[0]
-    dx = torch.zeros_like(x)
-
-    def consume(w_s: torch.Tensor, s: int) -> None:
-        dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
-
-    pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
-                                      label="sharded_linear.dgrad")
-    return dx
-
-
-def _grad_parts(x, weight, dy, need_w: bool, need_b: bool, reduce_dtype):
-    """The producers of this rank's partial of rank d's weight (and bias) gradient block, in the dtype the
-    gradients travel and sum in (None for what is not wanted)."""
-    rows = weight.shape[0]
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    reduce = reduce_dtype or weight.dtype
-    x2 = x.reshape(-1, x.shape[-1])
-    wgrad = (lambda d: (dy2[:, d * rows : (d + 1) * rows].t() @ x2).to(reduce)) if need_w else None
-    bgrad = (lambda d: dy2[:, d * rows : (d + 1) * rows].sum(0).to(reduce)) if need_b else None
-    return wgrad, bgrad
-
-
-def _reduce_grads(call, weight, wgrad, bgrad, reduce: str):
-    """The weight (and bias) gradient shards: reduce-scatter rings (Flash-RS) over ``wgrad``/``bgrad``'s
-    partials, averaged for ``reduce="avg"``, in the parameters' own dtype."""
-    n = call.world_size
-    dw = db = None
-    if wgrad is not None:
-        dw = pipelined.produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
-    if bgrad is not None:
-        db = pipelined.produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
-    if reduce == "avg":
-        dw = dw / n if dw is not None else None
-        db = db / n if db is not None else None
-    # the parameters' own dtype (a mixed-precision layer keeps full-precision shards)
-    return (dw.to(weight.dtype) if dw is not None else None, db.to(weight.dtype) if db is not None else None)
-
-
-def sharded_linear_backward(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, need_x: bool,
-                            need_w: bool, need_b: bool, reduce: str, reduce_dtype):
-    """``(dx, dW shard, db shard)`` of a synchronised backward (None for what is not wanted)."""
-    dx = sharded_linear_dgrad(call, x, weight, dy) if need_x else None
-    wgrad, bgrad = _grad_parts(x, weight, dy, need_w, need_b, reduce_dtype)
-    dw, db = _reduce_grads(call, weight, wgrad, bgrad, reduce)
-    return dx, dw, db
 
 
 class ShardedLinear(nn.Module):
@@ -305,14 +190,12 @@ class ShardedLinear(nn.Module):
             if compute is not None:
                 w, b = w.to(compute), (b.to(compute) if b is not None else None)
             return nn.functional.linear(x, w, b)
-        # auto decides on the largest shard (tensor_split puts it first), the same on every rank
-        rows = -(-self.out_features // self.world_size)
-        size = compute.itemsize if compute is not None else self.weight.element_size()
-        call = resolve_call("all_gather", self.algorithm, group=self.group, backend=self.backend, device=x.device,
-                            slice_bytes=rows * self.in_features * size)
+        weight, bias = local(self.weight), local(self.bias) if self.bias is not None else None
+        # auto decides on one shard's bytes in the compute dtype (all shards are alike), the same on every rank
+        call = sharded_linear.all_gather_call(self.algorithm, weight, compute or self.weight.dtype, group=self.group,
+                                              backend=self.backend, device=x.device)
         call = pipelined.configured(call, config("ShardedLinear", bias=self.bias is not None, reduce=self.reduce))
-        bias = self.bias
-        return _ShardedLinear.apply(call, self, x, local(self.weight), local(bias) if bias is not None else None)
+        return sharded_linear.sharded_linear_fn(call, self, x, weight, bias)
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:
         """The forward as ``torch.ops.commfuse.sharded_linear``: one op in the graph, its backward the same

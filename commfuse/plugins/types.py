@@ -95,18 +95,18 @@ class Capabilities:
     #: the timeout; otherwise the host blocks in ``work.wait(timeout)``.
     streams: bool = False
     #: Whole collectives the backend supports natively.
-    #: Read by: ``commfuse.runtime.calls`` (``_check_collective``): ``vanilla`` and ``sliced`` raise, naming
+    #: Read by: ``commfuse.planning.calls`` (``_check_collective``): ``vanilla`` and ``sliced`` raise, naming
     #: the algorithms that work, for a collective missing here.
     collectives: tuple[str, ...] = COLLECTIVES
     #: Transfers make progress while the host computes (or the device overlaps them with compute).
-    #: Read by: auto's policy (``commfuse.runtime.calls.choose_algorithm``): an eager backend that does not
+    #: Read by: auto's policy (``commfuse.planning.calls.choose_algorithm``): an eager backend that does not
     #: declare it gets ``vanilla`` from ``auto``, since its hops would add up behind the compute instead of
     #: hiding. (A traced backend's overlap is its compiler's, so ``execution="traced"`` is not affected.)
     overlap: bool = False
     #: Without a hardware profile, ``algorithm="auto"`` takes ``vanilla`` when one ring hop would carry fewer
     #: bytes than this: below it the backend's whole collective costs less than N - 1 hops. None: the ops'
     #: default, ``commfuse.ops.MIN_SLICE_BYTES``; 0: the ring at every size.
-    #: Read by: ``commfuse.runtime.calls.choose_algorithm`` (auto's policy).
+    #: Read by: ``commfuse.planning.calls.choose_algorithm`` (auto's policy).
     auto_min_slice_bytes: int | None = None
     #: The backend's planned calls (every call of a signature after its first) do no host sync and allocate
     #: from the device's caching allocator, so they can be captured in a device graph and replayed

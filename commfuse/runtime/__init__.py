@@ -1,11 +1,12 @@
-"""The runtime: the Backend protocol, the c10d backend, the executor, its programs, call resolution and
-the pipelined primitives the ops and layers are built from."""
+"""The runtime: the Backend protocol, the c10d backend, group state and call numbering (``groups``), the
+compiled plan (``compiled``), what observes a call (``observe``) and the one loop that walks a rank's steps
+(``loop``), with the programs that hold a call's data (``programs``). It executes what the planning layer
+(``commfuse.planning``) hands it and imports nothing above itself."""
 
 from commfuse.runtime.backend import Backend, Handle
-from commfuse.runtime.calls import Call, choose_algorithm, resolve_call
-from commfuse.runtime.executor import DEFAULT_TIMEOUT_S, Plan, Program, execute, measure, record_events
+from commfuse.runtime.compiled import Plan, Program
+from commfuse.runtime.groups import DEFAULT_TIMEOUT_S
+from commfuse.runtime.loop import execute
+from commfuse.runtime.observe import measure, record_events
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S", "Backend", "Call", "Handle", "Plan", "Program", "choose_algorithm", "execute", "measure",
-    "record_events", "resolve_call",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "Backend", "Handle", "Plan", "Program", "execute", "measure", "record_events"]

@@ -56,15 +56,14 @@ from commfuse.errors import (
     PeerFailedError,
 )
 from commfuse.runtime.board import RECOVER, Stall, board_of, declare_dead, heard
-from commfuse.runtime.executor import (
+from commfuse.runtime.compiled import describe_stall, stall_position
+from commfuse.runtime.groups import (
     DEFAULT_TIMEOUT_S,
     MIN_TIMEOUT_S,
     PAIRWISE_CHANNEL,
     TAG_STRIDE,
     describe_fingerprint,
-    describe_stall,
     group_state,
-    stall_position,
 )
 from commfuse.runtime.waiting import BACKSTOP_S, wait_blocking
 from commfuse.runtime.watchdog import Posting, watchdog

@@ -1,8 +1,9 @@
-"""Programs: the data side of the executor, one class per collective.
+"""Programs: the data side of the loop (``runtime.loop``), one class per collective, and the receive
+buffers' pool (:class:`BufferPool`).
 
 Each comes in two halves. A *layout* (``GatherLayout``, ``ScatterLayout``,
 ``AllToAllLayout``) is what one call signature fixes: per slot of the
-:class:`~commfuse.runtime.executor.Compiled` steps, its shard, its offset and
+:class:`~commfuse.runtime.compiled.Compiled` steps, its shard, its offset and
 size along the dim, its shape. It is built once and kept in the plan. A
 *program* is one call's tensors, held in plain lists indexed by slot.
 
@@ -23,11 +24,12 @@ import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommunicationError
 from commfuse.runtime.backend import Uneven
-from commfuse.runtime.executor import Compiled, Program, capture_probe, register_format
+from commfuse.runtime.compiled import Compiled, Program
+from commfuse.runtime.groups import capture_probe, register_format
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
-    "AllToAllLayout", "AllToAllProgram", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
+    "AllToAllLayout", "AllToAllProgram", "BufferPool", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
     "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "offsets",
     "register_described", "split_sizes",
 ]
@@ -50,7 +52,7 @@ def shape_text(code: int, shape: Sequence[int]) -> str:
     return f"{dtype_name(code)}{list(shape)}"
 
 
-class _Pool:
+class BufferPool:
     """Free receive buffers by (shape, dtype); ``get`` reuses one or allocates.
 
     One pool lives on each backend object, so a training loop that calls the
@@ -62,7 +64,7 @@ class _Pool:
     ``MAX_FREE`` buffers per shape are kept.
 
     A call captured in a device graph (the current stream capturing, as
-    ``executor.capture_probe`` sees it) never touches the free lists: each
+    ``groups.capture_probe`` sees it) never touches the free lists: each
     ``get`` makes a fresh buffer, from the graph's private memory pool
     (torch.cuda.graph docs, "Graph memory management"), and ``put`` lets it go
     back there, which lives as long as the graph. So no buffer an eager call
@@ -75,13 +77,15 @@ class _Pool:
 
     def __init__(self, backend) -> None:
         self.backend = backend
-        self.free: dict[tuple, list[torch.Tensor]] = {}
+        #: free buffers by key; a key never seen reads as an empty list, kept (``loop.execute_one_by_one``
+        #: takes and gives back buffers through these lists without a call)
+        self.free: dict[tuple, list[torch.Tensor]] = _FreeLists()
         #: whether a call is being captured (None on CPU: never), asked per get and put
         self.probe = capture_probe(getattr(backend, "device", None))
         self.into = hasattr(backend, "collective_into")  # the backend runs whole collectives into one tensor
 
     @classmethod
-    def of(cls, backend) -> "_Pool":
+    def of(cls, backend) -> "BufferPool":
         pool = getattr(backend, "_commfuse_pool", None)
         if pool is None:
             pool = cls(backend)
@@ -106,11 +110,15 @@ class _Pool:
             return
         if key is None:
             key = (tuple(tensor.shape), tensor.dtype)
-        stack = self.free.get(key)
-        if stack is None:
-            stack = self.free[key] = []
+        stack = self.free[key]
         if len(stack) < self.MAX_FREE:
             stack.append(tensor)
+
+
+class _FreeLists(dict):
+    def __missing__(self, key: tuple) -> list:
+        stack = self[key] = []
+        return stack
 
 
 def _shape_with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
@@ -147,7 +155,7 @@ class _SlotLayout:
             self.start[s] = shard_offsets[owner] + offsets(sizes)[p]
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
-        self.walk: tuple | None = None  # the plan's lean_walk, made on the first lean call (one_by_one plans)
+        self.walk: tuple | None = None  # the plan's ring_walk, made on its first call without a program
         # One whole collective over equal shards (vanilla) can run into/from one tensor, rank by rank along
         # dim 0 (``collective_into``), when the backend has it: no per-rank buffer lists, no concatenation.
         self.into = schedule.algorithm.value == "vanilla" and len(set(self.shard_sizes)) == 1 and not by_source
@@ -246,7 +254,7 @@ class GatherProgram(_Consuming, _Base):
 
     collective = Collective.ALL_GATHER
 
-    def __init__(self, layout: GatherLayout, pool: _Pool, shard: torch.Tensor, consume: Callable, *,
+    def __init__(self, layout: GatherLayout, pool: BufferPool, shard: torch.Tensor, consume: Callable, *,
                  keep: bool, meta: list[int], whole_ok: bool = False) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
         self.whole_ok = whole_ok  # consume(slots, tensor) means "every shard, in this one tensor"
@@ -334,7 +342,7 @@ class ReduceScatterProgram(_Base):
 
     collective = Collective.REDUCE_SCATTER
 
-    def __init__(self, layout: ScatterLayout, pool: _Pool, produce: Callable, *, inplace: bool,
+    def __init__(self, layout: ScatterLayout, pool: BufferPool, produce: Callable, *, inplace: bool,
                  meta: list[int], check_shapes: bool = False, produce_whole: Callable | None = None) -> None:
         self.layout, self.pool, self.produce, self.inplace, self._meta = layout, pool, produce, inplace, meta
         self.check_shapes = check_shapes
@@ -532,7 +540,7 @@ class AllToAllProgram(_Blocks, _Consuming, _Base):
     collective = Collective.ALL_TO_ALL
     keeps_own = True
 
-    def __init__(self, layout: AllToAllLayout, pool: _Pool, blocks: Sequence[torch.Tensor], consume: Callable, *,
+    def __init__(self, layout: AllToAllLayout, pool: BufferPool, blocks: Sequence[torch.Tensor], consume: Callable, *,
                  keep: bool, meta: list[int]) -> None:
         self.layout, self.pool, self.consume, self.keep, self._meta = layout, pool, consume, keep, meta
         self.sparse = layout.sparse
@@ -571,7 +579,7 @@ class ProduceAllToAllProgram(_Blocks, _Base):
     collective = Collective.PRODUCE_ALL_TO_ALL
     keeps_own = False
 
-    def __init__(self, layout: AllToAllLayout, pool: _Pool, produce: Callable[[int], torch.Tensor], *,
+    def __init__(self, layout: AllToAllLayout, pool: BufferPool, produce: Callable[[int], torch.Tensor], *,
                  meta: list[int], made: dict[int, torch.Tensor] | None = None, by_slice: bool = False) -> None:
         self.layout, self.pool, self.produce, self._meta = layout, pool, produce, meta
         #: ``produce(d, start, rows)`` makes each slice of the block for d in its own step (else the whole block
@@ -642,7 +650,7 @@ class ProduceAllToAllProgram(_Blocks, _Base):
         return out
 
 
-# -- how the fused ops' fingerprints read back (see executor.describe_fingerprint) --------------------------------
+# -- how the fused ops' fingerprints read back (see groups.describe_fingerprint) ----------------------------------
 
 
 def _describe_shards(what: str):
@@ -730,7 +738,7 @@ def _shown(kind: str, value: int) -> str:
 
 
 def register_described(label: str, describe) -> None:
-    """:func:`~commfuse.runtime.executor.register_format` for an op whose fingerprints may end with a layer's
+    """:func:`~commfuse.runtime.groups.register_format` for an op whose fingerprints may end with a layer's
     options (:func:`config_values`): ``describe`` reads the op's own integers, the options are added in words."""
     def read(values):
         own, options = describe_config(values)

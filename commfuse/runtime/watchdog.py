@@ -164,10 +164,6 @@ class Watchdog:
             with self._count_lock:
                 self._pauses -= 1
 
-    @property
-    def is_paused(self) -> bool:
-        return self._pauses > 0
-
     def _shift(self, seconds: float) -> None:
         """Move every pending step's deadline on by ``seconds`` (while paused, so no poll runs)."""
         moved = []

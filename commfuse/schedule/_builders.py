@@ -13,6 +13,7 @@ from collections.abc import Callable
 from commfuse.errors import ScheduleError
 from commfuse.schedule._ir import Algorithm, Collective, CollectiveCall, Schedule, SliceId, Step, Transfer
 from commfuse.schedule._ring import Ring
+from commfuse.schedule._validate import validate as check
 
 #: Which algorithms each collective has.
 ALGORITHMS: dict[Collective, tuple[Algorithm, ...]] = {
@@ -92,8 +93,6 @@ def build(
         template = _BUILDERS[(collective, algorithm)](shell)
     schedule = Schedule(collective, world_size, algorithm, parts, chunks, ring, tuple(template))
     if validate:
-        from commfuse.schedule._validate import validate as check
-
         check(schedule, exhaustive=world_size <= EXHAUSTIVE_LIMIT)
     return schedule
 

@@ -287,13 +287,6 @@ class Schedule:
             SliceId(shard, part, half, source) for part in range(self.splits) for half in range(self.halves)
         )
 
-    def validate(self) -> "Schedule":
-        """Prove the schedule right by symbolic execution; see ``_validate``."""
-        from commfuse.schedule._validate import validate
-
-        validate(self)
-        return self
-
     def describe(self) -> str:
         """``build(...)`` call that reproduces this schedule."""
         text = f'build("{self.collective}", {self.world_size}, algorithm="{self.algorithm}"'

@@ -3,7 +3,7 @@
 ``algorithm`` is written ``name[:N]``:
 
 =================  ===========================================================
-``auto``           the ops choose (``commfuse.runtime.calls``)
+``auto``           the ops choose (``commfuse.planning.calls``)
 ``ring[:m]``       CommFuse: N - 1 point-to-point hops, each paired with one
                    shard's compute; ``m`` slices per shard (the paper's m)
 ``bidirectional``  the ring with half of every slice going each way round

@@ -51,7 +51,7 @@ from commfuse.sim._model import Kernel, class_resources, collective_bytes, colle
 from commfuse.sim._profile import Profile
 
 #: Bytes of the fingerprint each rank sends to each ring neighbour before an op's first transfer
-#: (48 int64 values, ``commfuse.runtime.executor.FINGERPRINT_LEN``).
+#: (48 int64 values, ``commfuse.runtime.groups.FINGERPRINT_LEN``).
 FINGERPRINT_BYTES = 48 * 8
 #: Channels of the modelled fingerprint messages (the executor's ``FINGERPRINT_CHANNEL``): never a data channel.
 _FP_CHANNELS = (1_000, 1_001)

@@ -153,7 +153,7 @@ def _installed_path(name: str, key: tuple) -> str:
     (``key``: the variables that place it).
 
     Cached: resolving the folder costs tens of microseconds (``auto`` asks
-    once per call signature, ``commfuse.runtime.resolve_call``; direct
+    once per call signature, ``commfuse.planning.calls.resolve_call``; direct
     ``plan`` callers on every call); the file check that follows is one
     ``stat``, so a profile installed mid-run is seen by the next new signature.
     """

@@ -324,7 +324,7 @@ def _empty_blocks_not_posted(rank, n, be, alg, dev, timeout) -> dict:
     """Uneven all-to-alls, both sides, every pattern, sizes given: what reaches the backend's ``post`` (the call
     check's fingerprints aside) is exactly the non-empty blocks' data, never a message of no elements; where
     every block is empty, nothing at all."""
-    from commfuse.runtime.executor import FINGERPRINT_CHANNEL
+    from commfuse.runtime.groups import FINGERPRINT_CHANNEL
 
     own = "post" in getattr(be, "__dict__", {})  # a post set on the object itself is put back as it was
     original = be.post
@@ -884,7 +884,7 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
 
     import commfuse as cf
     from commfuse.errors import CommfuseError, ConcurrentUseError
-    from commfuse.runtime.executor import group_state
+    from commfuse.runtime.groups import group_state
 
     rounds, race_calls = 5, 20
     timeout = caps["timeout_s"]

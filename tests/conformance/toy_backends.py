@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from commfuse.plugins import Capabilities
 from commfuse.runtime.c10d import C10dBackend, _Handle
-from commfuse.runtime.executor import FINGERPRINT_CHANNEL
+from commfuse.runtime.groups import FINGERPRINT_CHANNEL
 from commfuse.schedule import Collective
 
 

@@ -341,7 +341,7 @@ def repeated_lean(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
     through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (through the
     pipelined helpers that call them), and stay right. Returns per op and algorithm: [lean calls, every result right]."""
-    import commfuse.runtime.pipelined as pipelined
+    import commfuse.planning.pipelined as pipelined
 
     lean = []
     real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one  # what the helpers call

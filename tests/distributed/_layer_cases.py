@@ -266,7 +266,7 @@ def layers(rank, n):
         # every layer runs forward + backward with its fused ops' compute or transfers removed (what
         # `commfuse bench` times), gives outputs and gradients of the right shapes, and in comm_only
         # never runs the attention that the Ulysses all-to-all's consumer would compute
-        import commfuse.nn.attention as attention_module
+        import commfuse.fused.attention as attention_module  # where the attention lives
         from commfuse.runtime import measure
 
         heads = 2 * n

@@ -9,7 +9,7 @@ from commfuse.errors import CommfuseError
 from commfuse.nn import MoE, moe_reference
 from commfuse.nn._common import local
 from commfuse.runtime.c10d import C10dBackend
-from commfuse.runtime.executor import measure
+from commfuse.runtime.observe import measure
 
 HIDDEN, FFN = 8, 12
 
@@ -209,7 +209,7 @@ def compiled(rank: int, n: int) -> dict:
 def auto_takes(rank: int, n: int) -> dict:
     """What ``auto`` resolves to for a layer whose ring hop carries ``rows * 2 // n * 64 * 4`` bytes (top-2,
     hidden 64, float32), and whether the layer then still equals the one-process reference."""
-    from commfuse.runtime.calls import MIN_SLICE_BYTES
+    from commfuse.planning.calls import MIN_SLICE_BYTES
 
     out = {}
     for rows in (MIN_SLICE_BYTES * n // (2 * 64 * 4), 2 * MIN_SLICE_BYTES * n // (2 * 64 * 4)):

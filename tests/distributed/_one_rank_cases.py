@@ -198,7 +198,7 @@ def expert_raises(rank, n, algorithm):
 def attention_raises(rank, n):
     """A ParallelAttention forward in which rank 1's attention raises on its second query slice (the
     query-split reduce-scatter's producer, mid-ring). Returns (the forward's outcome, the next ones')."""
-    import commfuse.nn.attention as attention_module
+    import commfuse.fused.attention as attention_module  # where the attention lives
     from commfuse.nn import ParallelAttention
 
     torch.manual_seed(0)
@@ -335,7 +335,9 @@ def watchdog_reads_the_board(rank, n):
     first step of that call, which rank 1 never answers. Returns, on rank 0, what the watchdog reported and
     how long after the step was posted."""
     from commfuse.runtime.c10d import _StreamHandle
-    from commfuse.runtime.executor import Plan, announce_left, cached_schedule, group_state, lane
+    from commfuse.runtime.compiled import Plan
+    from commfuse.runtime.groups import announce_left, group_state, lane
+    from commfuse.schedule import build
     from commfuse.runtime.watchdog import Watchdog
     from commfuse.schedule import SliceId, Transfer
 
@@ -346,7 +348,7 @@ def watchdog_reads_the_board(rank, n):
         announce_left(state, "all_gather_matmul", Injected("rank 1's policy failed"))
         time.sleep(8)
         return None
-    plan = Plan(cached_schedule("all_gather", n, "ring", 1, 1), be, label="all_gather_matmul", timeout=TIMEOUT,
+    plan = Plan(build("all_gather", n, algorithm="ring"), be, label="all_gather_matmul", timeout=TIMEOUT,
                 check="once")
     plan.signature, plan.digest = (), 0
     state.lane = lane()

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import commfuse as cf
 from commfuse.runtime.c10d import C10dBackend, lacks_all_to_all
-from commfuse.runtime.executor import group_state
+from commfuse.runtime.groups import group_state
 from commfuse.schedule import Collective
 
 from _cases import torch_all_to_all

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import commfuse as cf
 from commfuse.errors import CommfuseError
 from commfuse.runtime.c10d import C10dBackend
-from commfuse.runtime.executor import FINGERPRINT_CHANNEL
+from commfuse.runtime.groups import FINGERPRINT_CHANNEL
 
 
 def _ints(shape, seed):

@@ -495,6 +495,37 @@ def block_styles(rank, n):
             else:
                 raise AssertionError(f"no {kind.__name__} naming {words}")
 
+    def auto_computes_each_slice_once():
+        # AttentionParallel with algorithm="auto" and gradients: each query slice's attention runs once in the
+        # forward (one attention core per slice, n of them); deciding "auto" must not produce one early
+        torch.manual_seed(4)
+        block = llama_block.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n)
+        parallelize_module(block, mesh, {"attention": tp.AttentionParallel(head_dim=8, rope=llama_block.apply_rope,
+                                                                           algorithm="auto")})
+        x = torch.randn(2, 4 * n, 8 * n).tensor_split(n, dim=1)[rank].requires_grad_()
+        functional = torch.nn.functional
+        real, calls = functional.scaled_dot_product_attention, []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        functional.scaled_dot_product_attention = counted
+        try:
+            for grad in (True, False):
+                calls.clear()
+                with torch.set_grad_enabled(grad):
+                    y = block.attention(x, cache)
+                if len(calls) != n:
+                    raise AssertionError(f"grad={grad}: the forward ran {len(calls)} attention cores for {n} "
+                                         f"query slices")
+            y = block.attention(x, cache)
+            y.square().sum().backward()
+        finally:
+            functional.scaled_dot_product_attention = real
+        assert x.grad is not None and x.grad.shape == x.shape
+
     _run(results, "block-styles-replicated-out", replicated_out)
     _run(results, "block-styles-errors", errors)
+    _run(results, "attention-auto-computes-each-slice-once", auto_computes_each_slice_once)
     return results

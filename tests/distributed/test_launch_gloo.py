@@ -6,7 +6,7 @@ collective until the group's timeout (120 s), and ``destroy_process_group``
 waits for it; rank 1 meanwhile blocks in a ``recv`` from rank 0, which only
 fails once rank 0's process is gone. Before ranks reported ahead of their
 teardown, both were killed at launch's deadline and their results lost; and a
-rank whose teardown failed part-way (``release_backends`` not importable, so
+rank whose teardown failed part-way (``commfuse.backends.release`` not importable, so
 destroy was skipped) kept its group alive, and its interpreter's exit hung.
 """
 
@@ -33,7 +33,7 @@ def _abandoned_collective(rank: int, world_size: int, how: str) -> str:
     dist.all_reduce(t, async_op=True)  # rank 1 never joins: destroy_process_group waits for it
     time.sleep(0.5)  # let gloo's worker thread enter the collective
     if how == "raise, and teardown fails":
-        sys.modules["commfuse.ops"] = None  # release_backends cannot be imported: destroy must still be tried
+        sys.modules["commfuse.backends"] = None  # release cannot be imported: destroy must still be tried
     if how != "return":
         raise ValueError("rank 0 broke in the middle of an op")
     return "rank 0 done"

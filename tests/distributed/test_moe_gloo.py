@@ -16,7 +16,7 @@ import _moe_cases  # noqa: E402
 from commfuse.errors import CommfuseValueError  # noqa: E402
 from commfuse.launch import launch  # noqa: E402
 from commfuse.nn import MoE, moe_reference  # noqa: E402
-from commfuse.nn.moe import grouped_mm, grouped_mm_kind, grouped_wgrad  # noqa: E402
+from commfuse.nn.moe import grouped_mm, grouped_mm_kind, grouped_wgrad_add_  # noqa: E402
 
 ALGORITHMS = ["vanilla", "sliced:2", "ring", "ring:2", "ring:3", "auto"]
 
@@ -33,7 +33,7 @@ def test_auto_cuts_each_block_in_two_at_two_ranks_when_half_a_block_still_clears
     """At two ranks the ring's one hop hides only behind the own block; auto takes ring:2 (each half's compute
     led by one half) when half a block still carries MIN_SLICE_BYTES, plain ring (gloo takes the ring at every
     size) below."""
-    from commfuse.runtime.calls import MIN_SLICE_BYTES
+    from commfuse.planning.calls import MIN_SLICE_BYTES
 
     small, large = MIN_SLICE_BYTES * 2 // (2 * 64 * 4), 2 * MIN_SLICE_BYTES * 2 // (2 * 64 * 4)
     for rank, got in enumerate(launch(_moe_cases.auto_takes, 2, timeout=300)):
@@ -89,7 +89,8 @@ def test_grouped_gemm_equals_a_loop_over_experts_with_empty_groups():
     want = torch.cat([x[a:a + c] @ w[e] for e, (a, c) in enumerate(zip([0, 3, 3, 8], counts))])
     torch.testing.assert_close(grouped_mm(x, w, counts), want, rtol=1e-6, atol=1e-6)
     dy = torch.randn(8, 8)
-    wg = grouped_wgrad(x, dy, counts)
+    wg = torch.zeros(4, 16, 8)
+    grouped_wgrad_add_(wg, x, dy, counts)
     assert torch.equal(wg[1], torch.zeros(16, 8)) and torch.equal(wg[3], torch.zeros(16, 8))
     torch.testing.assert_close(wg[2], x[3:8].t() @ dy[3:8], rtol=1e-6, atol=1e-6)
     assert grouped_mm_kind("cpu", torch.float32) in ("torch.nn.functional.grouped_mm", "loop")

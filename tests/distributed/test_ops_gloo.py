@@ -120,7 +120,7 @@ def test_bad_arguments_raise_errors_naming_them(call, text):
 
 
 def test_timeout_argument_and_environment(monkeypatch):
-    from commfuse.runtime.executor import DEFAULT_TIMEOUT_S, resolve_timeout
+    from commfuse.runtime.groups import DEFAULT_TIMEOUT_S, resolve_timeout
 
     assert resolve_timeout(None) == DEFAULT_TIMEOUT_S
     monkeypatch.setenv("COMMFUSE_TIMEOUT_S", "7.5")

@@ -1,7 +1,7 @@
 """Tier (b): what ``pip install .`` without extras runs on gloo ranks, with numpy made unimportable in the parent
 and in every rank it spawns (tests/unit/test_optional_extras.py's wrapper): ``commfuse bench`` with a trace. Its
 ranks gather their traces, as they gather the moe workload's routing, with
-``commfuse.bench.runner.gather_objects``, which must not need numpy (torch's ``all_gather_object`` does).
+``commfuse.bench.shared.gather_objects``, which must not need numpy (torch's ``all_gather_object`` does).
 ci/test_plain_install.sh runs the ops and a layer on 2 ranks in an environment with torch alone."""
 
 from __future__ import annotations

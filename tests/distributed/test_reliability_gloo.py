@@ -21,7 +21,7 @@ import _reliability_cases as cases  # noqa: E402
 import commfuse as cf  # noqa: E402
 from commfuse.errors import CommfuseValueError  # noqa: E402
 from commfuse.launch import launch  # noqa: E402
-from commfuse.runtime.executor import resolve_timeout  # noqa: E402
+from commfuse.runtime.groups import resolve_timeout  # noqa: E402
 
 
 def test_the_fingerprint_is_checked_once_per_signature_after_a_failure_and_always_when_asked():

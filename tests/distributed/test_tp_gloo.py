@@ -57,6 +57,7 @@ def test_nn_layers_hold_dtensor_parameters(n, name):
     _check("nn_layers", n, name)
 
 
-@pytest.mark.parametrize("name", ("block-styles-replicated-out", "block-styles-errors"))
+@pytest.mark.parametrize("name", ("block-styles-replicated-out", "block-styles-errors",
+                                  "attention-auto-computes-each-slice-once"))
 def test_block_styles(name):
     _check("block_styles", 2, name)

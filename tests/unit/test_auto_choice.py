@@ -9,6 +9,7 @@ import types
 import torch
 
 from commfuse import ops
+from commfuse.fused.matmul import native_kernel
 from commfuse.plugins import Capabilities
 from commfuse.plugins.builtin import commfuse_backends
 from commfuse.schedule import Collective
@@ -68,7 +69,7 @@ class _Backend(types.SimpleNamespace):
 
 def test_auto_is_decided_once_per_call_signature_until_release(monkeypatch):
     from commfuse import backends
-    from commfuse.runtime.calls import resolve_call
+    from commfuse.planning.calls import resolve_call
 
     monkeypatch.delenv("COMMFUSE_PROFILE", raising=False)
     backends.release()
@@ -113,7 +114,7 @@ def test_auto_logs_its_choice_at_debug_on_a_signatures_first_call_only(caplog, m
 
 def test_auto_logs_the_inputs_it_decided_on(caplog, monkeypatch):
     from commfuse import backends
-    from commfuse.runtime.calls import resolve_call
+    from commfuse.planning.calls import resolve_call
 
     monkeypatch.delenv("COMMFUSE_PROFILE", raising=False)
     backends.release()
@@ -136,7 +137,7 @@ def test_auto_logs_the_inputs_it_decided_on(caplog, monkeypatch):
     for text in (ring, vanilla):
         assert "world size 8" in text and "'no-such-backend'" in text and "overlap=True" in text, text
         assert "auto_min_slice_bytes=4096" in text and "flops per shard 1e+09" in text, text
-        assert "hardware model: no profile applies" in text and "not in the call memo" in text, text
+        assert "hardware model: no profile applies" in text and "not in the planning table" in text, text
     backends.release()
 
 
@@ -153,7 +154,7 @@ def test_auto_logs_when_it_takes_a_backends_native_kernel(caplog):
                        native_op=lambda op, **signature: (lambda *tensors: tensors, "shapes fit the fused kernel"))
     said: dict = {}
     with caplog.at_level(logging.DEBUG, logger="commfuse"):
-        runner, fallback = ops._native(backend, "all_gather_matmul", "auto", said)
+        runner, fallback = native_kernel(backend, "all_gather_matmul", "auto", said)
     assert runner is not None and fallback == "auto" and said["algorithm"] == "native"
     (message,) = [r.getMessage() for r in caplog.records if r.name == "commfuse"]
     assert message.startswith("auto chose native for all_gather_matmul: shapes fit the fused kernel"), message

@@ -339,7 +339,7 @@ def test_simulate_refuses_an_output_path_before_it_simulates(option, case, tmp_p
 
 @pytest.mark.parametrize("option", ["--output", "--raw"])
 def test_calibrate_refuses_an_output_path_before_it_measures(option, tmp_path, monkeypatch, capsys):
-    from commfuse.sim import _calibrate
+    from commfuse.bench import calibrate as _calibrate
 
     def started(*args, **kwargs):
         raise AssertionError("the work started before the bad input was refused")
@@ -388,7 +388,7 @@ def test_a_check_that_passes_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.parametrize("value", ["nan", "0", "-1", "inf", "1e7", "soon"])
 def test_bench_timeout_is_refused_outside_the_librarys_bounds(value, capsys):
-    from commfuse.runtime.executor import MAX_TIMEOUT_S, MIN_TIMEOUT_S
+    from commfuse.runtime.groups import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 
     err = _refused_by_argparse(["bench", "--timeout", value], capsys)
     assert f"argument --timeout: expected seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}, got '{value}'" in err

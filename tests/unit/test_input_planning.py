@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from commfuse.runtime.calls import Call
-from commfuse.runtime.executor import Compiled, describe_fingerprint, format_code
-from commfuse.runtime.pipelined import _handed_over, capped, configured, layer_config
+from commfuse.planning.calls import Call
+from commfuse.runtime.compiled import Compiled
+from commfuse.runtime.groups import describe_fingerprint, format_code
+from commfuse.planning.pipelined import _handed_over, capped, configured, layer_config
 from commfuse.runtime.programs import CONFIG_MARK, config_values, config_words, describe_config
 from commfuse.schedule import SliceId, build, parse_algorithm
 

@@ -12,7 +12,7 @@ import pytest
 from commfuse import sim
 from commfuse.cli import main
 from commfuse.errors import CommfuseValueError
-from commfuse.sim import command as sim_command
+from commfuse.bench import simulate as sim_command
 from commfuse.sim._model import all_to_all_spread, collective_time
 from commfuse.sim._planner import candidates, choose, op_times
 

@@ -12,7 +12,7 @@ except ImportError:  # Python 3.10: the same parser, as the package's tomli depe
 import pytest
 
 from commfuse import sim
-from commfuse.sim import _calibrate
+from commfuse.bench import calibrate as _calibrate
 from commfuse.sim._profile import PROFILE_DIR, ProfileError, from_dict
 
 GOOD = {

@@ -159,7 +159,7 @@ def fake_world():
 
 def test_a_stalled_post_is_named_by_its_step_op_and_peers(fake_world):
     from commfuse.runtime.c10d import C10dBackend
-    from commfuse.runtime.executor import Plan, describe_stall
+    from commfuse.runtime.compiled import Plan, describe_stall
     from commfuse.schedule import build
 
     backend = C10dBackend()

@@ -3,7 +3,7 @@
 As shipped it *is* the c10d backend on a gloo group, so the conformance suite
 passes out of the box. To bring up a device, either
 
-* keep subclassing :class:`~commfuse.runtime.c10d.C10dBackend` if your device
+* keep subclassing :class:`~commfuse.plugins.base.C10dBackend` if your device
   has a torch.distributed backend (as commfuse-npu does with HCCL), adding
   what is yours (streams, fused kernels), or
 * implement the four members yourself: ``post(sends, recvs) -> Handle``,
@@ -15,7 +15,7 @@ passes out of the box. To bring up a device, either
 
 from __future__ import annotations
 
-from commfuse.runtime.c10d import C10dBackend
+from commfuse.plugins.base import C10dBackend
 
 
 class TemplateBackend(C10dBackend):

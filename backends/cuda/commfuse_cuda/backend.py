@@ -89,10 +89,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commfuse.runtime.c10d import C10dBackend
+from commfuse.plugins.base import C10dBackend
 from commfuse.schedule import Collective, Transfer
 from commfuse_cuda import native
-from commfuse_cuda.plugin import CAPABILITIES
+from commfuse_cuda.capabilities import CAPABILITIES
 
 
 def comm_priority(priority_range: tuple[int, int]) -> int:

@@ -5,17 +5,13 @@ and ``matmul_reduce_scatter`` with ``algorithm="native"`` or ``"auto"`` ask
 :meth:`CudaBackend.native_op <commfuse_cuda.backend.CudaBackend.native_op>`
 once per call signature, which judges the call with the verdicts below and
 returns a runner built on :func:`call_fused_all_gather_matmul` /
-:func:`call_fused_matmul_reduce_scatter`. The ``try_*`` functions below are the
-same decision for callers outside the ops (decided on every call).
+:func:`call_fused_matmul_reduce_scatter`.
 
 torch ships ``torch.ops.symm_mem.fused_all_gather_matmul`` and
 ``fused_matmul_reduce_scatter``: micro-pipelined all-gather + GEMM and GEMM +
 reduce-scatter over symmetric memory (NVLink peers). Where they exist and a
-call qualifies, :func:`try_fused_all_gather_matmul` and
-:func:`try_fused_matmul_reduce_scatter` run them and return the result with
-the same meaning as ``commfuse.all_gather_matmul`` / ``matmul_reduce_scatter``;
-otherwise they return ``None`` and the caller runs the ring. Why a call did
-or did not qualify goes into ``report`` (a dict), as ``native`` and ``reason``.
+call qualifies, ``"native"`` runs them with the same meaning as the ring;
+otherwise ``"native"`` raises with the reason and ``"auto"`` runs the ring.
 
 Qualification has two halves, each a pure function tested on CPU tensors:
 
@@ -23,10 +19,11 @@ Qualification has two halves, each a pure function tested on CPU tensors:
   ranks, dims, shapes, dtypes, devices, autograd, divisibility;
 * the environment (:func:`environment_verdict` over :class:`Environment` facts
   from :func:`probe_environment`): a CUDA device, the op registered with a
-  CUDA kernel, an NCCL process group, and the user's opt-in (``enable=True``
-  or ``COMMFUSE_CUDA_NATIVE=1``). It is opt-in because the kernels need every
-  rank of the group to map the others' memory (one NVLink domain), which no
-  API answers cheaply; off it, the op fails instead of falling back.
+  CUDA kernel, an NCCL process group, and the user's opt-in
+  (``CudaBackend(enable_native=True)`` or ``COMMFUSE_CUDA_NATIVE=1``). It is
+  opt-in because the kernels need every rank of the group to map the others'
+  memory (one NVLink domain), which no API answers cheaply; off it,
+  ``"native"`` fails instead of falling back.
 
 UNVERIFIED here: the kernels themselves need GPUs. What the CPU tests prove
 is the decision logic and the argument/result mapping, the latter by running
@@ -150,15 +147,15 @@ class Environment:
     device_type: str
     op_registered: bool  # torch.ops.symm_mem.<op> exists with a CUDA kernel
     group_backend: str  # "nccl", "gloo", ... ("" when there is no group)
-    enabled: bool  # the user opted in (enable=True or COMMFUSE_CUDA_NATIVE=1)
+    enabled: bool  # the user opted in (CudaBackend(enable_native=True) or COMMFUSE_CUDA_NATIVE=1)
     torch_version: str = ""
 
 
 def environment_verdict(env: Environment, op: str) -> Verdict:
     if not env.enabled:
         return _no(
-            f"native kernels are off (opt in with {ENV}=1, CudaBackend(enable_native=True) or enable=True when all "
-            "ranks share an NVLink domain)"
+            f"native kernels are off (opt in with {ENV}=1 or CudaBackend(enable_native=True) when all ranks share "
+            "an NVLink domain)"
         )
     if env.device_type != "cuda":
         return _no(f"tensors are on {env.device_type!r}, and torch's symmetric-memory kernels run on CUDA devices")
@@ -194,12 +191,6 @@ def probe_environment(device: torch.device, group, op: str, enable: bool | None)
     return Environment(device.type, _has_cuda_kernel(op), backend, bool(enable), torch.__version__)
 
 
-def _world_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
 def _group_name(group) -> str:
     """The c10d name the symm_mem ops take: of ``group`` (None: the default group), or ``group`` itself when it
     is already a name (what :meth:`CudaBackend.native_op <commfuse_cuda.backend.CudaBackend.native_op>` resolves
@@ -209,11 +200,6 @@ def _group_name(group) -> str:
     import torch.distributed as dist
 
     return (group if group is not None else dist.group.WORLD).group_name
-
-
-def _tell(report: dict | None, verdict: Verdict) -> None:
-    if report is not None:
-        report.update(native=verdict.ok, reason=verdict.reason)
 
 
 def call_fused_all_gather_matmul(op: Callable, a_shard, bs, gather_dim: int, group, return_gathered: bool):
@@ -230,66 +216,3 @@ def call_fused_all_gather_matmul(op: Callable, a_shard, bs, gather_dim: int, gro
 def call_fused_matmul_reduce_scatter(op: Callable, a, b, scatter_dim: int, reduce_op: str, group):
     """Run ``op`` (the schema of ``symm_mem.fused_matmul_reduce_scatter``)."""
     return op(a, b, reduce_op, scatter_dim % a.ndim, _group_name(group))
-
-
-def try_fused_all_gather_matmul(
-    a_shard: torch.Tensor,
-    b,
-    *,
-    group=None,
-    gather_dim: int = 0,
-    return_gathered: bool = False,
-    gathered_size: int | None = None,
-    enable: bool | None = None,
-    report: dict | None = None,
-):
-    """``all_gather(a_shard, gather_dim) @ b`` on torch's fused kernel, or ``None`` when it does not qualify.
-
-    Same arguments and result as :func:`commfuse.all_gather_matmul` (``b``
-    a tensor or a list; ``(gathered, result)`` with ``return_gathered``).
-    UNVERIFIED on a GPU here: see the module docstring.
-    """
-    single = isinstance(b, torch.Tensor)
-    bs = [b] if single else list(b)
-    verdict = all_gather_matmul_verdict(a_shard, bs, gather_dim=gather_dim, world_size=_world_size(group),
-                                        gathered_size=gathered_size)
-    if verdict:
-        verdict = environment_verdict(
-            probe_environment(a_shard.device, group, "fused_all_gather_matmul", enable), "fused_all_gather_matmul"
-        )
-    _tell(report, verdict)
-    if not verdict:
-        return None
-    gathered, outs = call_fused_all_gather_matmul(
-        torch.ops.symm_mem.fused_all_gather_matmul, a_shard, bs, gather_dim, group, return_gathered
-    )
-    result = outs[0] if single else outs
-    return (gathered, result) if return_gathered else result
-
-
-def try_fused_matmul_reduce_scatter(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    group=None,
-    scatter_dim: int = 0,
-    reduce_op: str = "sum",
-    enable: bool | None = None,
-    report: dict | None = None,
-):
-    """``reduce_scatter(a @ b, scatter_dim)`` on torch's fused kernel, or ``None`` when it does not qualify.
-
-    UNVERIFIED on a GPU here: see the module docstring.
-    """
-    verdict = matmul_reduce_scatter_verdict(a, b, scatter_dim=scatter_dim, world_size=_world_size(group),
-                                            reduce_op=reduce_op)
-    if verdict:
-        verdict = environment_verdict(
-            probe_environment(a.device, group, "fused_matmul_reduce_scatter", enable), "fused_matmul_reduce_scatter"
-        )
-    _tell(report, verdict)
-    if not verdict:
-        return None
-    return call_fused_matmul_reduce_scatter(
-        torch.ops.symm_mem.fused_matmul_reduce_scatter, a, b, scatter_dim, reduce_op, group
-    )

@@ -10,28 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from commfuse.plugins import Availability, BackendSpec, Capabilities, hookimpl
+from commfuse.plugins import Availability, BackendSpec, hookimpl
+from commfuse_cuda.capabilities import CAPABILITIES
 
-# What reads each field: commfuse/plugins/types.py.
-CAPABILITIES = Capabilities(
-    # NVLink and PCIe carry both directions at once (nothing in commfuse acts on it yet).
-    bidirectional_links=True,
-    # CudaBackend.native_op: torch's symmetric-memory kernels where torch has them, the call qualifies and the
-    # user opted in (commfuse_cuda.native); commfuse.ops asks once per call signature for "native" and "auto".
-    native_fused_ops=("all_gather_matmul", "matmul_reduce_scatter"),
-    execution="eager",
-    # NCCL runs on its own streams: waits are stream-ordered (the compute stream waits; the host does not) and
-    # C10dBackend hands the timeout to its watchdog.
-    streams=True,
-    # Transfers progress on the device while the compute stream runs the GEMMs.
-    overlap=True,
-    # A planned call (every call of a signature after its first) issues from the communication stream, which
-    # CommStream.leave joins back into a capture, waits without blocking the host, and takes its buffers from the
-    # caching allocator: torch.cuda.graph, make_graphed_callables and torch.compile(mode="reduce-overhead") can
-    # capture it; commfuse.graphs.capture is the helper. UNVERIFIED on a GPU: the conformance suite's capture
-    # tier is the check.
-    capturable=True,
-)
 
 CUDA_TORCH_FIX = (
     "install a CUDA build of torch that your NVIDIA driver supports in place of the CPU build "

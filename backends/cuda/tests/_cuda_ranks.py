@@ -55,9 +55,6 @@ def fused_mapping_with_torch_reference(rank: int, n: int) -> dict:
         got = native.call_fused_matmul_reduce_scatter(symm._fused_matmul_reduce_scatter_fallback, a, w, sd, "sum", group)
         ref = cf.matmul_reduce_scatter(a, w, scatter_dim=sd, algorithm="ring")
         out[f"rs-dim{sd}"] = torch.equal(got, ref)
-    report: dict = {}
-    out["try-cpu"] = native.try_fused_all_gather_matmul(every[rank], w, enable=True, report=report)
-    out["try-cpu-report"] = report
     return out
 
 

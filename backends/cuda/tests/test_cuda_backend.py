@@ -51,11 +51,6 @@ def test_every_algorithm_runs_through_the_backend_object_on_gloo(n):
 @pytest.mark.parametrize("n", [2, 3])
 def test_native_mapping_equals_commfuse_with_torchs_reference_op(n):
     for rank, res in enumerate(launch(_cuda_ranks.fused_mapping_with_torch_reference, n, timeout=300)):
-        assert res.pop("try-cpu") is None
-        assert res.pop("try-cpu-report") == {
-            "native": False,
-            "reason": "tensors are on 'cpu', and torch's symmetric-memory kernels run on CUDA devices",
-        }
         assert all(res.values()), f"rank {rank}: {res}"
 
 
@@ -65,8 +60,8 @@ def test_native_through_the_ops_on_gloo():
     for rank, res in enumerate(launch(_cuda_ranks.native_through_the_ops, 2, timeout=300)):
         assert res.pop("off") == (
             "CommfuseValueError: algorithm 'native' for all_gather_matmul: the call does not qualify: native kernels "
-            "are off (opt in with COMMFUSE_CUDA_NATIVE=1, CudaBackend(enable_native=True) or enable=True when all "
-            "ranks share an NVLink domain)"), rank
+            "are off (opt in with COMMFUSE_CUDA_NATIVE=1 or CudaBackend(enable_native=True) when all ranks share an "
+            "NVLink domain)"), rank
         assert res.pop("cpu") == (
             "CommfuseValueError: algorithm 'native' for matmul_reduce_scatter: the call does not qualify: tensors "
             "are on 'cpu', and torch's symmetric-memory kernels run on CUDA devices"), rank

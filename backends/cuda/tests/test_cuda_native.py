@@ -13,8 +13,6 @@ from commfuse_cuda.native import (
     environment_verdict,
     matmul_reduce_scatter_verdict,
     probe_environment,
-    try_fused_all_gather_matmul,
-    try_fused_matmul_reduce_scatter,
 )
 
 
@@ -99,11 +97,3 @@ def test_probe_here(monkeypatch):
     assert env.op_registered == hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
     monkeypatch.setenv("COMMFUSE_CUDA_NATIVE", "1")
     assert probe_environment(torch.device("cpu"), None, "fused_all_gather_matmul", None).enabled
-
-
-def test_try_returns_none_with_the_reason_on_cpu():
-    report: dict = {}
-    assert try_fused_all_gather_matmul(t(4, 16), t(16, 8), report=report) is None
-    assert report == {"native": False, "reason": "world size 1: nothing to communicate"}
-    assert try_fused_matmul_reduce_scatter(t(8, 16), t(16, 4), report=report) is None
-    assert report["native"] is False

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from commfuse.runtime.c10d import C10dBackend
+from commfuse.plugins.base import C10dBackend
 from commfuse_npu import mc2
-from commfuse_npu.plugin import CAPABILITIES
+from commfuse_npu.capabilities import CAPABILITIES
 
 
 class NpuBackend(C10dBackend):

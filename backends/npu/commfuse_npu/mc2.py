@@ -23,10 +23,8 @@ Python, tested at every boundary); :class:`DomainTracker` enforces the last
 one across calls. :func:`signature_verdict` judges one call signature of the
 commfuse ops, for :meth:`NpuBackend.native_op
 <commfuse_npu.backend.NpuBackend.native_op>` (the route ``algorithm="native"``
-and ``"auto"`` take). :func:`try_npu_all_gather_matmul` and
-:func:`try_npu_matmul_reduce_scatter` run the kernels where the request and
-the environment qualify and return ``None`` otherwise, so the caller runs the
-ring. UNVERIFIED here: the kernels need Ascend hardware.
+and ``"auto"`` take), and :func:`environment` says whether a device and group
+can run MC2 at all. UNVERIFIED here: the kernels need Ascend hardware.
 """
 
 from __future__ import annotations
@@ -240,56 +238,3 @@ def environment(device, group) -> tuple[Verdict, str | None, str, int]:
     hcom = group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
     del torch_npu
     return Verdict(True, "npu device, HCCL group"), family, hcom, dist.get_world_size(group)
-
-
-def _environment(x1, group) -> tuple[Verdict, str | None, str, int]:
-    return environment(x1.device, group)
-
-
-def _tell(report, verdict: Verdict) -> None:
-    if report is not None:
-        report.update(native=verdict.ok, reason=verdict.reason)
-
-
-def try_npu_all_gather_matmul(x1, x2, *, group=None, gather_dim: int = 0, return_gathered: bool = False,
-                              domains: DomainTracker = DOMAINS, report: dict | None = None):
-    """``all_gather(x1, gather_dim) @ x2`` on ``npu_all_gather_base_mm``, or ``None`` where MC2 does not apply.
-
-    UNVERIFIED here (needs Ascend hardware).
-    """
-    env, family, hcom, n = _environment(x1, group)
-    verdict = env
-    if verdict:
-        verdict = mc2_verdict(request_for("all_gather_matmul", x1, x2, world_size=n, family=family, dim=gather_dim))
-    if verdict:
-        verdict = domains.admit(hcom)
-    _tell(report, verdict)
-    if not verdict:
-        return None
-    import torch_npu
-
-    out, gathered = torch_npu.npu_all_gather_base_mm(
-        x1, x2, hcom, n, bias=None, gather_index=0, gather_output=return_gathered, comm_turn=0
-    )
-    return (gathered, out) if return_gathered else out
-
-
-def try_npu_matmul_reduce_scatter(x1, x2, *, group=None, scatter_dim: int = 0, reduce_op: str = "sum",
-                                  domains: DomainTracker = DOMAINS, report: dict | None = None):
-    """``reduce_scatter(x1 @ x2, scatter_dim)`` on ``npu_mm_reduce_scatter_base``, or ``None``.
-
-    UNVERIFIED here (needs Ascend hardware).
-    """
-    env, family, hcom, n = _environment(x1, group)
-    verdict = env
-    if verdict:
-        verdict = mc2_verdict(request_for("matmul_reduce_scatter", x1, x2, world_size=n, family=family,
-                                          dim=scatter_dim, reduce_op=reduce_op))
-    if verdict:
-        verdict = domains.admit(hcom)
-    _tell(report, verdict)
-    if not verdict:
-        return None
-    import torch_npu
-
-    return torch_npu.npu_mm_reduce_scatter_base(x1, x2, hcom, n, reduce_op="sum", bias=None, comm_turn=0)

@@ -12,12 +12,11 @@ import torch
 from commfuse_npu.mc2 import (
     DomainTracker,
     Mc2Request,
+    environment,
     mc2_verdict,
     product_family,
     request_for,
     signature_verdict,
-    try_npu_all_gather_matmul,
-    try_npu_matmul_reduce_scatter,
     x2_layout,
 )
 
@@ -127,11 +126,9 @@ def test_request_from_tensors():
 
 
 def test_cpu_tensors_decline_with_the_reason():
-    report: dict = {}
-    x1, x2 = torch.zeros(8, 512, dtype=torch.float16), torch.zeros(512, 64, dtype=torch.float16)
-    assert try_npu_all_gather_matmul(x1, x2, report=report) is None
-    assert report == {"native": False, "reason": "tensors are on 'cpu'; MC2 kernels run on Ascend NPUs"}
-    assert try_npu_matmul_reduce_scatter(x1, x2, report=report) is None and report["native"] is False
+    verdict, family, hcom, n = environment(torch.device("cpu"), None)
+    assert not verdict and verdict.reason == "tensors are on 'cpu'; MC2 kernels run on Ascend NPUs"
+    assert (family, hcom, n) == (None, "", 1)
 
 
 def h(*shape, grad=False):

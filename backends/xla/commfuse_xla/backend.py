@@ -41,7 +41,7 @@ import torch
 
 from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
 from commfuse.schedule import Collective, Ring, SliceId, Transfer
-from commfuse_xla.plugin import CAPABILITIES
+from commfuse_xla.capabilities import CAPABILITIES
 
 
 class LoweringError(CommfuseValueError):

@@ -11,29 +11,12 @@ import importlib.util
 import os
 from collections.abc import Iterator
 
-from commfuse.plugins import Availability, BackendSpec, Capabilities, hookimpl
+from commfuse.plugins import Availability, BackendSpec, hookimpl
+from commfuse_xla.capabilities import CAPABILITIES
 
 #: torch-xla pins one torch release; this is the pair the project verifies (ci/setup_xla.sh).
 VERIFIED_TORCH_XLA = "2.9.0"
 
-# What reads each field: commfuse/plugins/types.py.
-CAPABILITIES = Capabilities(
-    # TPU ICI and NVLink links carry both directions at once (nothing in commfuse acts on it yet).
-    bidirectional_links=True,
-    # No native_op: XLA fuses what it fuses on its own, from the lowered graph.
-    native_fused_ops=(),
-    # The schedule is lowered into the graph; XLA's scheduler, not the host, overlaps. The executor skips its
-    # host-side fingerprint check for traced backends (comparing values would execute the graph mid-trace).
-    execution="traced",
-    # Nothing to order on the host: XlaBackend's wait returns the permutes' lazy tensors at once.
-    streams=False,
-    # xm.all_gather / reduce_scatter / all_to_all lower the vanilla and sliced baselines.
-    collectives=("all_gather", "reduce_scatter", "all_to_all"),
-    # No host-side progress to measure: overlap is the compiler's, UNVERIFIED on TPU here.
-    overlap=False,
-    # Traced: XLA compiles and replays the whole graph itself; a device graph (torch.cuda.graph) does not apply.
-    capturable=False,
-)
 
 INSTALL = (
     f"install torch-xla with the torch release it pins, in an environment of its own: "

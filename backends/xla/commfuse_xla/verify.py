@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from commfuse.schedule import Collective, Ring, build
+from commfuse.schedule import Collective, Ring, build, parse_algorithm
 from commfuse_xla import hlo
 from commfuse_xla.backend import XlaBackend, global_pairs, hop_slice
 
@@ -66,11 +66,9 @@ class Case:
         return self.op in ("all_gather_consume", "produce_reduce_scatter", "all_to_all_consume")
 
     def schedule(self, world_size: int):
-        name, _, count = self.algorithm.partition(":")
-        k = int(count) if count else 0
-        if name == "sliced":
-            return build(self.collective.value, world_size, algorithm=name, chunks=k or 2)
-        return build(self.collective.value, world_size, algorithm=name, parts=k or 1)
+        spec = parse_algorithm(self.algorithm, self.collective)
+        return build(self.collective, world_size, algorithm=spec.schedule_algorithm, parts=spec.parts,
+                     chunks=spec.chunks)
 
     def __str__(self) -> str:
         return f"{self.op}[{self.algorithm}]"

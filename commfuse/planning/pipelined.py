@@ -4,46 +4,51 @@ These are the level of torch's ``_pipelined_all_gather_and_consume`` /
 ``_pipelined_produce_and_all2all`` helpers (``torch.distributed._symmetric_memory``):
 the public ops (``commfuse.ops``), their backward passes
 (``commfuse.autograd``) and the layers (``commfuse.nn``) are all built from
-them, given a resolved :class:`~commfuse.runtime.calls.Call`.
+them, given a resolved :class:`~commfuse.planning.calls.Call`. Exports:
 
-* :func:`gather_spans`: all-gather a shard and call ``consume(spans)`` once
-  per step, ``spans`` being ``(start, size, tensor)`` along the dim;
-* :func:`scatter_spans`: reduce-scatter partials made by ``produce(spans)``;
-* :func:`all_gather_consume_core`, :func:`produce_reduce_scatter_core`,
-  :func:`all_to_all_consume_core`: the consume/produce forms per shard.
+* by spans along a dim: :func:`gather_spans` (all-gather a shard, call
+  ``consume(spans)`` once per step, ``spans`` being ``(start, size, tensor)``)
+  and :func:`scatter_spans` (reduce-scatter partials made by ``produce(spans)``);
+* the same with the plan kept by the caller: :func:`prepare_gather` /
+  :func:`prepare_scatter` give a :class:`SignaturePlan` that :func:`run_gather`,
+  :func:`run_scatter`, :func:`run_gather_one_by_one`,
+  :func:`run_scatter_one_by_one` (a ring, one slice per step, no program) and
+  :func:`run_scatter_whole` (vanilla straight into the result, where
+  :func:`scatters_whole`) run calls on;
+* per shard: :func:`all_gather_consume_core`, :func:`produce_reduce_scatter_core`,
+  :func:`all_to_all_consume_core`, :func:`produce_all_to_all_core`
+  (:func:`a2a_layout` for an uneven call's layout), :func:`all_reduce_core`,
+  :func:`exchange_sizes`; :class:`StandIn` and :data:`collect` are consumers;
+* planning: :func:`capped`, :func:`configured` / :func:`layer_config`,
+  :func:`compiled_for`, :func:`schedule_for`;
+* rows: :func:`join`, :func:`consecutive`, :func:`rows_of`,
+  :func:`write_rows`, :func:`matmul_rows`.
 
 Plan once: the first call of a signature (call, op label, shapes, dtype,
-dim, sizes) builds the executor's :class:`~commfuse.runtime.executor.Plan`
-and the program's layout; later calls find both in one dict look-up. What
-the first call also decides, once: how many slices a shard is really cut
-into (:func:`capped`: never fewer than one row each), the layer options that
-join the fingerprint (:func:`configured`), and which slices a user's
-consumer must get a private copy of (``private=True``, the public consume
-ops).
+dim, sizes) builds the runtime's :class:`~commfuse.runtime.compiled.Plan`
+and the program's layout, kept in ``commfuse.planning.table``; later calls
+find both in one look-up. What the first call also decides, once: how many
+slices a shard is really cut into (:func:`capped`: never fewer than one row
+each), the layer options that join the fingerprint (:func:`configured`), and
+which slices a user's consumer must get a private copy of (``private=True``,
+the public consume ops).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.runtime.calls import Call
-from commfuse.runtime.executor import (
-    Compiled,
-    Plan,
-    cached_schedule,
-    enter_call,
-    execute,
-    execute_into,
-    execute_one_by_one,
-    lean_walk,
-)
+from commfuse.planning.calls import Call
+from commfuse.runtime.compiled import Compiled, Plan
+from commfuse.runtime.groups import enter_call
+from commfuse.runtime.loop import execute, execute_into, execute_one_by_one, ring_walk
+from commfuse.runtime.observe import unmeasured
 from commfuse.runtime.programs import (
     AllToAllLayout,
     AllToAllProgram,
@@ -51,59 +56,50 @@ from commfuse.runtime.programs import (
     GatherProgram,
     ProduceAllToAllProgram,
     ReduceScatterProgram,
+    BufferPool,
     ScatterLayout,
-    _Pool,
     config_values,
     dtype_code,
     held_slots,
     register_described,
     shape_text,
 )
-from commfuse.schedule import AlgorithmSpec, Collective, SliceId, split_sizes
+from commfuse.planning import table
+from commfuse.schedule import AlgorithmSpec, Collective, Schedule, SliceId, build, split_sizes
 
 __all__ = [
     "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "all_to_all_consume_core", "capped",
-    "collect",
-    "configured", "consecutive", "exchange_sizes", "forget_plans", "layer_config", "produce_all_to_all_core",
+    "collect", "compiled_for",
+    "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
-    "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one", "run_scatter_whole",
+    "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
+    "run_scatter_whole", "schedule_for",
     "scatter_spans", "scatters_whole", "write_rows",
 ]
 
 log = logging.getLogger("commfuse")
 
-_PLANS: dict[tuple, tuple] = {}
-_PLANS_LOCK = threading.Lock()
-#: the calls :func:`capped` and :func:`configured` derived, by (call, what was added): one object per
-#: derivation, so that the plans keyed by it are made once
-_DERIVED: dict[tuple, Call] = {}
-
-
-def forget_plans() -> None:
-    """Drop every plan (``commfuse.backends.release`` calls it)."""
-    with _PLANS_LOCK:
-        _PLANS.clear()
-        _DERIVED.clear()
-
-
 def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
-    return _memo(_PLANS, key, make)
-
-
-def _memo(table: dict, key: tuple, make: Callable):
-    """``table[key]``, made with ``make()`` on the first look-up (a bounded table: cleared past 4096)."""
-    found = table.get(key)
-    if found is None:
-        found = make()
-        with _PLANS_LOCK:
-            if len(table) > 4096:
-                table.clear()
-            found = table.setdefault(key, found)
-    return found
+    """The (plan, layout, pool, ...) kept in the planning table for ``key``, made on its first look-up."""
+    return table.find(("plan", *key), make)
 
 
 def _remember(key: tuple, make: Callable[[], Call]) -> Call:
-    return _memo(_DERIVED, key, make)
+    """The call :func:`capped` or :func:`configured` derived, by (call, what was added): one object per
+    derivation, so that the plans keyed by it are made once."""
+    return table.find(("derived", *key), make)
+
+
+def schedule_for(collective: Collective, world_size: int, spec: AlgorithmSpec) -> Schedule:
+    """The schedule an algorithm runs at a world size, built once and kept in the planning table."""
+    key = ("schedule", collective, world_size, spec.schedule_algorithm, spec.parts, spec.chunks)
+    return table.find(key, lambda: build(collective.value, world_size, algorithm=spec.schedule_algorithm,
+                                         parts=spec.parts, chunks=spec.chunks))
+
+
+def compiled_for(schedule: Schedule, rank: int) -> Compiled:
+    """One rank's compiled steps of a schedule, made once and kept in the planning table."""
+    return table.find(("compiled", schedule, rank), lambda: Compiled(schedule, rank))
 
 
 class _Configured(Call):
@@ -197,9 +193,9 @@ def capped(call: Call, rows: int, label: str) -> Call:
 
 def _new_plan(call: Call, collective: Collective, label: str) -> Plan:
     spec = call.spec
-    schedule = cached_schedule(collective.value, call.be.world_size, spec.schedule_algorithm, spec.parts,
-                               spec.chunks)
-    return Plan(schedule, call.be, label=label, timeout=call.timeout, check=call.check, overlap=spec.overlap)
+    schedule = schedule_for(collective, call.be.world_size, spec)
+    return Plan(schedule, call.be, label=label, timeout=call.timeout, check=call.check, overlap=spec.overlap,
+                compiled=compiled_for(schedule, call.be.rank))
 
 
 # -- span helpers (shared by the ops, their backward passes and the layers) ------------------------------------
@@ -249,24 +245,36 @@ def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, m
         plan = _new_plan(capped(call, min(sizes), label), Collective.ALL_GATHER, label)
         layout = GatherLayout(plan.compiled, sizes, dim, shape, dtype)
         layout.meta = (meta() if callable(meta) else list(meta)) + _config_of(call)
-        return plan, layout, _Pool.of(call.be)
+        return plan, layout, BufferPool.of(call.be)
 
     return _plan_for(("gather", call, label, shape, dtype, dim, sizes), make)
 
 
-def prepare_gather(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
+class SignaturePlan:
+    """What :func:`prepare_gather` or :func:`prepare_scatter` found for one call signature: the runtime's
+    ``plan``, the program's ``layout``, the backend's receive-buffer ``pool`` and the ``dim`` the shards
+    are cut along. Callers keep it and run calls on it with no look-up."""
+
+    __slots__ = ("plan", "layout", "pool", "dim")
+
+    def __init__(self, plan: Plan, layout, pool: BufferPool, dim: int) -> None:
+        self.plan, self.layout, self.pool, self.dim = plan, layout, pool, dim
+
+
+def prepare_gather(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> SignaturePlan:
     """The plan of a :func:`gather_spans` signature, for callers that keep it (see :func:`run_gather`)."""
     plan, layout, pool = _gather_plan(call, shape, dtype, dim, sizes, label, meta)
-    return plan, layout, pool, dim
+    return SignaturePlan(plan, layout, pool, dim)
 
 
-def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False, consume_one=None) -> None:
+def run_gather(planned: SignaturePlan, shard: torch.Tensor, consume, keep: bool = False,
+               consume_one=None) -> None:
     """:func:`gather_spans` on a plan from :func:`prepare_gather` (no look-up). ``consume_one(start, size,
     tensor)``, when given, takes the steps that compute on one slice (every ring step) without a list."""
-    plan, layout, pool, dim = prepared
+    plan, layout, pool, dim = planned.plan, planned.layout, planned.pool, planned.dim
     start, size = layout.start, layout.size
-    if consume_one is not None and not keep and plan.one_by_one and plan.lean():
-        run_gather_one_by_one(prepared, shard, consume_one)
+    if consume_one is not None and not keep and plan.one_by_one and plan.may_skip_program():
+        run_gather_one_by_one(planned, shard, consume_one)
         return
 
     # on_step must not refer to the program (a reference cycle per call would leave the collection of
@@ -289,7 +297,7 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
                 per_rank = whole.view(layout.stacked)
                 consume([(start[s], size[s], per_rank[q]) for q, s in enumerate(slots)])
 
-    if plan.whole is not None and layout.into and pool.into and plan.lean():
+    if plan.whole is not None and layout.into and pool.into and plan.may_skip_program():
         # vanilla, signature agreed: the collective straight into one tensor, then the one compute on it
         whole = pool.get(layout.whole_key)
         execute_into(plan, shard if shard.is_contiguous() else shard.contiguous(), whole)
@@ -301,15 +309,15 @@ def run_gather(prepared: tuple, shard: torch.Tensor, consume, keep: bool = False
     execute(plan, program)
 
 
-def run_gather_one_by_one(prepared: tuple, shard: torch.Tensor, one) -> None:
+def run_gather_one_by_one(planned: SignaturePlan, shard: torch.Tensor, on_slice) -> None:
     """A call of a ring plan from :func:`prepare_gather` (``plan.one_by_one``; the caller has seen
-    ``plan.lean()``), its steps walked with no program: ``one(start, size, tensor)`` for each slice, this
-    rank's first; it returns None."""
-    plan, layout, pool, _ = prepared
+    ``plan.may_skip_program()``), its steps walked with no program: ``on_slice(start, size, tensor)`` for
+    each slice, this rank's first; it returns None."""
+    plan, layout = planned.plan, planned.layout
     walk = layout.walk
     if walk is None:
-        walk = layout.walk = lean_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
-    execute_one_by_one(plan, walk, held_slots(layout, shard), one, pool.get, pool.put)
+        walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
+    execute_one_by_one(plan, walk, held_slots(layout, shard), on_slice, planned.pool)
 
 
 def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
@@ -336,7 +344,7 @@ def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole
         plan = _new_plan(capped(call, min(sizes), label), Collective.REDUCE_SCATTER, label)
         layout = ScatterLayout(plan.compiled, sizes, dim, shape, dtype)
         layout.meta = (meta() if callable(meta) else list(meta)) + _config_of(call)
-        return plan, layout, _Pool.of(call.be)
+        return plan, layout, BufferPool.of(call.be)
 
     return _plan_for(("scatter", call, label, tuple(shape), dim, dtype, whole), make)
 
@@ -353,19 +361,20 @@ def scatter_spans(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.d
     return run_scatter(prepare_scatter(call, out_shape, dim, dtype, label, meta), produce, inplace, check_shapes)
 
 
-def prepare_scatter(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype, label: str, meta) -> tuple:
+def prepare_scatter(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype, label: str,
+                    meta) -> SignaturePlan:
     """The plan of a :func:`scatter_spans` signature, for callers that keep it (see :func:`run_scatter`)."""
     plan, layout, pool = _scatter_plan(call, tuple(out_shape), dim, dtype, label, meta)
-    return plan, layout, pool, dim
+    return SignaturePlan(plan, layout, pool, dim)
 
 
-def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bool = False,
+def run_scatter(planned: SignaturePlan, produce, inplace: bool = True, check_shapes: bool = False,
                 produce_whole=None) -> torch.Tensor:
     """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up). ``produce_whole()``, when
     given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
-    plan, layout, pool, dim = prepared
-    if produce_whole is not None and scatters_whole(prepared) and plan.lean():
-        return run_scatter_whole(prepared, produce_whole)
+    plan, layout, pool, dim = planned.plan, planned.layout, planned.pool, planned.dim
+    if produce_whole is not None and scatters_whole(planned) and plan.may_skip_program():
+        return run_scatter_whole(planned, produce_whole)
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
                                    meta=layout.meta, check_shapes=check_shapes,
@@ -375,20 +384,20 @@ def run_scatter(prepared: tuple, produce, inplace: bool = True, check_shapes: bo
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def scatters_whole(prepared: tuple) -> bool:
+def scatters_whole(planned: SignaturePlan) -> bool:
     """Whether the plan from :func:`prepare_scatter` is one whole reduce-scatter over dim 0 straight from one
-    tensor (vanilla over even shards, on a backend with ``collective_into``): then, while ``plan.lean()``,
-    :func:`run_scatter_whole` runs a call with no program."""
-    plan, layout, pool, dim = prepared
-    return dim == 0 and plan.whole is not None and layout.into and pool.into
+    tensor (vanilla over even shards, on a backend with ``collective_into``): then, while
+    ``plan.may_skip_program()``, :func:`run_scatter_whole` runs a call with no program."""
+    return (planned.dim == 0 and planned.plan.whole is not None and planned.layout.into
+            and planned.pool.into)
 
 
-def run_scatter_whole(prepared: tuple, whole) -> torch.Tensor:
+def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
     """This rank's summed shard of ``whole`` (every rank's partial, the whole tensor's shape), reduce-scattered
     along dim 0 straight into the result (see :func:`scatters_whole`). ``whole`` may be a function making it,
     called once the call has its number (so that a failure in it is told to the peers, see
-    ``executor.execute_into``)."""
-    plan, layout, pool, _ = prepared
+    ``loop.execute_into``)."""
+    plan, layout, pool = planned.plan, planned.layout, planned.pool
     out = pool.get(layout.key[layout.own[0]])
     stacked = layout.whole_key[0]
     if callable(whole):
@@ -404,16 +413,17 @@ def run_scatter_whole(prepared: tuple, whole) -> torch.Tensor:
     return out
 
 
-def run_scatter_one_by_one(prepared: tuple, one) -> torch.Tensor:
+def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
     """A call of a ring plan from :func:`prepare_scatter` (``plan.one_by_one``; the caller has seen
-    ``plan.lean()``), its steps walked with no program: ``one(start, size, None)`` makes this rank's partial
-    of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed shard."""
-    plan, layout, pool, dim = prepared
+    ``plan.may_skip_program()``), its steps walked with no program: ``on_slice(start, size, None)`` makes this
+    rank's partial of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed
+    shard."""
+    plan, layout, dim = planned.plan, planned.layout, planned.dim
     walk = layout.walk
     if walk is None:
-        walk = layout.walk = lean_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
+        walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
     held: list = [None] * len(layout.size)
-    execute_one_by_one(plan, walk, held, one, pool.get, pool.put, [None] * len(layout.size))
+    execute_one_by_one(plan, walk, held, on_slice, planned.pool, [None] * len(layout.size))
     own = layout.own
     return held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
 
@@ -584,7 +594,7 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
     """
     rank, n = call.be.rank, call.be.world_size
     # the call's number first: a producer that raises on its first partial (which fixes the call's layout)
-    # leaves this call on every peer's board, never an unnumbered gap (executor.Ticket)
+    # leaves this call on every peer's board, never an unnumbered gap (groups.Ticket)
     with enter_call(call.be, label) as ticket:
         early = dict(early or {})
         if not early:
@@ -640,7 +650,7 @@ def _a2a_plan(call: Call, collective: Collective, label: str, shape, dtype, dim:
         plan = _new_plan(call if uneven else capped(call, shape[dim], label), collective, label)
         layout = None if uneven else AllToAllLayout(plan.compiled, dim, shape, dtype)
         values = list(meta) if meta is not None else [dtype_code(dtype), dim, len(shape), *key_shape]
-        return plan, layout, _Pool.of(call.be), values + _config_of(call)
+        return plan, layout, BufferPool.of(call.be), values + _config_of(call)
 
     return _plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven,
                       None if meta is None else tuple(meta)), make)
@@ -744,7 +754,7 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
     # the call's number first: a producer that raises on the block it makes first (which fixes the call's
-    # layout) leaves this call on every peer's board, never an unnumbered gap (executor.Ticket)
+    # layout) leaves this call on every peer's board, never an unnumbered gap (groups.Ticket)
     with enter_call(call.be, label) as ticket:
         if like is not None and recv_sizes is not None and send_sizes is not None:
             made, first = {}, like
@@ -775,7 +785,7 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
 
 
 def all_reduce_core(call: Call, t: torch.Tensor, *, label: str = "all_reduce") -> torch.Tensor:
-    """The sum of ``t`` over the group's ranks, as two calls through the executor: a reduce-scatter of its flat
+    """The sum of ``t`` over the group's ranks, as two calls through the runtime: a reduce-scatter of its flat
     pieces, then an all-gather of the sums (``call``'s algorithm, ``vanilla`` for two whole collectives). So an
     all-reduce a layer needs (a replicated parameter's gradient) is numbered, bounded by commfuse's timeout,
     interruptible, and told to every rank like any call, never a raw collective bounded only by the group's
@@ -796,7 +806,7 @@ def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all
     """Every rank's ``counts[d]`` for this rank, by source: ``counts`` is an integer tensor (n, k) of what
     this rank sends each rank (rows, or rows per expert); returns (n, k), row q what rank q sends here.
 
-    One small whole all-to-all (``vanilla``, whatever the data's algorithm), through the executor like any
+    One small whole all-to-all (``vanilla``, whatever the data's algorithm), through the runtime like any
     call: bounded, numbered, and checked once per signature, so ranks that disagree on ``k`` or on ``meta``
     (an MoE layer's expert count and sizes) are named on every rank before anything is sent. It runs in
     ``compute_only`` measurements too: the sizes are what the data's buffers are made of.
@@ -807,27 +817,10 @@ def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all
         raise CommfuseValueError(f"rank {call.be.rank}: counts must be (world size {n}, k), got {list(counts.shape)}")
     sizes_call = call.vanilla()
     chunks = list(counts.to(torch.int64).unbind(0))
-    with _measured_normally():
+    with unmeasured():
         got = all_to_all_consume_core(sizes_call, chunks, collect, 0, label=label,
                                       meta=None if meta is None else [counts.shape[1], *meta])
     return torch.stack(got)
-
-
-class _measured_normally:
-    """Run an op normally inside a ``measure`` scope (the sizes of an uneven all-to-all must really travel)."""
-
-    def __enter__(self):
-        from commfuse.runtime.executor import _mode, measuring
-        self.previous = measuring()
-        if self.previous is not None:
-            _mode.value = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            from commfuse.runtime.executor import _mode
-            _mode.value = self.previous
-        return False
 
 
 # -- how the internal ops' fingerprints read back ---------------------------------------------------------------

@@ -3,7 +3,7 @@
 :func:`resolve_call` is the one public way for ops and layers to turn what a
 user passed (``group``, ``backend``, ``algorithm``, ``timeout``, ``check``)
 into a :class:`Call`, the resolved options the pipelined primitives
-(``commfuse.runtime.pipelined``) run with. It is remembered per call
+(``commfuse.planning.pipelined``) run with. It is remembered per call
 signature, so a layer that resolves on every forward pays a dict look-up.
 
 ``auto`` decides from sizes that every rank knows (the largest shard of a
@@ -18,13 +18,13 @@ Later calls of the signature find it in the memo and log nothing.
 from __future__ import annotations
 
 import logging
-import threading
 
 from commfuse.errors import CommfuseValueError
-from commfuse.runtime.executor import check_mode, resolve_timeout
+from commfuse.planning import table
+from commfuse.runtime.groups import check_mode, forget_groups, resolve_timeout
 from commfuse.schedule import AlgorithmSpec, Collective, parse_algorithm
 
-__all__ = ["MIN_SLICE_BYTES", "Call", "choose_algorithm", "forget_calls", "resolve_call"]
+__all__ = ["MIN_SLICE_BYTES", "Call", "choose_algorithm", "resolve_call"]
 
 #: Without a hardware profile, ``auto`` takes ``vanilla`` when one ring slice would carry fewer bytes than
 #: this: below it a hop costs about its fixed latency whatever its size, so N hops cost more than one
@@ -127,6 +127,21 @@ def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -
                     "shard of compute"), model
 
 
+def _halved(collective, world_size: int, slice_bytes: int, capabilities, name: str, reason: str) -> tuple[str, str]:
+    """``auto``'s ring as ``ring:2`` for an all-to-all on two ranks whose consumer takes half blocks (the caller
+    says so: ``halves``). There a ring has one hop per exchange, which hides behind the own block only; cut in
+    two, each half's compute leads the other half's hop (schedules/all_to_all/README.md). Taken while half a
+    block still carries :data:`MIN_SLICE_BYTES` (or the backend's own bar, if higher): below it a step's fixed
+    cost outweighs what the second half hides."""
+    if Collective(collective) is not Collective.ALL_TO_ALL or world_size != 2 or name != "ring":
+        return name, reason
+    bar = max(MIN_SLICE_BYTES, min_slice_bytes(capabilities))
+    if slice_bytes // 2 < bar:
+        return name, reason
+    return "ring:2", (f"{reason}; two ranks, and half a block carries {slice_bytes // 2} bytes (>= {bar}): each "
+                      "block in two halves (ring:2)")
+
+
 def _log_choice(collective: Collective, name: str, reason: str, *, world_size: int, slice_bytes: int, flops,
                 be=None, model: str = "not asked", remembered: bool = True) -> None:
     """Say what ``auto`` took for a new call signature and why (INFO: one short line, ``COMMFUSE_LOG=info``),
@@ -143,7 +158,8 @@ def _log_choice(collective: Collective, name: str, reason: str, *, world_size: i
             f"{field}={getattr(caps, field, None)!r}"
             for field in ("overlap", "execution", "auto_min_slice_bytes", "bidirectional_links"))
         backend = f"{getattr(be, 'name', type(be).__name__)!r} ({shown})"
-    memo = (f"this signature was not in the call memo (holding {len(_CALLS)}); the decision is remembered until "
+    memo = (f"this signature was not in the planning table (holding {table.entries('call')} calls); the decision "
+            "is remembered until "
             "commfuse.backends.release()" if remembered else
             "the call's options cannot be hashed, so nothing is remembered and auto decides on every call")
     log.debug("auto chose %s for %s: %s [world size %d, ring hop %d bytes, flops per shard %s, backend %s, "
@@ -151,19 +167,9 @@ def _log_choice(collective: Collective, name: str, reason: str, *, world_size: i
               "unknown" if flops is None else f"{flops:g}", backend, model, memo)
 
 
-_CALLS: dict[tuple, Call] = {}
-_CALLS_LOCK = threading.Lock()
-
-
-def forget_calls() -> None:
-    """Forget every remembered call (``commfuse.backends.release`` calls it)."""
-    with _CALLS_LOCK:
-        _CALLS.clear()
-
-
 def resolve_call(collective: Collective | str, algorithm, *, group=None, backend=None, device=None,
                  slice_bytes: int = 0, flops: float | None = None, timeout: float | None = None,
-                 check: bool | str | None = None, report: dict | None = None) -> Call | None:
+                 check: bool | str | None = None, report: dict | None = None, halves: bool = False) -> Call | None:
     """The :class:`Call` for these options, or None when there is nothing to communicate (world size 1).
 
     ``slice_bytes`` and ``flops`` must be the same on every rank (see
@@ -172,19 +178,16 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     ``algorithm``, ``timeout`` or ``check`` whatever the world size.
     """
     _backends.fresh()  # a default group destroyed (and made again) since: forget what was planned on it
-    key = (collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check)
+    key = ("call", collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check, halves)
     try:
-        found = _CALLS.get(key)
+        found = table.get(key)
     except TypeError:  # an unhashable argument: resolve without remembering (and let the checks name it)
         found, key = None, None
     if found is None:
         found = _resolve(Collective(collective), algorithm, group, backend, device, slice_bytes, flops, timeout,
-                         check, key is not None)
+                         check, key is not None, halves)
         if key is not None:
-            with _CALLS_LOCK:
-                if len(_CALLS) > 4096:
-                    _CALLS.clear()
-                _CALLS[key] = found
+            found = table.remember(key, found)
     if report is not None:
         report.update(algorithm=found.spec.shown, reason=found.reason,
                       world_size=1 if found.be is None else found.be.world_size)
@@ -193,7 +196,7 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
 
 
 def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check,
-             remembered: bool):
+             remembered: bool, halves: bool = False):
     spec = parse_algorithm(algorithm, collective)
     if spec.name == "native":
         raise CommfuseValueError(
@@ -202,9 +205,7 @@ def _resolve(collective: Collective, algorithm, group, backend, device, slice_by
         )
     seconds = resolve_timeout(timeout)
     mode = check_mode(check)
-    from commfuse import backends
-
-    be = backends.resolve(backend, group, device)
+    be = _backends.resolve(backend, group, device)
     if be is None or be.world_size == 1:  # remembered as a Call without a backend: nothing to communicate
         if spec.name == "auto":
             reason = "world size 1: nothing to communicate"
@@ -214,8 +215,10 @@ def _resolve(collective: Collective, algorithm, group, backend, device, slice_by
         return Call(None, spec, seconds, mode)
     reason = "asked for"
     if spec.name == "auto":
-        name, reason, model = _decide(collective, be.world_size, slice_bytes, getattr(be, "capabilities", None),
-                                      flops, be)
+        caps = getattr(be, "capabilities", None)
+        name, reason, model = _decide(collective, be.world_size, slice_bytes, caps, flops, be)
+        if halves:
+            name, reason = _halved(collective, be.world_size, slice_bytes, caps, name, reason)
         _log_choice(collective, name, reason, world_size=be.world_size, slice_bytes=slice_bytes, flops=flops,
                     be=be, model=model, remembered=remembered)
         spec = parse_algorithm(name, collective)
@@ -239,6 +242,9 @@ def _check_collective(be, collective: Collective, spec: AlgorithmSpec) -> None:
 from commfuse import backends as _backends  # noqa: E402
 from commfuse.runtime import sites as _sites  # noqa: E402
 from commfuse.runtime.eager import eager_only  # noqa: E402
+
+# the runtime's per-group call numbers go with the plans made on those groups
+table.on_forget(forget_groups)
 
 # they ask the process group for its rank and size (see commfuse.runtime.eager); commfuse.backends itself
 # imports no torch, so its resolve is marked here

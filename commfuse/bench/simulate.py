@@ -163,7 +163,7 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 
 def _simulate(args: argparse.Namespace) -> int:
     from commfuse import sim
-    from commfuse.sim import _planner, _report
+    from commfuse.bench import sim_report as _report
 
     moe = _moe_arguments(args)
     _need(args, "profile", "workload", "seq", "hidden")
@@ -192,7 +192,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if workload.name == "moe":
         text += _comet_lines(predictions) + "\n"
     if args.explain:
-        text += "\n" + _planner.explain(profile, workload, predictions) + "\n"
+        text += "\n" + sim.explain(profile, workload, predictions) + "\n"
     out = sys.stderr if args.json == "-" else sys.stdout
     out.write(text)
     if args.json == "-":
@@ -269,7 +269,8 @@ def _profiles() -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from commfuse.sim import _calibrate, _profile
+    from commfuse.bench import calibrate as _calibrate
+    from commfuse.sim import _profile
 
     rate = args.link_rate
     check_outputs(args, "output", "raw")  # before any work
