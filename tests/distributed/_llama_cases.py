@@ -51,7 +51,7 @@ def train_and_checkpoint(rank, n, checkpoint_dir, tp=2, steps=20):
                 lo = (ours(shard(x), cache) - shard(target)).square().mean()
             # Q/K/V and the two up projections: a gather each; the down projection and the attention slices:
             # a reduce-scatter each
-            fused = {"all_gather_matmul": 2, "matmul_reduce_scatter": 1, "produce_reduce_scatter": 1}
+            fused = {"all_gather_matmul": 2, "matmul_reduce_scatter": 1, "attention_reduce_scatter": 1}
             if calls != fused:
                 raise AssertionError(f"step {step}: the forward took the fused ops {calls}, not {fused}")
             _close(lo, lt, f"step {step} loss")

@@ -74,9 +74,11 @@ def _plans(algorithm="ring"):
 
 
 class _Counted:
-    """The fused ops as commfuse.tp sees them, counted while the block runs (each call goes through to the
-    real op): a style that fell back to DTensor's moves would still match torch, so the tests also check
-    that the fusion happened."""
+    """The fused ops as commfuse.tp sees them (its functional ops and its fused attention ring), counted while
+    the block runs (each call goes through to the real one): a style that fell back to DTensor's moves would
+    still match torch, so the tests also check that the fusion happened."""
+
+    FUSED = ("all_gather_matmul", "matmul_reduce_scatter", "produce_reduce_scatter", "attention_reduce_scatter")
 
     def __init__(self):
         from commfuse import tp as tp_module
@@ -85,24 +87,31 @@ class _Counted:
         self.calls = {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
 
     def __enter__(self):
-        self.saved = real = self.module.ops
-        calls = self.calls
+        self.saved = {name: getattr(self.module, name) for name in ("ops", "fused_attention")}
+        calls, fused = self.calls, self.FUSED
 
-        class Ops:
+        class Counting:
+            def __init__(self, real):
+                self.real = real
+
             def __getattr__(self, name):
-                op = getattr(real, name)
+                got = getattr(self.real, name)
+                if name not in fused:
+                    return got
 
                 def counted(*args, **kwargs):
                     calls[name] = calls.get(name, 0) + 1
-                    return op(*args, **kwargs)
+                    return got(*args, **kwargs)
 
                 return counted
 
-        self.module.ops = Ops()
+        for name, real in self.saved.items():
+            setattr(self.module, name, Counting(real))
         return self.calls
 
     def __exit__(self, *exc):
-        self.module.ops = self.saved
+        for name, real in self.saved.items():
+            setattr(self.module, name, real)
 
 
 def sequence_parallel_mlp(rank, n):
