@@ -37,7 +37,7 @@ import statistics
 import time
 
 from commfuse.errors import CommfuseError
-from commfuse.sim._profile import (
+from commfuse.sim import (
     CollectiveSpec,
     ComputeSpec,
     ContentionSpec,
@@ -219,7 +219,7 @@ def _sig(x: float, digits: int = 4) -> float:
 
 def fit(raw: dict, *, name: str = "", link_rate: str | None = None) -> tuple[Profile, dict[str, str]]:
     """A profile from :func:`measure`'s figures, and a comment per field saying how it was measured."""
-    from commfuse.sim._model import Kernel, kernel_time
+    from commfuse.sim import Kernel, kernel_time
 
     n = raw["world_size"]
     burst = float(raw.get("burst", 0.0))
@@ -338,7 +338,7 @@ def header(profile: Profile, link_rate: str | None) -> str:
         f"Written by `commfuse simulate calibrate{' --link-rate ' + link_rate if link_rate else ''}` on "
         f"{time.strftime('%Y-%m-%d %H:%M')}\n"
         f"on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}).\n"
-        "Each value was measured there; the comment beside it says how (commfuse/sim/_calibrate.py)."
+        "Each value was measured there; the comment beside it says how (commfuse/bench/calibrate.py)."
     )
 
 
