@@ -14,11 +14,15 @@ VENDORS = {"commfuse_cuda": "cuda", "commfuse_npu": "npu", "commfuse_xla": "xla"
 
 
 def _graph():
-    for folder in VENDORS.values():
-        path = str(ROOT / "backends" / folder)
-        if path not in sys.path:
-            sys.path.append(path)
-    return grimp.build_graph("commfuse", *VENDORS, include_external_packages=False)
+    # The vendor folders go on sys.path only while grimp reads them: left there, a folder holding an
+    # editable install's metadata (another test may have made one) would show its entry points to every
+    # later plugin-discovery test in this process.
+    saved = list(sys.path)
+    sys.path.extend(str(ROOT / "backends" / folder) for folder in VENDORS.values())
+    try:
+        return grimp.build_graph("commfuse", *VENDORS, include_external_packages=False)
+    finally:
+        sys.path[:] = saved
 
 
 def _circles(graph) -> list[list[str]]:

@@ -215,8 +215,9 @@ def test_no_backend_for_the_device_lists_what_was_considered():
 
 def test_installed_plugin_is_found_after_refresh_with_its_distribution(site):
     odd = "name='odd', device_types=('nonsense',), check=Availability.yes, factory=make('odd')"
-    site.install("commfuse-test-extra", plugin(cpu_backend("extra"), odd))
+    refresh()  # what this process's sys.path holds now, whatever earlier tests cached
     before = set(backends.available())
+    site.install("commfuse-test-extra", plugin(cpu_backend("extra"), odd))
     assert "extra" not in [s.name for s in backends.specs()]  # discovery is cached
     refresh()
     extra = backends.spec("extra")
