@@ -28,7 +28,6 @@ from commfuse.planning.pipelined import (
     produce_reduce_scatter_core,
     rows_of,
     run_gather,
-    run_gather_one_by_one,
     run_scatter,
     run_scatter_one_by_one,
     run_scatter_whole,
@@ -36,6 +35,7 @@ from commfuse.planning.pipelined import (
     scatters_whole,
     write_rows,
 )
+from commfuse.runtime.loop import may_skip_program
 from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
@@ -132,25 +132,10 @@ def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, r
         run_gather(planned, a, consume, consume_one=on_slice)
         return result[0]
 
-    plan = planned.plan
-    first_shape = out_shapes[0]
-
-    def _ring_matmul_one_weight(a, b0):
-        """:func:`_matmul_one_weight` for a ring along dim 0 whose signature is agreed: the output made up
-        front, each slice's GEMM written into its rows, no program."""
-        if not plan.may_skip_program():
-            return _matmul_one_weight(a, b0)
-        out0 = a.new_empty(first_shape)
-
-        def on_slice(start, size, t):
-            torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
-
-        run_gather_one_by_one(planned, a, on_slice)
-        return out0
-
-    # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly
-    forward.single = None if contraction or return_gathered else (
-        _ring_matmul_one_weight if gd == 0 and plan.one_by_one else _matmul_one_weight)
+    # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly;
+    # commfuse.fused.matmul walks a ring along dim 0 on this plan itself once its signature is agreed
+    forward.single = None if contraction or return_gathered else _matmul_one_weight
+    forward.planned, forward.out_shape = planned, out_shapes[0]
     return forward
 
 
@@ -175,7 +160,7 @@ def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, 
     ring = plan.one_by_one
 
     def forward(a, b):
-        if (whole or ring) and plan.may_skip_program():  # signature agreed: no program
+        if (whole or ring) and may_skip_program(plan):  # signature agreed: no program
             if whole:  # vanilla: one GEMM, one reduce-scatter
                 return run_scatter_whole(planned, lambda: torch.matmul(a, b))
             if last:

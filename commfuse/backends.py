@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
@@ -185,40 +186,29 @@ def on_release(forget) -> None:
 
 
 #: The default process group commfuse last planned against (see :func:`fresh`), in a list so that it is
-#: replaced as one value; None: none seen yet, or released.
-_SEEN: list = [None]
-
-
-def _default_group():
-    """torch.distributed's default process group object, or None (not initialised, or no torch.distributed)."""
-    import sys
-
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    world = getattr(c10d, "_world", None) if c10d is not None else None
-    if world is None:
-        return None
-    found = getattr(world, "_default_pg", None)
-    return found if found is not None or hasattr(world, "_default_pg") else getattr(world, "default_pg", None)
+#: replaced as one value: None when it planned with no default group (a single process), :data:`_NEVER`
+#: when it has planned nothing since it started or was released, :data:`_DESTROYED` when the group it
+#: planned against was destroyed and none replaced it.
+_NEVER = object()
+_DESTROYED = object()
+_SEEN: list = [_NEVER]
 
 
 def fresh() -> None:
-    """Forget everything planned on an earlier default process group (:func:`release`) when
-    torch.distributed's default group is not the one commfuse last saw: it was destroyed, or destroyed and
-    made again (perhaps with other ranks in other places). Plans, call numbers and fingerprints of calls with
-    ``group=None`` then follow the group in place now, never an old one's rank order. Cheap: one attribute
-    read and one identity test; the ops call it before looking up a planned signature."""
-    current = _default_group()
+    """Forget everything planned (:func:`release`) when torch.distributed's default group is not the one
+    commfuse last planned against: it was made after single-process calls, destroyed, or destroyed and made
+    again (perhaps with other ranks in other places). Plans, call numbers and fingerprints of calls with
+    ``group=None`` then follow the group in place now, never an old one's rank order, and never a
+    single-process plan once a group exists. Planning calls it; a repeated call never needs to, since its
+    key in the planning table carries the default group (``commfuse.planning.table``)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")  # not imported: nothing was initialised
+    current = getattr(getattr(c10d, "_world", None), "_default_pg", None)
     seen = _SEEN[0]
-    if current is not seen:
-        if seen is not None:
-            release()
-        _SEEN[0] = current
-        if current is None and seen is not None:
-            _SEEN[0] = _DESTROYED
-
-
-#: What :data:`_SEEN` holds once the default group that commfuse saw was destroyed and none replaced it.
-_DESTROYED = object()
+    if current is seen or (current is None and seen is _DESTROYED):
+        return
+    if seen is not _NEVER:
+        release()
+    _SEEN[0] = _DESTROYED if current is None and seen is not None and seen is not _NEVER else current
 
 
 def process_group(group):
@@ -227,7 +217,6 @@ def process_group(group):
     anything else come back as they are."""
     if group is None or type(group).__name__ != "DeviceMesh":
         return group
-    import sys
 
     mesh_module = sys.modules.get("torch.distributed.device_mesh")
     if mesh_module is None or not isinstance(group, mesh_module.DeviceMesh):
@@ -298,8 +287,6 @@ def adopt(backend, *, group=None, device=None) -> None:
 
 def refuse_destroyed(group) -> None:
     """Raise, by name, when ``group`` is a c10d process group that was destroyed."""
-    import sys
-
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None or not isinstance(group, c10d.ProcessGroup):
         return
@@ -318,5 +305,5 @@ def release() -> None:
     its buffers) kept past destroy can abort the process at exit, and a later
     group must not inherit an old one's call numbers.
     """
-    _SEEN[0] = None
+    _SEEN[0] = _NEVER
     table.forget()

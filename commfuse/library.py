@@ -49,6 +49,7 @@ from commfuse.fused import attention as fused_attention
 from commfuse.fused import sharded_linear as sharded_linear_impl
 from commfuse.fused.matmul import plan_all_gather_matmul, plan_matmul_reduce_scatter, plan_once
 from commfuse.planning import table
+from commfuse.planning.calls import C10D_WORLD
 from commfuse.planning.pipelined import layer_config
 
 __all__ = [
@@ -137,7 +138,7 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
 
 def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
     key = ("all_gather_matmul", "op", a.shape, a.dtype, a.device, tuple((b.shape, b.dtype, b.device) for b in bs),
-           name, gd, algorithm, gathered_size, return_gathered)
+           name, gd, algorithm, gathered_size, return_gathered, C10D_WORLD._default_pg)
     run = table.get(key)
     if run is None:
         group = _group(name)
@@ -149,7 +150,7 @@ def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
 
 def _mmrs_run(a, b, name, sd, algorithm, reduce_op):
     key = ("matmul_reduce_scatter", "op", a.shape, a.dtype, a.device, b.shape, b.dtype, b.device, name, sd,
-           algorithm, reduce_op)
+           algorithm, reduce_op, C10D_WORLD._default_pg)
     run = table.get(key)
     if run is None:
         group = _group(name)

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from commfuse import backends
-from commfuse.backends import fresh
 from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import (
@@ -60,7 +59,7 @@ from commfuse.fused.matmul import (
     report_taken,
 )
 from commfuse.planning import table
-from commfuse.planning.calls import MIN_SLICE_BYTES, choose_algorithm, resolve_call
+from commfuse.planning.calls import C10D_WORLD, MIN_SLICE_BYTES, choose_algorithm, resolve_call
 from commfuse.planning.pipelined import (
     StandIn,
     all_gather_consume_core,
@@ -95,6 +94,8 @@ _compiling = torch.compiler.is_compiling
 
 #: the planning table's one look-up, bound once (the fast path of a planned signature)
 _planned = table.get
+#: torch.distributed's world: its default group goes into every key (see commfuse.planning.table)
+_WORLD = C10D_WORLD
 
 
 # -- autocast ----------------------------------------------------------------
@@ -201,13 +202,12 @@ def all_gather_matmul(
     try:
         if type(b) is torch.Tensor or isinstance(b, torch.Tensor):  # one weight: a flat key
             key = ("all_gather_matmul", type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device, type(b), b.shape,
-                   b.dtype, b.device, group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered, timeout, check, backend,
-                   config)
+                   b.dtype, b.device, group, gather_dim, algorithm, return_gathered, gathered_size, keep_gathered,
+                   timeout, check, backend, config, _WORLD._default_pg)
         else:
             key = ("all_gather_matmul", type(a_shard), a_shard.shape, a_shard.dtype, a_shard.device,
                    tuple((type(x), x.shape, x.dtype, x.device) for x in b), group, gather_dim, algorithm, return_gathered,
-                   gathered_size, keep_gathered, timeout, check, backend, config)
-        fresh()  # a default group destroyed (and made again) since: forget what was planned on it
+                   gathered_size, keep_gathered, timeout, check, backend, config, _WORLD._default_pg)
         run = _planned(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
@@ -218,9 +218,9 @@ def all_gather_matmul(
                         "all_gather_matmul", group, backend)
     if report is not None:
         report.update(run.report)
-    lean = run.lean
-    if lean is not None and not (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
-        return lean(a_shard, b)  # the common call: one weight, no gradient, no native kernel
+    direct = run.one_weight_no_grad
+    if direct is not None and not (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
+        return direct(a_shard, b)  # the common call: one weight, no gradient, no native kernel
     return run(a_shard, b)
 
 
@@ -263,8 +263,7 @@ def matmul_reduce_scatter(
         a, b = _autocast(a), _autocast(b)
     try:
         key = ("matmul_reduce_scatter", type(a), a.shape, a.dtype, a.device, type(b), b.shape, b.dtype, b.device,
-               group, scatter_dim, reduce_op, algorithm, timeout, check, backend, config)
-        fresh()
+               group, scatter_dim, reduce_op, algorithm, timeout, check, backend, config, _WORLD._default_pg)
         run = _planned(key)
     except (AttributeError, TypeError):
         key, run = None, None
@@ -587,11 +586,11 @@ def _lying(name: str, claimed: Sequence[int], actual: Sequence[int], rank: int, 
     wrong = [(q, c, a) for q, (c, a) in enumerate(zip(claimed, actual)) if c != a]
     if not wrong:
         return None
-    said = "; ".join(
+    mismatches = "; ".join(
         f"{name}[{q}] = {c} rows claimed, but this rank's own {what} for itself has {a}" if q == rank else
         f"{name}[{q}] = {c} rows claimed, but rank {q} sent {a}" for q, c, a in wrong)
     return CommfuseValueError(
-        f"rank {rank}: {said} (rows along dim {dim}). The exchange ran with the sizes each rank really sent "
+        f"rank {rank}: {mismatches} (rows along dim {dim}). The exchange ran with the sizes each rank really sent "
         f"(exchanged first), so nothing uninitialised was returned and the other ranks' calls are unaffected; "
         f"fix {name}, or leave it out and let the exchange size the {what}s"
     )

@@ -61,7 +61,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
 from commfuse.nn._common import as_dtensor, config, replicated
 from commfuse.runtime import sites
-from commfuse.runtime.groups import counted_calls
+from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
@@ -74,7 +74,7 @@ def _normalized(p: Placement, ndim: int) -> Placement:
     return p
 
 
-def _single(layouts, what: str) -> Placement:
+def _one_placement(layouts, what: str) -> Placement:
     """The one placement of a 1-D mesh's layout argument (a Placement or a 1-tuple of one)."""
     if isinstance(layouts, Placement):
         return layouts
@@ -123,8 +123,8 @@ class _Style(ParallelStyle):
 
     def __init__(self, *, input_layouts, output_layouts, use_local_output: bool, algorithm: str) -> None:
         super().__init__()
-        self.input_layouts = (_single(input_layouts, "input_layouts"),)
-        self.output_layouts = (_single(output_layouts, "output_layouts"),)
+        self.input_layouts = (_one_placement(input_layouts, "input_layouts"),)
+        self.output_layouts = (_one_placement(output_layouts, "output_layouts"),)
         self.use_local_output = use_local_output
         if not isinstance(algorithm, str):
             raise CommfuseTypeError(f"commfuse.tp.{type(self).__name__}: algorithm must be a string such as "

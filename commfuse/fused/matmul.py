@@ -27,7 +27,14 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning import table
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import capped, configured
-from commfuse.runtime.groups import announce_left, group_state, state_of_group
+from commfuse.runtime.groups import group_state, state_of_group
+from commfuse.runtime.loop import (
+    announce_left,
+    execute_one_by_one,
+    held_slots,
+    may_skip_program,
+    ring_walk,
+)
 from commfuse.schedule import Collective, parse_algorithm, split_sizes
 
 __all__ = [
@@ -222,8 +229,34 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     run.report = taken
     run.call, run.sizes, run.gd = call, sizes, gd  # for the compiled op's backward (commfuse.library)
     # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
-    run.lean = forward.single if call is not None and single and native is None else None
+    direct = forward.single if call is not None and single and native is None else None
+    if direct is not None and gd == 0 and forward.planned.plan.one_by_one:
+        direct = _ring_rows(forward.planned, forward.out_shape, direct)
+    run.one_weight_no_grad = direct
     return run
+
+
+def _ring_rows(planned, out_shape, otherwise: Callable):
+    """``(a, b) -> all_gather(a) @ b`` for a ring along dim 0, one weight, no gradient: once the signature
+    is agreed (``loop.may_skip_program``), the output is made up front and each arriving slice's GEMM writes
+    its rows, walked with no program; before that (and while something observes the call), ``otherwise``."""
+    plan, layout, pool = planned.plan, planned.layout, planned.pool
+    walk = layout.walk
+    if walk is None:
+        walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
+
+    def ring_rows(a, b):
+        if not may_skip_program(plan):
+            return otherwise(a, b)
+        out = a.new_empty(out_shape)
+
+        def on_slice(start, size, t):
+            torch.matmul(t, b, out=out[start:start + size])  # slicing costs less than narrow
+
+        execute_one_by_one(plan, walk, held_slots(layout, a), on_slice, pool)
+        return out
+
+    return ring_rows
 
 
 def native_kernel(be, op: str, algorithm, taken: dict, **signature):

@@ -71,7 +71,7 @@ from commfuse.nn._common import (
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
-from commfuse.runtime.groups import op_calls
+from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective
 
 

@@ -66,7 +66,8 @@ from commfuse.nn._common import (
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.eager import eager_only
-from commfuse.runtime.groups import op_calls, register_format
+from commfuse.runtime.groups import register_format
+from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]

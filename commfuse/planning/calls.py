@@ -24,7 +24,17 @@ from commfuse.planning import table
 from commfuse.runtime.groups import check_mode, forget_groups, resolve_timeout
 from commfuse.schedule import AlgorithmSpec, Collective, parse_algorithm
 
-__all__ = ["MIN_SLICE_BYTES", "Call", "choose_algorithm", "resolve_call"]
+__all__ = ["C10D_WORLD", "MIN_SLICE_BYTES", "Call", "choose_algorithm", "resolve_call"]
+
+try:  # a build without torch.distributed: no default group, ever
+    from torch.distributed.distributed_c10d import _world as C10D_WORLD
+except ImportError:  # pragma: no cover
+    class _NoWorld:
+        _default_pg = None
+
+    C10D_WORLD = _NoWorld()
+#: ``C10D_WORLD._default_pg``, torch.distributed's default group in place, goes into every op's key in the
+#: planning table (see ``commfuse.planning.table``).
 
 #: Without a hardware profile, ``auto`` takes ``vanilla`` when one ring slice would carry fewer bytes than
 #: this: below it a hop costs about its fixed latency whatever its size, so N hops cost more than one

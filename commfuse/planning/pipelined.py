@@ -46,8 +46,15 @@ import torch
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning.calls import Call
 from commfuse.runtime.compiled import Compiled, Plan
-from commfuse.runtime.groups import enter_call
-from commfuse.runtime.loop import execute, execute_into, execute_one_by_one, ring_walk
+from commfuse.runtime.loop import (
+    enter_call,
+    execute,
+    execute_into,
+    execute_one_by_one,
+    held_slots,
+    may_skip_program,
+    ring_walk,
+)
 from commfuse.runtime.observe import unmeasured
 from commfuse.runtime.programs import (
     AllToAllLayout,
@@ -60,7 +67,6 @@ from commfuse.runtime.programs import (
     ScatterLayout,
     config_values,
     dtype_code,
-    held_slots,
     register_described,
     shape_text,
 )
@@ -273,7 +279,7 @@ def run_gather(planned: SignaturePlan, shard: torch.Tensor, consume, keep: bool 
     tensor)``, when given, takes the steps that compute on one slice (every ring step) without a list."""
     plan, layout, pool, dim = planned.plan, planned.layout, planned.pool, planned.dim
     start, size = layout.start, layout.size
-    if consume_one is not None and not keep and plan.one_by_one and plan.may_skip_program():
+    if consume_one is not None and not keep and plan.one_by_one and may_skip_program(plan):
         run_gather_one_by_one(planned, shard, consume_one)
         return
 
@@ -297,7 +303,7 @@ def run_gather(planned: SignaturePlan, shard: torch.Tensor, consume, keep: bool 
                 per_rank = whole.view(layout.stacked)
                 consume([(start[s], size[s], per_rank[q]) for q, s in enumerate(slots)])
 
-    if plan.whole is not None and layout.into and pool.into and plan.may_skip_program():
+    if plan.whole is not None and layout.into and pool.into and may_skip_program(plan):
         # vanilla, signature agreed: the collective straight into one tensor, then the one compute on it
         whole = pool.get(layout.whole_key)
         execute_into(plan, shard if shard.is_contiguous() else shard.contiguous(), whole)
@@ -311,7 +317,7 @@ def run_gather(planned: SignaturePlan, shard: torch.Tensor, consume, keep: bool 
 
 def run_gather_one_by_one(planned: SignaturePlan, shard: torch.Tensor, on_slice) -> None:
     """A call of a ring plan from :func:`prepare_gather` (``plan.one_by_one``; the caller has seen
-    ``plan.may_skip_program()``), its steps walked with no program: ``on_slice(start, size, tensor)`` for
+    ``may_skip_program(plan)``), its steps walked with no program: ``on_slice(start, size, tensor)`` for
     each slice, this rank's first; it returns None."""
     plan, layout = planned.plan, planned.layout
     walk = layout.walk
@@ -373,7 +379,7 @@ def run_scatter(planned: SignaturePlan, produce, inplace: bool = True, check_sha
     """:func:`scatter_spans` on a plan from :func:`prepare_scatter` (no look-up). ``produce_whole()``, when
     given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
     plan, layout, pool, dim = planned.plan, planned.layout, planned.pool, planned.dim
-    if produce_whole is not None and scatters_whole(planned) and plan.may_skip_program():
+    if produce_whole is not None and scatters_whole(planned) and may_skip_program(plan):
         return run_scatter_whole(planned, produce_whole)
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
@@ -387,7 +393,7 @@ def run_scatter(planned: SignaturePlan, produce, inplace: bool = True, check_sha
 def scatters_whole(planned: SignaturePlan) -> bool:
     """Whether the plan from :func:`prepare_scatter` is one whole reduce-scatter over dim 0 straight from one
     tensor (vanilla over even shards, on a backend with ``collective_into``): then, while
-    ``plan.may_skip_program()``, :func:`run_scatter_whole` runs a call with no program."""
+    ``may_skip_program(plan)``, :func:`run_scatter_whole` runs a call with no program."""
     return (planned.dim == 0 and planned.plan.whole is not None and planned.layout.into
             and planned.pool.into)
 
@@ -415,7 +421,7 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
 
 def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
     """A call of a ring plan from :func:`prepare_scatter` (``plan.one_by_one``; the caller has seen
-    ``plan.may_skip_program()``), its steps walked with no program: ``on_slice(start, size, None)`` makes this
+    ``may_skip_program(plan)``), its steps walked with no program: ``on_slice(start, size, None)`` makes this
     rank's partial of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed
     shard."""
     plan, layout, dim = planned.plan, planned.layout, planned.dim
@@ -594,7 +600,7 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
     """
     rank, n = call.be.rank, call.be.world_size
     # the call's number first: a producer that raises on its first partial (which fixes the call's layout)
-    # leaves this call on every peer's board, never an unnumbered gap (groups.Ticket)
+    # leaves this call on every peer's board, never an unnumbered gap (loop.Ticket)
     with enter_call(call.be, label) as ticket:
         early = dict(early or {})
         if not early:
@@ -754,7 +760,7 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
     # the call's number first: a producer that raises on the block it makes first (which fixes the call's
-    # layout) leaves this call on every peer's board, never an unnumbered gap (groups.Ticket)
+    # layout) leaves this call on every peer's board, never an unnumbered gap (loop.Ticket)
     with enter_call(call.be, label) as ticket:
         if like is not None and recv_sizes is not None and send_sizes is not None:
             made, first = {}, like

@@ -7,6 +7,11 @@ table at once and runs the hooks registered with :func:`on_forget` (the runtime'
 vendor's own caches). ``commfuse.backends.release`` calls it, and so do tests.
 
 The table is bounded: past :data:`LIMIT` entries it is cleared, which costs only a re-plan.
+
+An op's key carries ``commfuse.planning.calls.C10D_WORLD._default_pg`` (torch.distributed's default group in place): once
+that group is destroyed, or destroyed and made again, the op's next call misses its old entries, and
+planning it calls ``commfuse.backends.fresh``, which forgets them all. The repeated call reads one attribute
+for this and calls nothing.
 """
 
 from __future__ import annotations

@@ -591,9 +591,8 @@ class C10dBackend:
             return _Handle(works, buffers, sends, self, (sends, recvs))
         buffers = [x for _, x in recvs]
         # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.
-        # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks: the
-        # group's own coalescing calls around its plain send/recv (measured on an H100 host: 22 us per step
-        # through batch_isend_irecv; 4 against 14 us on this project's CPU testbed with the fake group).
+        # This is what batch_isend_irecv does, without its per-call P2POp objects and list checks, whose host
+        # cost decided the ring's speed on an H100 (docs/benchmarks.md, "Measured on an H100").
         coalescing = self._coalescing
         if coalescing is None:
             coalescing = self._coalescing = _coalesces(g, self.device)

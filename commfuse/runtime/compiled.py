@@ -29,7 +29,7 @@ from commfuse.runtime.groups import (
     format_code,
     group_state,
 )
-from commfuse.runtime.observe import observers, profiler_on, trace_enabled
+from commfuse.runtime.observe import trace_enabled
 from commfuse.schedule import Collective, Schedule, SliceId, Step
 
 
@@ -216,15 +216,6 @@ class Plan:
                 and not any(st.p2p for st in steps) and sum(bool(st.compute) for st in steps) == 1):
             self.whole = (with_calls[0], with_calls[0].collectives[0])
             self.whole_compute = next(st.compute for st in steps if st.compute)
-
-    def may_skip_program(self) -> bool:
-        """Whether the next call may run without a program (``loop.execute_into``,
-        ``loop.execute_one_by_one``): the plan is ``settled`` (its signature known, and agreed or never
-        checked, with no check on every call and no trace), its group clean, and nothing observes the call
-        (a measurement mode, the profiler)."""
-        if not self.settled or observers[0] or profiler_on():
-            return False
-        return not (self.checks and self.state.dirty)
 
     def learn_signature(self, program: Program) -> None:
         """The signature (fingerprint less the call number) and its digest, from the first call's program."""

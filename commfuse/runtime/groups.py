@@ -1,21 +1,20 @@
-"""Group state, call numbering and the fingerprint check: what every call on one process group shares.
+"""Group state and the fingerprint check: what every call on one process group shares.
 
 Rules every call follows, whatever the backend (see ``docs/reliability.md``):
 
 * **One op per group at a time.** A second op on a group while one is in
   flight (another thread, or a consumer calling an op) raises
   :class:`~commfuse.errors.ConcurrentUseError` naming the group and the op in
-  flight, instead of mixing the two calls' messages (:func:`take_group`).
+  flight, instead of mixing the two calls' messages.
 * **Calls are numbered.** Every call on a group takes the group's next
-  sequence number, on every rank, before any code of the caller's runs for it
-  (:class:`Ticket`), also a call that fails validation before it
-  communicates (:func:`announce_left`). Backends that match tags (gloo) fold
-  it, with a digest of the call's signature and the calling thread's
-  :func:`lane`, into them (``begin_call``), so a message can only pair with
-  the same call of the same signature from the same thread on its peer; the
-  fingerprint carries the number, so a rank that skipped or added a call is
-  named. NCCL does not match tags: there the check after a failed call does
-  this work.
+  sequence number, on every rank, before any code of the caller's runs for it,
+  also a call that fails validation before it communicates. Backends that
+  match tags (gloo) fold it, with a digest of the call's signature and the
+  calling thread's lane, into them (``begin_call``), so a message can only
+  pair with the same call of the same signature from the same thread on its
+  peer; the fingerprint carries the number, so a rank that skipped or added a
+  call is named. NCCL does not match tags: there the check after a failed call
+  does this work.
 * **Check once.** The fingerprint (collective, algorithm, shapes, dtypes,
   sequence number) is all-gathered around the ring (:func:`check_fingerprint`)
   on the first call of each signature, on the first call after any call on
@@ -23,8 +22,13 @@ Rules every call follows, whatever the backend (see ``docs/reliability.md``):
   ``COMMFUSE_CHECK=0`` turns it off. Every rank sees every rank's
   fingerprint, so every rank names a mismatch within one ring's latency.
 
-The timeouts every wait is bounded by (:func:`resolve_timeout`) and the tag
-layout of a call's messages are defined here too.
+:class:`GroupState` holds a group's numbers, lock and board; taking the group
+for a call, numbering it by lane and announcing a call that left early
+(``take_group``, ``lane``, ``Ticket``, ``announce_left``, ``op_calls``) are
+in ``commfuse.runtime.loop``, so that a ring call's walk leaves that module
+only for the backend. The timeouts every wait is bounded by
+(:func:`resolve_timeout`) and the tag layout of a call's messages are defined
+here too.
 """
 
 from __future__ import annotations
@@ -48,8 +52,6 @@ from commfuse.errors import (
     CommfuseTimeoutError,
     CommfuseValueError,
     CommunicationError,
-    ConcurrentUseError,
-    GroupDeadError,
     MismatchError,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
@@ -179,12 +181,6 @@ class GroupState:
         self.told: dict | None = None
         self.lane: tuple[str, int] = ("", 0)  # the thread of the call in progress: (name, code)
 
-    def take(self, code: int) -> int:
-        """The next call number of lane ``code``, taken."""
-        seq = self.seqs.get(code, 0)
-        self.seqs[code] = seq + 1
-        return seq
-
     def current(self) -> int:
         """The number of the call in progress."""
         return self.now
@@ -292,153 +288,6 @@ def _unpad_fingerprint(values: list[int]) -> list[int]:
     return values
 
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", None)
-_AUTOGRAD_LANE = ("autograd", zlib.crc32(b"autograd") & 0xFFFF)
-
-
-def lane() -> tuple[str, int]:
-    """The thread a call comes from, as every rank can name it: ``(name, code)``. The code goes into every
-    tag and fingerprint, so a call from one thread never pairs with a peer's call from another (two threads
-    that share a group and reach it in different orders on different ranks). Autograd's backward (on
-    whatever thread the engine runs it) is the lane ``autograd``; a thread Python did not start (a C++
-    thread) is ``native``; any other thread goes by its name (``MainThread``, ``Thread-2 (worker)``): threads
-    that call commfuse must be started in the same order on every rank, or be named."""
-    if _graph_task is not None and _graph_task() != -1:
-        return _AUTOGRAD_LANE
-    t = threading.current_thread()
-    found = getattr(t, "_commfuse_lane", None)
-    if found is None:
-        name = "native" if isinstance(t, threading._DummyThread) else t.name
-        found = (name, zlib.crc32(name.encode()) & 0xFFFF)
-        try:
-            t._commfuse_lane = found
-        except AttributeError:
-            pass
-    return found
-
-
-class Ticket:
-    """A call's number, taken before any of the caller's code runs (a producer's first partial, a policy),
-    and the group held for it: ``with enter_call(backend, label) as ticket: ...; execute(..., ticket=ticket)``.
-    An exception before :func:`execute` takes the ticket over is announced on the board as this rank
-    leaving call #seq without taking part (its peers, waiting on it, declare the group dead and say why), and
-    the group's next call is checked."""
-
-    __slots__ = ("state", "label", "seq", "used")
-
-    def __init__(self, state: GroupState, label: str) -> None:
-        self.state, self.label, self.used = state, label, False
-        self.seq = -1
-
-    def __enter__(self) -> "Ticket":
-        self.seq = take_group(self.state, self.label)
-        return self
-
-    def __exit__(self, kind, error, tb) -> bool:
-        state = self.state
-        try:
-            if error is not None and not self.used:
-                left_call(state, self.seq, self.label, None, error)
-        finally:
-            give_group(state)
-        return False
-
-
-def take_group(state: GroupState, label: str) -> int:
-    """Take the group for one call of ``label`` and return the call's number in its thread's lane: refused,
-    by name, while another op is in flight on it; a group declared dead raises its error, and so does one
-    torch.distributed destroyed. :func:`give_group` gives it back."""
-    if not state.lock.acquire(False):
-        raise _refused(label, state)
-    if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
-        state.lock.release()
-        raise _dead_again(label, state) if state.error is not None else _destroyed(label, state)
-    state.busy = (label, threading.get_ident())
-    state.told = None
-    state.lane = which = lane()
-    seq = state.now = state.take(which[1])
-    return seq
-
-
-def give_group(state: GroupState) -> None:
-    """Give back the group :func:`take_group` took."""
-    state.busy = None
-    state.lock.release()
-
-
-def enter_call(backend, label: str) -> Ticket:
-    """A :class:`Ticket` for one call of ``label`` on ``backend``'s group."""
-    return Ticket(group_state(backend), label)
-
-
-def announce_left(state: GroupState, label: str, error: BaseException) -> None:
-    """A call failed on this rank before it reached the loop (its validation, its policy): it still takes
-    its call number on the group, its failure goes on the board for the peers waiting on it, and the group's
-    next call is checked, so it cannot pair with the peers' copy of this call. No lock: the op may have
-    failed inside another op's consumer on this group, on this thread."""
-    which = lane()
-    left_call(state, state.take(which[1]), label, None, error, which)
-
-
-class op_calls:
-    """A composite op's calls on one group, counted: ``with op_calls(backend, "MoE.forward", 3): ...`` (the op
-    makes three calls). When an exception escapes the op before it made all of them (its router raised on
-    this rank, or a call failed and the op gives up on the rest), the calls it did not make are announced on
-    the board as this rank leaving them, one call number each, as :func:`announce_left` does for one: the
-    peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
-    call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
-
-    __slots__ = ("state", "label", "planned", "start", "code")
-
-    def __init__(self, backend, label: str, planned: int) -> None:
-        self.state = None if backend is None else group_state(backend)
-        self.label, self.planned = label, planned
-
-    def __enter__(self) -> "op_calls":
-        if self.state is not None:
-            self.code = lane()[1]
-            self.start = self.state.seqs.get(self.code, 0)
-        return self
-
-    def __exit__(self, kind, error, tb) -> bool:
-        state = self.state
-        if state is None:
-            return False
-        made = state.seqs.get(self.code, 0) - self.start
-        planned = self._planned(made, error)
-        if error is not None and state.rank is not None and state.world_size > 1:
-            for _ in range(planned - made):
-                announce_left(state, self.label, error)
-        return False
-
-    def _planned(self, made: int, error) -> int:
-        return self.planned
-
-
-class counted_calls(op_calls):
-    """:class:`op_calls` for an op whose number of calls is learned rather than known: the first run of
-    ``key`` that succeeds records how many calls it made, and a later run of ``key`` that an exception
-    leaves early announces the ones it did not make (a run before any success announces none). For layers
-    whose hooks run between their calls (a style's rope hook between its gather and its reduce-scatter).
-    ``group`` None (a single process): nothing."""
-
-    __slots__ = ("key",)
-    _LEARNED: dict = {}
-
-    def __init__(self, group, label: str, key) -> None:
-        self.state = state_of_group(group) if group is not None else None
-        self.label, self.key, self.planned = label, key, 0
-
-    def _planned(self, made: int, error) -> int:
-        learned = self._LEARNED
-        if error is None:
-            if len(learned) > 4096:
-                learned.clear()
-            learned[self.key] = made
-            return made
-        return learned.get(self.key, 0)
-
-
 def left_call(state: GroupState, seq: int, label: str, step, error: BaseException, which=None) -> None:
     """Note that this rank left call #seq without completing its transfers (``step`` None: before posting
     any), and mark the group for a check."""
@@ -455,47 +304,6 @@ def left_call(state: GroupState, seq: int, label: str, step, error: BaseExceptio
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return (text.splitlines()[0] if text else "")[:500]
-
-
-def _dead_again(label: str, state: GroupState) -> BaseException:
-    """What a call on a group declared dead raises: the error that ended it, of the same class, saying which
-    call it refused (the error itself names the call that found it)."""
-    error = state.error
-    try:
-        return type(error)(f"rank {state.rank}: {label} cannot run on {state.name}, which was declared dead "
-                           f"before this call:\n  {error}")
-    except Exception:  # noqa: BLE001 - an error class that takes no message: the error itself
-        return error
-
-
-def _destroyed(label: str, state: GroupState) -> GroupDeadError:
-    return GroupDeadError(
-        f"rank {state.rank}: {label} on {state.name}: the process group was destroyed "
-        "(torch.distributed.destroy_process_group) after commfuse planned calls on it. Calls with group=None "
-        "follow the default group in place now; a module or a call given the old group object must be given "
-        "the new one"
-    )
-
-
-def _refused(label: str, state: GroupState) -> ConcurrentUseError:
-    """A call refused while another op is in flight on the group: it still takes its thread's call number,
-    announced on the board like any call that fails before communicating (a rank whose peers ran that call
-    tells them so), and the error to raise."""
-    error = _busy_label(label, state)
-    if state.rank is not None and state.world_size > 1:
-        announce_left(state, label, error)
-    return error
-
-
-def _busy_label(label: str, state: GroupState) -> ConcurrentUseError:
-    busy = state.busy
-    who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
-    return ConcurrentUseError(
-        f"rank {state.rank}: {label} cannot start on {state.name}: {who} is in flight on it. commfuse "
-        f"ops on one process group must not overlap: call them from one thread, or give each thread its "
-        f"own group (torch.distributed.new_group)"
-    )
-
 
 
 # -- the fingerprint check ---------------------------------------------------------------------------------------
@@ -576,11 +384,11 @@ def check_fingerprint(plan, program, seq: int) -> None:
         # the ranks' call numbers differ, and stay apart for every later call: the group is dead, and the
         # board may say which rank left a call (a producer or a policy that raised before its transfers)
         board = board_of(state)
-        said = [note for note in board.news() if note.get("kind") == "fail"] if board is not None else []
-        if said:
+        failures = [note for note in board.news() if note.get("kind") == "fail"] if board is not None else []
+        if failures:
             error = MismatchError(str(error) + " What the group's board says: " + "; ".join(
                 f"rank {n['rank']} left call #{n['seq']} ({n.get('label')}) before completing it: {n.get('exc')}: "
-                f"{n.get('message')}" for n in said[-3:]) + ".")
+                f"{n.get('message')}" for n in failures[-3:]) + ".")
         error = MismatchError(f"{error} The ranks' calls stay apart from now on, so the group is dead: {RECOVER}")
         raise declare_dead(state, error, getattr(backend, "poison", None))
     raise error

@@ -8,11 +8,15 @@ has passed. Observation (:mod:`commfuse.runtime.observe`: measurement modes,
 per-step events, profiler ranges, ``COMMFUSE_TRACE``) is a switch read once
 per call inside the same loop.
 
+Every call takes its group first (:func:`take_group`: one op per group at a
+time, the next call number of the calling thread's :func:`lane`), whether
+the loop walks it or a producer holds a :class:`Ticket` before it does.
+
 Entry points: :func:`execute` (any plan, with a :class:`Program`);
 :func:`execute_into` (a whole-collective plan, straight into one tensor) and
 :func:`execute_one_by_one` (a ring plan computing one slot per step, no
 program, receive buffers from the pool directly: per step one ``post``, the
-caller's compute and one ``wait``), both only once ``plan.may_skip_program()``.
+caller's compute and one ``wait``), both only once ``may_skip_program(plan)``.
 
 * **A failure on one rank is told to every rank** (``commfuse.runtime.board``).
   An exception in the caller's compute first waits (bounded) for the step's
@@ -36,13 +40,27 @@ caller's compute and one ``wait``), both only once ``plan.may_skip_program()``.
 from __future__ import annotations
 
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
 from torch.profiler import record_function
 
-from commfuse.errors import CommfuseTimeoutError, CommfuseValueError, CommunicationError, GroupDeadError, PeerFailedError
+try:  # a build without torch.distributed has no groups: GroupState.group is then always None
+    import torch.distributed.distributed_c10d as _c10d
+except ImportError:  # pragma: no cover
+    _c10d = None
+
+from commfuse.errors import (
+    CommfuseTimeoutError,
+    CommfuseValueError,
+    CommunicationError,
+    ConcurrentUseError,
+    GroupDeadError,
+    PeerFailedError,
+)
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
 from commfuse.runtime.compiled import (
     CompiledStep,
@@ -55,12 +73,11 @@ from commfuse.runtime.compiled import (
 from commfuse.runtime.groups import (
     SEQUENCE_WRAP,
     GroupState,
-    Ticket,
     check_fingerprint,
     first_line,
-    give_group,
+    group_state,
     left_call,
-    take_group,
+    state_of_group,
 )
 from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, profiler_on
 from commfuse.schedule import AlgorithmSpec, Collective
@@ -123,6 +140,205 @@ def _done_collective(kind, inputs, outputs):
 def _done_into(kind, input, output):
     return _Done([output])
 
+
+
+# -- taking a group for a call ----------------------------------------------------------------------------------
+# Every call takes its group here, and with it the next call number of its thread's lane (groups.GroupState
+# holds the numbers); the ring's walk does it without leaving this module.
+
+
+_graph_task = getattr(torch._C, "_current_graph_task_id", None)
+_AUTOGRAD_LANE = ("autograd", zlib.crc32(b"autograd") & 0xFFFF)
+
+
+def lane() -> tuple[str, int]:
+    """The thread a call comes from, as every rank can name it: ``(name, code)``. The code goes into every
+    tag and fingerprint, so a call from one thread never pairs with a peer's call from another (two threads
+    that share a group and reach it in different orders on different ranks). Autograd's backward (on
+    whatever thread the engine runs it) is the lane ``autograd``; a thread Python did not start (a C++
+    thread) is ``native``; any other thread goes by its name (``MainThread``, ``Thread-2 (worker)``): threads
+    that call commfuse must be started in the same order on every rank, or be named."""
+    if _graph_task is not None and _graph_task() != -1:
+        return _AUTOGRAD_LANE
+    t = threading.current_thread()
+    found = getattr(t, "_commfuse_lane", None)
+    if found is None:
+        name = "native" if isinstance(t, threading._DummyThread) else t.name
+        found = (name, zlib.crc32(name.encode()) & 0xFFFF)
+        try:
+            t._commfuse_lane = found
+        except AttributeError:
+            pass
+    return found
+
+
+class Ticket:
+    """A call's number, taken before any of the caller's code runs (a producer's first partial, a policy),
+    and the group held for it: ``with enter_call(backend, label) as ticket: ...; execute(..., ticket=ticket)``.
+    An exception before :func:`execute` takes the ticket over is announced on the board as this rank
+    leaving call #seq without taking part (its peers, waiting on it, declare the group dead and say why), and
+    the group's next call is checked."""
+
+    __slots__ = ("state", "label", "seq", "used")
+
+    def __init__(self, state: GroupState, label: str) -> None:
+        self.state, self.label, self.used = state, label, False
+        self.seq = -1
+
+    def __enter__(self) -> "Ticket":
+        self.seq = take_group(self.state, self.label)
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        state = self.state
+        try:
+            if error is not None and not self.used:
+                left_call(state, self.seq, self.label, None, error)
+        finally:
+            give_group(state)
+        return False
+
+
+def _number(state: GroupState, code: int) -> int:
+    """The next call number of lane ``code`` on ``state``'s group, taken."""
+    seq = state.seqs.get(code, 0)
+    state.seqs[code] = seq + 1
+    return seq
+
+
+def take_group(state: GroupState, label: str) -> int:
+    """Take the group for one call of ``label`` and return the call's number in its thread's lane: refused,
+    by name, while another op is in flight on it; a group declared dead raises its error, and so does one
+    torch.distributed destroyed. :func:`give_group` gives it back."""
+    if not state.lock.acquire(False):
+        raise _refused(label, state)
+    if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
+        state.lock.release()
+        raise _dead_again(label, state) if state.error is not None else _destroyed(label, state)
+    state.busy = (label, threading.get_ident())
+    state.told = None
+    state.lane = which = lane()
+    seq = state.now = _number(state, which[1])
+    return seq
+
+
+def give_group(state: GroupState) -> None:
+    """Give back the group :func:`take_group` took."""
+    state.busy = None
+    state.lock.release()
+
+
+def enter_call(backend, label: str) -> Ticket:
+    """A :class:`Ticket` for one call of ``label`` on ``backend``'s group."""
+    return Ticket(group_state(backend), label)
+
+
+def announce_left(state: GroupState, label: str, error: BaseException) -> None:
+    """A call failed on this rank before it reached the loop (its validation, its policy): it still takes
+    its call number on the group, its failure goes on the board for the peers waiting on it, and the group's
+    next call is checked, so it cannot pair with the peers' copy of this call. No lock: the op may have
+    failed inside another op's consumer on this group, on this thread."""
+    which = lane()
+    left_call(state, _number(state, which[1]), label, None, error, which)
+
+
+class op_calls:
+    """A composite op's calls on one group, counted: ``with op_calls(backend, "MoE.forward", 3): ...`` (the op
+    makes three calls). When an exception escapes the op before it made all of them (its router raised on
+    this rank, or a call failed and the op gives up on the rest), the calls it did not make are announced on
+    the board as this rank leaving them, one call number each, as :func:`announce_left` does for one: the
+    peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
+    call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
+
+    __slots__ = ("state", "label", "planned", "start", "code")
+
+    def __init__(self, backend, label: str, planned: int) -> None:
+        self.state = None if backend is None else group_state(backend)
+        self.label, self.planned = label, planned
+
+    def __enter__(self) -> "op_calls":
+        if self.state is not None:
+            self.code = lane()[1]
+            self.start = self.state.seqs.get(self.code, 0)
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        state = self.state
+        if state is None:
+            return False
+        made = state.seqs.get(self.code, 0) - self.start
+        planned = self._planned(made, error)
+        if error is not None and state.rank is not None and state.world_size > 1:
+            for _ in range(planned - made):
+                announce_left(state, self.label, error)
+        return False
+
+    def _planned(self, made: int, error) -> int:
+        return self.planned
+
+
+class counted_calls(op_calls):
+    """:class:`op_calls` for an op whose number of calls is learned rather than known: the first run of
+    ``key`` that succeeds records how many calls it made, and a later run of ``key`` that an exception
+    leaves early announces the ones it did not make (a run before any success announces none). For layers
+    whose hooks run between their calls (a style's rope hook between its gather and its reduce-scatter).
+    ``group`` None (a single process): nothing."""
+
+    __slots__ = ("key",)
+    _LEARNED: dict = {}
+
+    def __init__(self, group, label: str, key) -> None:
+        self.state = state_of_group(group) if group is not None else None
+        self.label, self.key, self.planned = label, key, 0
+
+    def _planned(self, made: int, error) -> int:
+        learned = self._LEARNED
+        if error is None:
+            if len(learned) > 4096:
+                learned.clear()
+            learned[self.key] = made
+            return made
+        return learned.get(self.key, 0)
+
+
+def _dead_again(label: str, state: GroupState) -> BaseException:
+    """What a call on a group declared dead raises: the error that ended it, of the same class, saying which
+    call it refused (the error itself names the call that found it)."""
+    error = state.error
+    try:
+        return type(error)(f"rank {state.rank}: {label} cannot run on {state.name}, which was declared dead "
+                           f"before this call:\n  {error}")
+    except Exception:  # noqa: BLE001 - an error class that takes no message: the error itself
+        return error
+
+
+def _destroyed(label: str, state: GroupState) -> GroupDeadError:
+    return GroupDeadError(
+        f"rank {state.rank}: {label} on {state.name}: the process group was destroyed "
+        "(torch.distributed.destroy_process_group) after commfuse planned calls on it. Calls with group=None "
+        "follow the default group in place now; a module or a call given the old group object must be given "
+        "the new one"
+    )
+
+
+def _refused(label: str, state: GroupState) -> ConcurrentUseError:
+    """A call refused while another op is in flight on the group: it still takes its thread's call number,
+    announced on the board like any call that fails before communicating (a rank whose peers ran that call
+    tells them so), and the error to raise."""
+    error = _busy_label(label, state)
+    if state.rank is not None and state.world_size > 1:
+        announce_left(state, label, error)
+    return error
+
+
+def _busy_label(label: str, state: GroupState) -> ConcurrentUseError:
+    busy = state.busy
+    who = f"{busy[0]} (thread {busy[1]})" if busy else "another op"
+    return ConcurrentUseError(
+        f"rank {state.rank}: {label} cannot start on {state.name}: {who} is in flight on it. commfuse "
+        f"ops on one process group must not overlap: call them from one thread, or give each thread its "
+        f"own group (torch.distributed.new_group)"
+    )
 
 
 def execute(plan: Plan, program: Program, *, events: list | None = None, ticket: Ticket | None = None) -> None:
@@ -337,7 +553,7 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     per group at a time, the call number in the tags, a failure on one rank told to every rank) and no
     program. ``input`` is a tensor, or a function making it once the call has its number (a producer's
     partial: when it fails, the collective still runs, on zeros, once every peer knows). Only when
-    ``plan.may_skip_program()``: the first call of a signature, a check, or an observed call take
+    ``may_skip_program(plan)``: the first call of a signature, a check, or an observed call take
     :func:`execute`."""
     state = plan.state
     seq = _enter(plan, state)
@@ -380,6 +596,31 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
         handle.wait(plan.timeout)
     except BaseException as e:
         raise waiting_error(plan, st, call, e) from e
+
+
+def may_skip_program(plan: Plan) -> bool:
+    """Whether the next call of ``plan`` may be walked without a program (:func:`execute_into`,
+    :func:`execute_one_by_one`): the plan is ``settled`` (its signature known, and agreed or never checked,
+    with no check on every call and no trace), its group clean, and nothing observes the call (a measurement
+    mode, the profiler)."""
+    # the profiler's flag read here, not through observe.profiler_on: a repeated ring call leaves this module
+    # only for the backend
+    if not plan.settled or observers[0] or torch.autograd.profiler._is_profiler_enabled:
+        return False
+    return not (plan.checks and plan.state.dirty)
+
+
+def held_slots(layout, shard: torch.Tensor) -> list:
+    """A gather's tensors by slot at the start of a call: this rank's shard (cut into its slices), nothing
+    else yet."""
+    held: list = [None] * len(layout.size)
+    own = layout.own
+    if len(own) == 1:
+        held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
+    else:
+        for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
+            held[s] = p.contiguous()
+    return held
 
 
 def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) -> tuple:
@@ -443,7 +684,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
 
     :func:`execute`'s rules hold (one op per group at a time, the call number in the tags, a failure on one
     rank told to every rank, transfers already posted drained when the compute fails). Only when
-    ``plan.may_skip_program()``."""
+    ``may_skip_program(plan)``."""
     state = plan.state
     seq = _enter(plan, state)
     try:
@@ -556,7 +797,7 @@ def _ring_finisher(plan: Plan, seq: int, walk: tuple, held: list, pool, inbox: l
 
 
 def _enter(plan: Plan, state: GroupState) -> int:
-    """Take the group for one call of ``plan`` (``groups.take_group``) and return the call's number; on a
+    """Take the group for one call of ``plan`` (:func:`take_group`) and return the call's number; on a
     device with graph capture, the plan learns whether this call is captured. :func:`_leave` gives it back."""
     probe = plan.probe
     capturing = probe is not None and bool(probe())

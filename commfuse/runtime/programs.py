@@ -26,6 +26,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError, Communication
 from commfuse.runtime.backend import Uneven
 from commfuse.runtime.compiled import Compiled, Program
 from commfuse.runtime.groups import capture_probe, register_format
+from commfuse.runtime.loop import held_slots
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
@@ -227,19 +228,6 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     out = t.new_zeros(_shape_with(t.shape, dim, size))
     out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
-
-
-def held_slots(layout: GatherLayout, shard: torch.Tensor) -> list:
-    """A gather's tensors by slot at the start of a call: this rank's shard (cut into its slices), nothing
-    else yet."""
-    held: list = [None] * len(layout.size)
-    own = layout.own
-    if len(own) == 1:
-        held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
-    else:
-        for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
-            held[s] = p.contiguous()
-    return held
 
 
 class GatherProgram(_Consuming, _Base):
@@ -748,7 +736,7 @@ def register_described(label: str, describe) -> None:
     register_format(label, read)
 
 
-for _label, _what in (
+for _label, _shards in (
     ("all_gather_consume", "shards"), ("sharded_linear.forward", "weight shards"),
     ("sharded_linear.bias", "bias shards"), ("sharded_linear.dgrad", "weight shards"),
     ("produce_reduce_scatter", "partials"), ("produce_reduce_scatter.backward", "output gradient shards"),
@@ -762,4 +750,4 @@ for _label, _what in (
     ("ulysses.out", "output chunks"), ("ulysses.backward", "output gradient chunks"),
     ("ulysses.dq", "query gradient chunks"), ("ulysses.dkv", "key/value gradient chunks"),
 ):
-    register_described(_label, _describe_shards(_what))
+    register_described(_label, _describe_shards(_shards))

@@ -88,7 +88,7 @@ def build(
 
     shell = Schedule(collective, world_size, algorithm, parts, chunks, ring)
     if world_size == 1:
-        template = _single(shell)
+        template = _compute_only(shell)
     else:
         template = _BUILDERS[(collective, algorithm)](shell)
     schedule = Schedule(collective, world_size, algorithm, parts, chunks, ring, tuple(template))
@@ -119,7 +119,7 @@ def _interned() -> Callable[..., SliceId]:
     return make
 
 
-def _single(s: Schedule) -> list[Step]:
+def _compute_only(s: Schedule) -> list[Step]:
     """World size 1: every algorithm is the computation alone."""
     source = 0 if s.collective.blocks else None
     compute = s.slices(0, source)

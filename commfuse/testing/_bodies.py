@@ -18,6 +18,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from commfuse.schedule import parse_algorithm
+
 EXACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float64": torch.float64}
 
@@ -227,7 +229,7 @@ POSTING_ALGORITHMS = ("ring", "ring:2")
 
 def a2a_algorithms(algorithms) -> list[str]:
     """The algorithms of ``algorithms`` the all-to-alls have (no bidirectional ring)."""
-    return [a for a in algorithms if not a.startswith("bidirectional")]
+    return [a for a in algorithms if parse_algorithm(a).name != "bidirectional"]
 
 
 def uneven_op_cases(algorithms, dtypes) -> list[str]:
@@ -1000,7 +1002,7 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
             except CommfuseError as e:  # the threads met in different orders: named, and the group is ended
                 with lock:
                     counts["race_named"] += 1
-                    said.append(f"{type(e).__name__}: {e}")
+                    raised.append(f"{type(e).__name__}: {e}")
                 return
             except Exception as e:  # noqa: BLE001
                 note(f"race: all_gather_matmul raised {type(e).__name__} (expected a result or a commfuse "
@@ -1013,7 +1015,7 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
                 note("race: an all_gather_matmul returned data that differs from the reference", "wrong")
         note(f"race: the threads did not make {race_calls} calls within the deadline")
 
-    said: list[str] = []
+    raised: list[str] = []
     _run_threads([racer, racer], 2 * timeout + 10, problems)
     try:
         y = cf.all_gather_matmul(a, b, algorithm="ring", backend=be, timeout=timeout)
@@ -1029,8 +1031,8 @@ def _two_threads_one_group(rank, n, be, dev, caps, out):
     if counts["race_correct"] != race_calls and not counts["race_named"]:
         problems.append(f"the race returned {counts['race_correct']} correct results of {race_calls} and no "
                         "named error")
-    if said and not any("thread" in text for text in said):
-        problems.append(f"the race's errors do not name the threads: {said[0][:300]}")
+    if raised and not any("thread" in text for text in raised):
+        problems.append(f"the race's errors do not name the threads: {raised[0][:300]}")
 
 
 def _run_threads(targets, bound: float, problems: list) -> None:

@@ -42,6 +42,7 @@ import time
 
 import pytest
 
+from commfuse.schedule import parse_algorithm
 from commfuse.testing import _bodies
 from commfuse.testing.capabilities import Capabilities
 
@@ -50,7 +51,7 @@ ALL_ALGORITHMS = ("ring", "ring:2", "bidirectional", "sliced:2", "sliced:4", "va
 #: The all-to-all collectives (consume and produce sides) and the algorithms they have: no bidirectional
 #: ring, the pairwise exchange has no direction to split.
 A2A_COLLECTIVES = ("all_to_all", "produce_all_to_all")
-A2A_ALGORITHMS = tuple(a for a in ALL_ALGORITHMS if not a.startswith("bidirectional"))
+A2A_ALGORITHMS = tuple(a for a in ALL_ALGORITHMS if parse_algorithm(a).name != "bidirectional")
 ROBUSTNESS = ("mismatched-shapes", "mismatched-algorithms", "absent-peer", "peer-death", "two-threads-one-group",
               "skipped-call", "symmetric-consumer-error", "mismatch-promptness", "producer-raises-first",
               "producer-raises-later", "consumer-raises-first", "consumer-raises-last", "in-place-consumer",
