@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LIMIT", "entries", "find", "forget", "get", "on_forget", "remember"]
+__all__ = ["LIMIT", "entries", "find", "forget", "get", "keys", "on_forget", "remember"]
 
 #: Past this many entries the table is cleared (a program that keeps making new shapes re-plans; it never
 #: grows without bound).
@@ -53,6 +53,11 @@ def find(key: tuple, make: Callable[[], Any]) -> Any:
     if found is None:
         found = remember(key, make())
     return found
+
+
+def keys(kind: str | None = None) -> list[tuple]:
+    """The keys the table holds (of one kind, when given): for tests."""
+    return [key for key in list(_ENTRIES) if kind is None or (key and key[0] == kind)]
 
 
 def entries(kind: str | None = None) -> int:
