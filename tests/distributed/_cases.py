@@ -337,24 +337,29 @@ def mismatch(rank, n, kind):
 __all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch", "world_one"]
 
 
-def repeated_lean(rank, n):
+def repeated_without_program(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
-    through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (through the
-    pipelined helpers that call them), and stay right. Returns per op and algorithm: [lean calls, every result right]."""
+    through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (called by
+    the pipelined helpers, and by the all-gather matmul's one-weight ring in ``commfuse.fused.matmul``), and
+    stay right. Returns per op and algorithm: [calls without a program, every result right]."""
+    import commfuse.fused.matmul as fused_matmul
     import commfuse.planning.pipelined as pipelined
 
-    lean = []
-    real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one  # what the helpers call
+    walked = []
+    callers = (pipelined, fused_matmul)
+    real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one
 
     def into(plan, *args):
-        lean.append(plan.label)
+        walked.append(plan.label)
         return real_into(plan, *args)
 
     def one_by_one(plan, *args):
-        lean.append(plan.label)
+        walked.append(plan.label)
         return real_one(plan, *args)
 
-    pipelined.execute_into, pipelined.execute_one_by_one = into, one_by_one
+    pipelined.execute_into = into
+    for module in callers:
+        module.execute_one_by_one = one_by_one
     out = {}
     try:
         for op, alg, dim in (("all_gather_matmul", "vanilla", 0), ("matmul_reduce_scatter", "vanilla", 0),
@@ -362,7 +367,7 @@ def repeated_lean(rank, n):
                              ("matmul_reduce_scatter", "ring", 0), ("matmul_reduce_scatter", "ring:2", 0),
                              ("matmul_reduce_scatter", "ring", 1)):
             right = True
-            before = len(lean)
+            before = len(walked)
             for call in range(5):
                 every = [_data((6, 5), torch.float32, 100 * call + r, True) for r in range(n)]
                 w = _data((5, 3 * n), torch.float32, 999 + call, True)
@@ -374,7 +379,9 @@ def repeated_lean(rank, n):
                     got = cf.matmul_reduce_scatter(fulls[rank], w, algorithm=alg, scatter_dim=dim)
                     want = sum(f @ w for f in fulls).tensor_split(n, dim=dim)[rank]
                 right = right and torch.equal(got, want)
-            out[f"{op} {alg} dim {dim}"] = [len(lean) - before, right]
+            out[f"{op} {alg} dim {dim}"] = [len(walked) - before, right]
     finally:
-        pipelined.execute_into, pipelined.execute_one_by_one = real_into, real_one
+        pipelined.execute_into = real_into
+        for module in callers:
+            module.execute_one_by_one = real_one
     return out

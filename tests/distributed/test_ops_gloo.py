@@ -133,11 +133,11 @@ def test_timeout_argument_and_environment(monkeypatch):
         resolve_timeout(None)
 
 
-def test_repeated_calls_take_the_lean_paths_and_stay_right():
+def test_repeated_calls_walk_without_a_program_and_stay_right():
     expected = {f"{op} {alg} dim {dim}": [4, True] for op, alg, dim in (
         ("all_gather_matmul", "vanilla", 0), ("matmul_reduce_scatter", "vanilla", 0), ("all_gather_matmul", "ring", 0),
         ("all_gather_matmul", "ring:2", 0), ("matmul_reduce_scatter", "ring", 0),
         ("matmul_reduce_scatter", "ring:2", 0), ("matmul_reduce_scatter", "ring", 1))}
-    for rank, got in enumerate(launch(_cases.repeated_lean, 3, timeout=120)):
-        # the first call of each signature is planned and checked through the program; the 4 after are lean
+    for rank, got in enumerate(launch(_cases.repeated_without_program, 3, timeout=120)):
+        # the first call of each signature is planned and checked through the program; the 4 after walk without one
         assert got == expected, (rank, got)
