@@ -65,3 +65,8 @@ for step in range(args.steps):
         print(f"step {step}: loss {loss.item():.5f} grad norm {norm.item():.5f}")
 if args.explain and mesh.get_rank() == 0:
     print(commfuse.explain(block))
+# Every rank leaves together, its groups destroyed: a process that exits with gloo's threads still running
+# can abort ("terminate called without an active exception") while its peers are still closing.
+torch.distributed.barrier()
+commfuse.backends.release()
+torch.distributed.destroy_process_group()

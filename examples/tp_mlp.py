@@ -39,3 +39,5 @@ x = torch.randn(4, 256, 1024, device=device)  # this rank's shard: (batch, seque
 y = mlp(x)                                    # the same shape and layout as x
 y.sum().backward()
 print(f"rank {mesh.get_rank()}: y {tuple(y.shape)}")
+torch.distributed.barrier()  # leave together: a rank that exits while gloo's threads still run can abort
+torch.distributed.destroy_process_group()
