@@ -5,10 +5,12 @@ a GEMM + reduce-scatter is an all-gather + GEMM: each backward runs the
 opposite ring with the same overlap as the forward. Weight gradients ride in
 the ring steps too, so they add compute behind the same hops.
 
-Private ``_CamelCase`` Functions, public snake_case entry points (the ops in
-``commfuse.ops`` call these when a gradient is wanted), and the forward
-computations the ops run when none is (``*_forward``). Built on the
-pipelined primitives of ``commfuse.planning.pipelined``.
+Private ``_CamelCase`` Functions and public snake_case entry points (the
+fused ops, ``commfuse.fused``, call these when a gradient is wanted). A
+Function's forward is the one its op planned for the call's signature
+(``commfuse.fused.matmul``), handed in, so a call with gradients runs the same
+plan as one without. Built on the pipelined primitives of
+``commfuse.planning.pipelined``.
 """
 
 from __future__ import annotations
@@ -20,174 +22,21 @@ import torch
 from commfuse.planning.calls import Call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
+    gather_matmul_meta,
     gather_spans,
     join,
     matmul_rows,
-    prepare_gather,
-    prepare_scatter,
     produce_reduce_scatter_core,
     rows_of,
-    run_gather,
-    run_scatter,
-    run_scatter_one_by_one,
-    run_scatter_whole,
     scatter_spans,
-    scatters_whole,
-    write_rows,
 )
-from commfuse.runtime.loop import may_skip_program
 from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
 __all__ = [
-    "all_gather_matmul_backward", "all_gather_matmul_fn", "all_gather_matmul_forward", "all_gather_matmul_planned",
-    "matmul_reduce_scatter_backward", "matmul_reduce_scatter_fn", "matmul_reduce_scatter_forward",
-    "matmul_reduce_scatter_planned", "produce_reduce_scatter_fn",
+    "all_gather_matmul_backward", "all_gather_matmul_fn", "matmul_reduce_scatter_backward",
+    "matmul_reduce_scatter_fn", "produce_reduce_scatter_fn",
 ]
-
-
-def _ag_meta(a: torch.Tensor, bs, gd: int, total: int):
-    """The fingerprint integers of an all-gather + matmul (read back by ``all_gather_matmul``'s format)."""
-    def meta():
-        full = list(a.shape)
-        full[gd] = total
-        return [dtype_code(a.dtype), gd, a.ndim, *full, len(bs)] + [d for bi in bs for d in bi.shape]
-
-    return meta
-
-
-def all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
-    """The forward of :func:`commfuse.all_gather_matmul` on ``call``'s backend; returns (gathered or None, outputs)."""
-    return all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)(a, bs)
-
-
-def all_gather_matmul_planned(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
-    """:func:`all_gather_matmul_forward` planned for the signature of ``a`` and ``bs``: what does not change
-    from call to call (output shapes, the ring's plan and layout) is decided here, once; the function
-    returned runs one call ``(a, bs) -> (gathered or None, outputs)``."""
-    total = sum(sizes)
-    contraction = gd == a.ndim - 1
-    lead = list(a.shape[:-1])
-    if not contraction:
-        lead[gd] = total
-    make = torch.zeros if contraction else torch.empty
-    out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
-    full_a = list(a.shape)
-    full_a[gd] = total
-    dtype, device = a.dtype, a.device
-    direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in the outputs
-    planned = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul", _ag_meta(a, bs, gd, total))
-
-    def forward(a, bs):
-        if not contraction and not return_gathered and len(bs) == 1:
-            return None, [_matmul_one_weight(a, bs[0])]
-        outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
-        gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
-        if contraction:
-            def consume(spans):
-                piece = join(spans, gd)
-                if gathered is not None:
-                    write_rows(gathered, spans, gd, piece)
-                for bi, out in zip(bs, outs):
-                    out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
-        else:
-            def consume(spans):
-                piece = join(spans, gd)
-                if gathered is not None:
-                    write_rows(gathered, spans, gd, piece)
-                for bi, out in zip(bs, outs):
-                    matmul_rows(out, spans, gd, piece, bi, direct)
-
-        run_gather(planned, a, consume)
-        return gathered, outs
-
-    def _matmul_one_weight(a, b0):
-        """One weight, no gathered copy: the common case, with the output made by the first GEMM that
-        covers it all (vanilla) or allocated once the ring's first slice arrives."""
-        result = [None]  # the output, made by the first slice's GEMM
-
-        def on_slice(start, size, t):
-            if size == total:  # every row at once (vanilla): the GEMM makes the output
-                result[0] = torch.matmul(t, b0)
-                return
-            out0 = result[0]
-            if out0 is None:
-                out0 = result[0] = t.new_empty(out_shapes[0])
-            if gd == 0:
-                torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
-            elif direct:
-                torch.matmul(t, b0, out=out0.narrow(gd, start, size))
-            else:
-                matmul_rows(out0, [(start, size, t)], gd, t, b0)
-
-        def consume(spans):
-            if len(spans) == 1:
-                on_slice(*spans[0])
-                return
-            out0 = result[0]
-            if out0 is None:
-                out0 = result[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
-            matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
-
-        run_gather(planned, a, consume, consume_one=on_slice)
-        return result[0]
-
-    # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly;
-    # commfuse.fused.matmul walks a ring along dim 0 on this plan itself once its signature is agreed
-    forward.single = None if contraction or return_gathered else _matmul_one_weight
-    forward.planned, forward.out_shape = planned, out_shapes[0]
-    return forward
-
-
-def matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int) -> torch.Tensor:
-    """The forward of :func:`commfuse.matmul_reduce_scatter` (a sum) on ``call``'s backend."""
-    return matmul_reduce_scatter_planned(call, a, b, sd)(a, b)
-
-
-def matmul_reduce_scatter_planned(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int):
-    """:func:`matmul_reduce_scatter_forward` planned once for the signature of ``a`` and ``b``; the function
-    returned runs one call ``(a, b) -> this rank's summed shard``."""
-    out_shape = [*a.shape[:-1], b.shape[1]]
-    last = sd == len(out_shape) - 1
-
-    def meta():
-        return [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
-
-    planned = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", meta)
-    plan = planned.plan
-    whole = scatters_whole(planned)
-
-    ring = plan.one_by_one
-
-    def forward(a, b):
-        if (whole or ring) and may_skip_program(plan):  # signature agreed: no program
-            if whole:  # vanilla: one GEMM, one reduce-scatter
-                return run_scatter_whole(planned, lambda: torch.matmul(a, b))
-            if last:
-                def part(start, size, _):
-                    return torch.matmul(a, b[:, start:start + size])
-            elif sd == 0:
-                def part(start, size, _):
-                    return torch.matmul(a[start:start + size], b)
-            else:
-                def part(start, size, _):
-                    return torch.matmul(a.narrow(sd, start, size), b)
-            return run_scatter_one_by_one(planned, part)  # a ring: this rank's partial of each slice
-        if last:
-            def produce(spans):
-                y = torch.matmul(a, rows_of(b, spans, 1))
-                return [y] if len(spans) == 1 else list(torch.split(y, [size for _, size in spans], dim=sd))
-        else:
-            def produce(spans):
-                if len(spans) == 1:
-                    start, size = spans[0]
-                    return [torch.matmul(a.narrow(sd, start, size), b)]
-                y = torch.matmul(rows_of(a, spans, sd), b)
-                return list(torch.split(y, [size for _, size in spans], dim=sd))
-
-        return run_scatter(planned, produce, produce_whole=lambda: torch.matmul(a, b))
-
-    return forward
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -214,8 +63,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call: Call, gd: int, sizes, keep: bool, a: torch.Tensor, *bs: torch.Tensor):
-        gathered, outs = all_gather_matmul_forward(call, a, bs, gd, sizes, return_gathered=keep)
+    def forward(ctx, forward: Callable, call: Call, gd: int, sizes, keep: bool, a: torch.Tensor, *bs: torch.Tensor):
+        gathered, outs = forward(a, bs)
         ctx.call, ctx.gd, ctx.sizes, ctx.keep = call, gd, list(sizes), keep
         ctx.save_for_backward(gathered if keep else a, *bs)
         if keep:
@@ -226,8 +75,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, _dgathered, *douts):
         x, *bs = ctx.saved_tensors
         da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
-                                             ctx.needs_input_grad[4], ctx.needs_input_grad[5:])
-        return (None, None, None, None, da, *dbs)
+                                             ctx.needs_input_grad[5], ctx.needs_input_grad[6:])
+        return (None, None, None, None, None, da, *dbs)
 
 
 def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.Tensor], douts, gd: int, sizes,
@@ -248,7 +97,7 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
     if not keep and any(db is not None for db in dbs):
         # gather a again; every arriving shard's wgrad GEMM hides the next hop
         gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
-                     label="all_gather_matmul.wgrad", meta=_ag_meta(x, bs, gd, sum(sizes)))
+                     label="all_gather_matmul.wgrad", meta=gather_matmul_meta(x, bs, gd, sum(sizes)))
     if need_a and pairs:
         def produce(spans):
             part = None
@@ -268,9 +117,12 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
     return da, dbs
 
 
-def all_gather_matmul_fn(call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes, keep: bool):
-    """Differentiable :func:`commfuse.all_gather_matmul`; returns (gathered or None, outputs)."""
-    gathered, *outs = _AllGatherMatmul.apply(call, gd, sizes, keep, a, *bs)
+def all_gather_matmul_fn(forward: Callable, call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes,
+                         keep: bool):
+    """Differentiable :func:`commfuse.all_gather_matmul`; returns (gathered or None, outputs). ``forward(a, bs)
+    -> (gathered, outputs)`` is the forward the op planned for this signature, giving the gathered input when
+    ``keep``."""
+    gathered, *outs = _AllGatherMatmul.apply(forward, call, gd, sizes, keep, a, *bs)
     return (gathered if keep else None), outs
 
 
@@ -290,8 +142,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call: Call, sd: int, reduce_op: str, a: torch.Tensor, b: torch.Tensor):
-        z = matmul_reduce_scatter_forward(call, a, b, sd)
+    def forward(ctx, forward: Callable, call: Call, sd: int, reduce_op: str, a: torch.Tensor, b: torch.Tensor):
+        z = forward(a, b)
         if reduce_op == "avg":
             z = z.div_(call.world_size)
         ctx.call, ctx.sd, ctx.avg = call, sd, reduce_op == "avg"
@@ -301,9 +153,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dz):
         a, b = ctx.saved_tensors
-        da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[3],
-                                                ctx.needs_input_grad[4])
-        return None, None, None, da, db
+        da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[4],
+                                                ctx.needs_input_grad[5])
+        return None, None, None, None, da, db
 
 
 def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor, dz: torch.Tensor, sd: int,
@@ -326,13 +178,15 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
 
     if need_a or need_b:
         gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
-                     meta=_ag_meta(dz, [bt], sd, a.shape[sd]))
+                     meta=gather_matmul_meta(dz, [bt], sd, a.shape[sd]))
     return da, db
 
 
-def matmul_reduce_scatter_fn(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int, reduce_op: str) -> torch.Tensor:
-    """Differentiable :func:`commfuse.matmul_reduce_scatter`."""
-    return _MatmulReduceScatter.apply(call, sd, reduce_op, a, b)
+def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: torch.Tensor, sd: int,
+                             reduce_op: str) -> torch.Tensor:
+    """Differentiable :func:`commfuse.matmul_reduce_scatter`; ``forward(a, b)`` is the forward (a sum) the op
+    planned for this signature."""
+    return _MatmulReduceScatter.apply(forward, call, sd, reduce_op, a, b)
 
 
 class _ProduceReduceScatter(torch.autograd.Function):

@@ -17,17 +17,28 @@ from typing import Any
 import torch
 
 from commfuse import backends
-from commfuse.autograd import (
-    all_gather_matmul_fn,
-    all_gather_matmul_planned,
-    matmul_reduce_scatter_fn,
-    matmul_reduce_scatter_planned,
-)
+from commfuse.autograd import all_gather_matmul_fn, matmul_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning import table
-from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import capped, configured
+from commfuse.planning.calls import Call, resolve_call
+from commfuse.planning.pipelined import (
+    capped,
+    configured,
+    gather_matmul_meta,
+    join,
+    matmul_rows,
+    prepare_gather,
+    prepare_scatter,
+    rows_of,
+    run_gather,
+    run_scatter,
+    run_scatter_one_by_one,
+    run_scatter_whole,
+    scatters_whole,
+    write_rows,
+)
 from commfuse.runtime.groups import group_state, state_of_group
+from commfuse.runtime.programs import dtype_code
 from commfuse.runtime.loop import (
     announce_left,
     execute_one_by_one,
@@ -198,7 +209,8 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     if not native:
         report_taken(taken, call, min(sizes), "all_gather_matmul")
     keep = keep_gathered or return_gathered
-    forward = None if call is None else all_gather_matmul_planned(call, a, bs, gd, sizes, return_gathered)
+    forward = None if call is None else _all_gather_matmul_forward(call, a, bs, gd, sizes, return_gathered)
+    kept = [forward if keep == return_gathered else None]  # the forward a call with gradients runs, once planned
 
     if call is None:
         def run(a, b):
@@ -219,7 +231,10 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
                         "all_gather_matmul has no backward when gather_dim is the contraction (last) dim; "
                         "gather another dim or run it under torch.no_grad()"
                     )
-                gathered, outs = all_gather_matmul_fn(call, a, bs, gd, sizes, keep)
+                grad_forward = kept[0]
+                if grad_forward is None:
+                    grad_forward = kept[0] = _all_gather_matmul_forward(call, a, bs, gd, sizes, keep)
+                gathered, outs = all_gather_matmul_fn(grad_forward, call, a, bs, gd, sizes, keep)
                 gathered = gathered if return_gathered else None
             else:
                 gathered, outs = forward(a, bs)
@@ -301,6 +316,132 @@ def native_kernel(be, op: str, algorithm, taken: dict, **signature):
     return run, fallback
 
 
+def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
+    """The forward of :func:`commfuse.all_gather_matmul` on ``call``'s backend, planned for the signature of
+    ``a`` and ``bs``: what does not change
+    from call to call (output shapes, the ring's plan and layout) is decided here, once; the function
+    returned runs one call ``(a, bs) -> (gathered or None, outputs)``."""
+    total = sum(sizes)
+    contraction = gd == a.ndim - 1
+    lead = list(a.shape[:-1])
+    if not contraction:
+        lead[gd] = total
+    make = torch.zeros if contraction else torch.empty
+    out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
+    full_a = list(a.shape)
+    full_a[gd] = total
+    dtype, device = a.dtype, a.device
+    direct = all(d == 1 for d in lead[:gd])  # blocks of rows along gd are contiguous in the outputs
+    planned = prepare_gather(call, a.shape, dtype, gd, tuple(sizes), "all_gather_matmul",
+                             gather_matmul_meta(a, bs, gd, total))
+
+    def forward(a, bs):
+        if not contraction and not return_gathered and len(bs) == 1:
+            return None, [_matmul_one_weight(a, bs[0])]
+        outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
+        gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
+        if contraction:
+            def consume(spans):
+                piece = join(spans, gd)
+                if gathered is not None:
+                    write_rows(gathered, spans, gd, piece)
+                for bi, out in zip(bs, outs):
+                    out.add_(torch.matmul(piece, rows_of(bi, spans, 0)))
+        else:
+            def consume(spans):
+                piece = join(spans, gd)
+                if gathered is not None:
+                    write_rows(gathered, spans, gd, piece)
+                for bi, out in zip(bs, outs):
+                    matmul_rows(out, spans, gd, piece, bi, direct)
+
+        run_gather(planned, a, consume)
+        return gathered, outs
+
+    def _matmul_one_weight(a, b0):
+        """One weight, no gathered copy: the common case, with the output made by the first GEMM that
+        covers it all (vanilla) or allocated once the ring's first slice arrives."""
+        result = [None]  # the output, made by the first slice's GEMM
+
+        def on_slice(start, size, t):
+            if size == total:  # every row at once (vanilla): the GEMM makes the output
+                result[0] = torch.matmul(t, b0)
+                return
+            out0 = result[0]
+            if out0 is None:
+                out0 = result[0] = t.new_empty(out_shapes[0])
+            if gd == 0:
+                torch.matmul(t, b0, out=out0[start:start + size])  # slicing costs less than narrow
+            elif direct:
+                torch.matmul(t, b0, out=out0.narrow(gd, start, size))
+            else:
+                matmul_rows(out0, [(start, size, t)], gd, t, b0)
+
+        def consume(spans):
+            if len(spans) == 1:
+                on_slice(*spans[0])
+                return
+            out0 = result[0]
+            if out0 is None:
+                out0 = result[0] = torch.empty(out_shapes[0], dtype=dtype, device=device)
+            matmul_rows(out0, spans, gd, join(spans, gd), b0, direct)
+
+        run_gather(planned, a, consume, consume_one=on_slice)
+        return result[0]
+
+    # one weight, no gathered copy, a gathered dim that is not the contraction: (a, b) -> result, directly;
+    # a ring along dim 0 is walked on this plan without a program once its signature is agreed (_ring_rows)
+    forward.single = None if contraction or return_gathered else _matmul_one_weight
+    forward.planned, forward.out_shape = planned, out_shapes[0]
+    return forward
+
+
+def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor, sd: int):
+    """The forward of :func:`commfuse.matmul_reduce_scatter` (a sum) on ``call``'s backend, planned once for
+    the signature of ``a`` and ``b``; the function returned runs one call ``(a, b) -> this rank's summed
+    shard``."""
+    out_shape = [*a.shape[:-1], b.shape[1]]
+    last = sd == len(out_shape) - 1
+
+    fingerprint = [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
+
+    planned = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", fingerprint)
+    plan = planned.plan
+    whole = scatters_whole(planned)
+
+    ring = plan.one_by_one
+
+    def forward(a, b):
+        if (whole or ring) and may_skip_program(plan):  # signature agreed: no program
+            if whole:  # vanilla: one GEMM, one reduce-scatter
+                return run_scatter_whole(planned, lambda: torch.matmul(a, b))
+            if last:
+                def part(start, size, _):
+                    return torch.matmul(a, b[:, start:start + size])
+            elif sd == 0:
+                def part(start, size, _):
+                    return torch.matmul(a[start:start + size], b)
+            else:
+                def part(start, size, _):
+                    return torch.matmul(a.narrow(sd, start, size), b)
+            return run_scatter_one_by_one(planned, part)  # a ring: this rank's partial of each slice
+        if last:
+            def produce(spans):
+                y = torch.matmul(a, rows_of(b, spans, 1))
+                return [y] if len(spans) == 1 else list(torch.split(y, [size for _, size in spans], dim=sd))
+        else:
+            def produce(spans):
+                if len(spans) == 1:
+                    start, size = spans[0]
+                    return [torch.matmul(a.narrow(sd, start, size), b)]
+                y = torch.matmul(rows_of(a, spans, sd), b)
+                return list(torch.split(y, [size for _, size in spans], dim=sd))
+
+        return run_scatter(planned, produce, produce_whole=lambda: torch.matmul(a, b))
+
+    return forward
+
+
 def _flat_tensors(items):
     for item in items:
         if isinstance(item, torch.Tensor):
@@ -344,7 +485,7 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
         report_taken(taken, call, min(sizes), "matmul_reduce_scatter")
     avg = reduce_op == "avg"
     last = sd == len(out_shape) - 1
-    forward = None if call is None else matmul_reduce_scatter_planned(call, a, b, sd)
+    forward = None if call is None else _matmul_reduce_scatter_forward(call, a, b, sd)
 
     if call is None:
         def run(a, b):
@@ -360,7 +501,7 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
                         "matmul_reduce_scatter has no backward when scatter_dim is the last (output feature) dim; "
                         "scatter another dim or run it under torch.no_grad()"
                     )
-                return matmul_reduce_scatter_fn(call, a, b, sd, reduce_op)
+                return matmul_reduce_scatter_fn(forward, call, a, b, sd, reduce_op)
             out = forward(a, b)
             return out.div_(n) if avg else out
 

@@ -75,7 +75,7 @@ from commfuse.schedule import AlgorithmSpec, Collective, Schedule, SliceId, buil
 
 __all__ = [
     "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "all_to_all_consume_core", "capped",
-    "collect", "compiled_for",
+    "collect", "compiled_for", "gather_matmul_meta",
     "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
@@ -830,6 +830,21 @@ def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all
 
 
 # -- how the internal ops' fingerprints read back ---------------------------------------------------------------
+
+
+def gather_matmul_meta(a: torch.Tensor, bs, gd: int, total: int):
+    """The fingerprint integers of an all-gather + matmul (of ``a`` gathered along ``gd`` to ``total`` rows,
+    times each of ``bs``), as :func:`_describe_gather_matmul` reads them back: a function of no argument, as
+    the ``meta`` of :func:`prepare_gather` and :func:`gather_spans`."""
+    full = list(a.shape)
+    full[gd] = total
+    dtype, weights = a.dtype, [d for bi in bs for d in bi.shape]
+    count, ndim = len(bs), a.ndim
+
+    def meta():
+        return [dtype_code(dtype), gd, ndim, *full, count] + weights
+
+    return meta
 
 
 def _describe_gather_matmul(v):
