@@ -201,7 +201,9 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     if report is not None:
         report.update(algorithm=found.spec.shown, reason=found.reason,
                       world_size=1 if found.be is None else found.be.world_size)
-    _sites.saw(collective, algorithm, slice_bytes, found)  # inside a layer's or style's forward: written down there
+    site = getattr(_sites.here, "site", None)  # read in place: most calls are made outside a site
+    if site is not None:  # inside a layer's or style's forward: written down there
+        _sites.saw(site, collective, algorithm, slice_bytes, found)
     return None if found.be is None else found
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["Site", "at_site", "current", "fallback", "layer_site", "saw", "took"]
+__all__ = ["Site", "at_site", "current", "fallback", "here", "layer_site", "saw", "took"]
 
 log = logging.getLogger("commfuse")
-_here = threading.local()
+#: ``here.site``: this thread's current site, when it has one (``at_site`` sets it; :func:`current` reads it)
+here = threading.local()
 
 #: Signatures (collective, ring hop bytes) kept per site: a model whose sequence length changes every step
 #: would otherwise grow the table without end.
@@ -67,25 +68,25 @@ class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
         self.site = site
 
     def __enter__(self) -> Site:
-        self.previous = getattr(_here, "site", None)
-        _here.site = self.site
+        self.previous = getattr(here, "site", None)
+        here.site = self.site
         return self.site
 
     def __exit__(self, *exc) -> bool:
-        _here.site = self.previous
+        here.site = self.previous
         return False
 
 
 def current() -> Site | None:
     """This thread's current site, or None outside one."""
-    return getattr(_here, "site", None)
+    return getattr(here, "site", None)
 
 
-def saw(collective, asked, slice_bytes: int, call) -> None:
-    """``resolve_call`` resolved ``call`` for ``asked``: if it is the current site's own algorithm (not a small
-    call of its own such as the sizes' exchange), write it down there, once per signature."""
-    site = getattr(_here, "site", None)
-    if site is None or asked != site.algorithm:
+def saw(site: Site, collective, asked, slice_bytes: int, call) -> None:
+    """``resolve_call`` resolved ``call`` for ``asked`` inside ``site`` (this thread's current one): if it is the
+    site's own algorithm (not a small call of its own such as the sizes' exchange), write it down there, once
+    per signature."""
+    if asked != site.algorithm:
         return
     key = (getattr(collective, "value", str(collective)), int(slice_bytes))
     if key in site.taken or (not key[1] and any(c == key[0] for c, _ in site.taken)):
@@ -97,7 +98,7 @@ def took(site: Site | None, collective: str, slice_bytes: int, call, *, replace:
     """Write down on ``site`` (None: the current one) that its ``collective`` of ``slice_bytes`` per ring hop
     takes ``call`` and why, and say so at INFO the first time. ``replace``: a layer that decides past
     ``resolve_call`` (MoE's two halves at two ranks) corrects what was written."""
-    site = site if site is not None else getattr(_here, "site", None)
+    site = site if site is not None else getattr(here, "site", None)
     if site is None:
         return
     key = (collective, int(slice_bytes))
@@ -118,7 +119,7 @@ def took(site: Site | None, collective: str, slice_bytes: int, call, *, replace:
 def fallback(message: str) -> None:
     """The current site moves an activation through DTensor instead of a fused op: write down why, once per
     site and reason, and say so at INFO. Outside a site, say it once per process."""
-    site = getattr(_here, "site", None)
+    site = getattr(here, "site", None)
     if site is None:
         from commfuse.log import once
 
