@@ -36,7 +36,6 @@ the public consume ops).
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -524,17 +523,19 @@ def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable,
     consume = assembler
     if private and pieces == 1:  # several slices: the assembler joins them with torch.cat, already fresh
         # a whole collective into one tensor (vanilla) leaves views of that tensor in place of the caller's shard
-        into = layout.into and pool.into
-        consume = _Private.around(assembler, _handed_over(plan.compiled, () if into else layout.own, plan.overlap))
+        copied = layout.private
+        if copied is None:
+            into = layout.into and pool.into
+            copied = layout.private = _handed_over(plan.compiled, () if into else layout.own, plan.overlap)
+        consume = _Private.around(assembler, copied)
     # with several slices per shard the assembler holds early slices until the last one arrives
     execute(plan, GatherProgram(layout, pool, shard, consume, keep=keep or pieces > 1, meta=layout.meta))
     return assembler.results
 
 
-@functools.lru_cache(maxsize=1024)
 def _handed_over(compiled: Compiled, inputs: tuple[int, ...], overlap: bool) -> frozenset[int]:
     """The slots whose tensor a user's consumer gets a private copy of, from one plan's compiled steps (once
-    per plan): those that a transfer reads in a later step, or in the same step when the compute runs while
+    per plan, kept in its layout): those that a transfer reads in a later step, or in the same step when the compute runs while
     it flies (``overlap``), and ``inputs``, the slots that hold the caller's own tensors when computed on.
 
     A received slice that no later transfer reads (the last step of a ring, every chunk of the pairwise

@@ -42,11 +42,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-try:  # a build without torch.distributed has no groups: GroupState.group is then always None
-    import torch.distributed.distributed_c10d as _c10d
-except ImportError:  # pragma: no cover
-    _c10d = None
-
 from commfuse.errors import (
     CommfuseError,
     CommfuseTimeoutError,

@@ -157,6 +157,7 @@ class _SlotLayout:
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
         self.walk: tuple | None = None  # the plan's ring_walk, made on its first call without a program
+        self.private: frozenset[int] | None = None  # the slots a user's consumer gets a copy of, once asked
         # One whole collective over equal shards (vanilla) can run into/from one tensor, rank by rank along
         # dim 0 (``collective_into``), when the backend has it: no per-rank buffer lists, no concatenation.
         self.into = schedule.algorithm.value == "vanilla" and len(set(self.shard_sizes)) == 1 and not by_source
