@@ -83,7 +83,7 @@ class Capabilities:
     #: Fused collective+GEMM kernels the backend has, among :data:`NATIVE_FUSED_OPS`.
     #: Read by: ``commfuse.ops`` (``_native``): for an op listed here, when ``algorithm`` is "native" or
     #: "auto", the backend's ``native_op(op, **signature)`` is asked once per call signature
-    #: (``commfuse.runtime.backend``); without ``native_op`` the entry is ignored and "native" raises.
+    #: (``commfuse.runtime.protocol``); without ``native_op`` the entry is ignored and "native" raises.
     native_fused_ops: tuple[str, ...] = ()
     #: "eager" (the executor walks the steps) or "traced" (the schedule is lowered into a graph).
     #: Read by: the executor (``Plan``): a traced backend's calls skip the fingerprint check, which would

@@ -3,7 +3,7 @@ compiled plan (``compiled``), what observes a call (``observe``) and the one loo
 (``loop``), with the programs that hold a call's data (``programs``). It executes what the planning layer
 (``commfuse.planning``) hands it and imports nothing above itself."""
 
-from commfuse.runtime.backend import Backend, Handle
+from commfuse.runtime.protocol import Backend, Handle
 from commfuse.runtime.compiled import Plan, Program
 from commfuse.runtime.groups import DEFAULT_TIMEOUT_S
 from commfuse.runtime.loop import execute

@@ -67,7 +67,7 @@ from commfuse.runtime.groups import (
 )
 from commfuse.runtime.waiting import BACKSTOP_S, wait_blocking
 from commfuse.runtime.watchdog import Posting, watchdog
-from commfuse.runtime.backend import Uneven
+from commfuse.runtime.protocol import Uneven
 from commfuse.schedule import Collective, Ring, Transfer
 
 log = logging.getLogger("commfuse")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommunicationError
-from commfuse.runtime.backend import Uneven
+from commfuse.runtime.protocol import Uneven
 from commfuse.runtime.compiled import Compiled, Program
 from commfuse.runtime.groups import capture_probe, register_format
 from commfuse.runtime.loop import held_slots

@@ -1,4 +1,4 @@
-"""The backend object: moves tensors for the executor (the Backend protocol, commfuse.runtime.backend).
+"""The backend object: moves tensors for the executor (the Backend protocol, commfuse.runtime.protocol).
 
 As shipped it *is* the c10d backend on a gloo group, so the conformance suite
 passes out of the box. To bring up a device, either

@@ -19,7 +19,7 @@ CAPABILITIES = Capabilities(
     bidirectional_links=True,
     # Ops whose whole call your backend runs as one fused kernel, among ("all_gather_matmul",
     # "matmul_reduce_scatter"). commfuse.ops then asks your backend's native_op(op, **signature) once per call
-    # signature for algorithm "native" or "auto" (see commfuse/runtime/backend.py, and backends/cuda's
+    # signature for algorithm "native" or "auto" (see commfuse/runtime/protocol.py, and backends/cuda's
     # CudaBackend.native_op for an example). Leave it empty without native_op.
     native_fused_ops=(),
     # "traced" if post() builds a graph instead of moving data (see backends/xla): the executor then skips its

@@ -1,10 +1,10 @@
-"""The Backend protocol: what the executor asks of a transport.
+"""The Backend protocol: what the step loop (``commfuse.runtime.loop``) asks of a transport.
 
-A backend moves tensors; it never decides what to move. The executor gives it
+A backend moves tensors; it never decides what to move. The loop gives it
 one step's transfers at a time and later asks for what arrived. The protocol
 is shaped so that eager transports (gloo, NCCL, HCCL: post now, a handle to
 wait on later) and traced ones (XLA: a transfer *is* a ``collective_permute``
-that returns a new lazy tensor, with nothing to wait on) fit the same executor
+that returns a new lazy tensor, with nothing to wait on) fit the same loop
 without special cases:
 
 * ``post(sends, recvs)`` starts a step's point-to-point transfers and returns
