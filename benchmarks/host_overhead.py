@@ -16,7 +16,10 @@ Rows, per world size (median over rounds of the mean per call):
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before torch 2.13)
   then the matmul;
 - commfuse's ``ring``, ``vanilla`` and ``auto`` for ``all_gather_matmul``
-  and ``matmul_reduce_scatter``.
+  and ``matmul_reduce_scatter``;
+- the two rings' forwards on inputs that want gradients (a training step's
+  forward: the op's autograd Function runs the forward planned for the
+  signature), with no target: they add autograd's own cost.
 
 Design targets: ring and reduce-scatter ring at most 1.3x the floor at
 n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
@@ -127,6 +130,18 @@ def measure(n: int, calls: int, rounds: int) -> dict[str, float]:
         for alg in ("ring", "vanilla", "auto"):
             candidates[f"cf ag {alg}"] = lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False)
             candidates[f"cf rs {alg}"] = lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False)
+        a_g, x_g, w_g = (t.clone().requires_grad_() for t in (a, x, w))
+
+        def ag_grad():
+            with torch.enable_grad():
+                return cf.all_gather_matmul(a_g, w_g, algorithm="ring", check=False)
+
+        def rs_grad():
+            with torch.enable_grad():
+                return cf.matmul_reduce_scatter(x_g, w_g, algorithm="ring", check=False)
+
+        candidates["cf ag ring, with grads"] = ag_grad
+        candidates["cf rs ring, with grads"] = rs_grad
         with torch.no_grad():
             rows: dict = _per_call_us(candidates, calls, rounds)
         report: dict = {}
