@@ -22,7 +22,9 @@ them, given a resolved :class:`~commfuse.planning.calls.Call`. Exports:
 * planning: :func:`capped`, :func:`configured` / :func:`layer_config`,
   :func:`compiled_for`, :func:`schedule_for`;
 * rows: :func:`join`, :func:`consecutive`, :func:`rows_of`,
-  :func:`write_rows`, :func:`matmul_rows`.
+  :func:`write_rows`, :func:`matmul_rows`;
+* fingerprints: :func:`gather_matmul_meta` (an all-gather + matmul's, for
+  its forward and its backward rings).
 
 Plan once: the first call of a signature (call, op label, shapes, dtype,
 dim, sizes) builds the runtime's :class:`~commfuse.runtime.compiled.Plan`
