@@ -232,7 +232,8 @@ class _Handle:
             return state.error  # this rank declared it dead already (a stall's verdict, a timeout)
         found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
         what = found[1] if found is not None else f"post {self.post_no} of call #{self.seq}"
-        told = _board_cause(state, backend.rank, f"waiting in {what}")
+        call = (found[0]["seq"], found[0]["lane"]) if found is not None else (self.seq, None)
+        told = _board_cause(state, backend.rank, f"waiting in {what}", call)
         if told is None:
             told = CommunicationError(
                 f"rank {backend.rank} failed in {what}: the transport gave up ({_first_line(error)[:200]}), and no "
@@ -242,10 +243,12 @@ class _Handle:
         return state.error if isinstance(state.error, CommunicationError) else told
 
 
-def _board_cause(state, rank: int, where: str) -> CommunicationError | None:
+def _board_cause(state, rank: int, where: str, call: tuple = (None, None)) -> CommunicationError | None:
     """Why a transport failed, as the board tells it (the group is then declared dead here, with the same
     root): this rank was late, a rank declared the group dead, or a rank left a call; None when nobody
-    noted anything."""
+    noted anything. ``call``: the (number, lane code) of the call this rank waits in, when known. A rank
+    that left that call is its cause; failures of earlier calls that every rank settled alike are history,
+    and are named only when no note concerns a later call."""
     board = board_of(state)
     if board is None:
         return None
@@ -261,7 +264,7 @@ def _board_cause(state, rank: int, where: str) -> CommunicationError | None:
                 f"the group is dead: {RECOVER}"), None)
         if kind == "dead":
             return declare_dead(state, heard(note, rank, where), None, note)
-        if kind == "fail":
+        if kind == "fail" and (failed is None or _closer(note, failed, call)):
             failed = note
     if failed is not None:
         step = failed.get("step")
@@ -270,6 +273,19 @@ def _board_cause(state, rank: int, where: str) -> CommunicationError | None:
             f"({failed.get('label')})" + (f" in step {step}" if step is not None else "")
             + f": {failed.get('exc')}: {failed.get('message')}; the group is dead: {RECOVER}"), None)
     return None
+
+
+def _closer(note: dict, other: dict, call: tuple) -> bool:
+    """Whether failure ``note`` says more about ``call`` (number, lane code) than ``other``: a note of that
+    very call first, then the later call (the board's notes arrive in the order they were written, not in
+    call order)."""
+    seq, code = call
+
+    def rank_of(n: dict) -> tuple:
+        exact = seq is not None and n.get("seq") == seq and (code is None or n.get("lane") == code)
+        return exact, n.get("seq") if isinstance(n.get("seq"), int) else -1
+
+    return rank_of(note) >= rank_of(other)
 
 
 def _first_line(error: BaseException) -> str:
