@@ -402,13 +402,10 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
     shard``."""
     out_shape = [*a.shape[:-1], b.shape[1]]
     last = sd == len(out_shape) - 1
-
     fingerprint = [dtype_code(a.dtype), sd, a.ndim, *a.shape, *b.shape]
-
     planned = prepare_scatter(call, out_shape, sd, a.dtype, "matmul_reduce_scatter", fingerprint)
     plan = planned.plan
     whole = scatters_whole(planned)
-
     ring = plan.one_by_one
 
     def forward(a, b):

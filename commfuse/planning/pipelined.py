@@ -537,8 +537,9 @@ def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable,
 
 def _handed_over(compiled: Compiled, inputs: tuple[int, ...], overlap: bool) -> frozenset[int]:
     """The slots whose tensor a user's consumer gets a private copy of, from one plan's compiled steps (once
-    per plan, kept in its layout): those that a transfer reads in a later step, or in the same step when the compute runs while
-    it flies (``overlap``), and ``inputs``, the slots that hold the caller's own tensors when computed on.
+    per plan, kept in its layout): those that a transfer reads in a later step, or in the same step when the
+    compute runs while it flies (``overlap``), and ``inputs``, the slots that hold the caller's own tensors
+    when computed on.
 
     A received slice that no later transfer reads (the last step of a ring, every chunk of the pairwise
     all-to-all) is handed over as it is."""
@@ -838,14 +839,12 @@ def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all
 def gather_matmul_meta(a: torch.Tensor, bs, gd: int, total: int):
     """The fingerprint integers of an all-gather + matmul (of ``a`` gathered along ``gd`` to ``total`` rows,
     times each of ``bs``), as :func:`_describe_gather_matmul` reads them back: a function of no argument, as
-    the ``meta`` of :func:`prepare_gather` and :func:`gather_spans`."""
-    full = list(a.shape)
-    full[gd] = total
-    dtype, weights = a.dtype, [d for bi in bs for d in bi.shape]
-    count, ndim = len(bs), a.ndim
-
+    the ``meta`` of :func:`prepare_gather` and :func:`gather_spans`, called only when a signature is first
+    planned (a repeated call's backward ring finds its plan and builds nothing)."""
     def meta():
-        return [dtype_code(dtype), gd, ndim, *full, count] + weights
+        full = list(a.shape)
+        full[gd] = total
+        return [dtype_code(a.dtype), gd, a.ndim, *full, len(bs)] + [d for bi in bs for d in bi.shape]
 
     return meta
 

@@ -252,7 +252,7 @@ def _board_cause(state, rank: int, where: str, call: tuple = (None, None)) -> Co
     board = board_of(state)
     if board is None:
         return None
-    failed = None
+    fails = []
     for note in board.news():
         kind, who = note.get("kind"), note.get("rank")
         if who == rank:
@@ -264,28 +264,20 @@ def _board_cause(state, rank: int, where: str, call: tuple = (None, None)) -> Co
                 f"the group is dead: {RECOVER}"), None)
         if kind == "dead":
             return declare_dead(state, heard(note, rank, where), None, note)
-        if kind == "fail" and (failed is None or _closer(note, failed, call)):
-            failed = note
-    if failed is not None:
+        if kind == "fail":
+            fails.append(note)
+    if fails:
+        # a note of the call waited in, else of the latest call; of equals, the last written
+        seq, code = call
+        failed = max(reversed(fails), key=lambda n: (
+            seq is not None and n.get("seq") == seq and (code is None or n.get("lane") == code),
+            n.get("seq") if isinstance(n.get("seq"), int) else -1))
         step = failed.get("step")
         return declare_dead(state, PeerFailedError(
             f"rank {rank}, {where}: rank {failed.get('rank')} failed call #{failed.get('seq')} "
             f"({failed.get('label')})" + (f" in step {step}" if step is not None else "")
             + f": {failed.get('exc')}: {failed.get('message')}; the group is dead: {RECOVER}"), None)
     return None
-
-
-def _closer(note: dict, other: dict, call: tuple) -> bool:
-    """Whether failure ``note`` says more about ``call`` (number, lane code) than ``other``: a note of that
-    very call first, then the later call (the board's notes arrive in the order they were written, not in
-    call order)."""
-    seq, code = call
-
-    def rank_of(n: dict) -> tuple:
-        exact = seq is not None and n.get("seq") == seq and (code is None or n.get("lane") == code)
-        return exact, n.get("seq") if isinstance(n.get("seq"), int) else -1
-
-    return rank_of(note) >= rank_of(other)
 
 
 def _first_line(error: BaseException) -> str:
