@@ -318,9 +318,8 @@ def native_kernel(be, op: str, algorithm, taken: dict, **signature):
 
 def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, return_gathered: bool):
     """The forward of :func:`commfuse.all_gather_matmul` on ``call``'s backend, planned for the signature of
-    ``a`` and ``bs``: what does not change
-    from call to call (output shapes, the ring's plan and layout) is decided here, once; the function
-    returned runs one call ``(a, bs) -> (gathered or None, outputs)``."""
+    ``a`` and ``bs``: what does not change from call to call (output shapes, the ring's plan and layout) is
+    decided here, once; the function returned runs one call ``(a, bs) -> (gathered or None, outputs)``."""
     total = sum(sizes)
     contraction = gd == a.ndim - 1
     lead = list(a.shape[:-1])
