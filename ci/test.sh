@@ -4,8 +4,9 @@
 # with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the XLA stage in its own environment
-# (ci/test_xla.sh), and the CPU tests again on the torch floor in that
-# environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest run.
+# (ci/test_xla.sh), the torchtitan stage in its own environment (ci/test_torchtitan.sh:
+# torchtitan 0.3's models with commfuse's modules), and the CPU tests again on the torch
+# floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +33,6 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
 PY
 bash ci/test_backends.sh || status=1
 bash ci/test_xla.sh || status=1
+bash ci/test_torchtitan.sh || status=1
 bash ci/test_torch_floor.sh || status=1
 exit $status
