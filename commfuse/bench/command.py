@@ -91,7 +91,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("what to measure")
     g.add_argument("-w", "--workloads", nargs="+", metavar="W",
-                   help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; default: ag_matmul matmul_rs; with "
+                   help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; 'all' leaves out those needing another "
+                   "distribution: torchtitan; default: ag_matmul matmul_rs; with "
                    f"--compile: {' '.join(COMPILE_DEFAULT_WORKLOADS)})")
     g.add_argument("-a", "--algorithms", nargs="+", metavar="A",
                    help=f"algorithms to compare (default: {' '.join(ALGORITHMS)}; with --compile: "
@@ -169,8 +170,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workloads: list[str] = []
     for item in given:
         for w in item.split(","):
-            if w == "all":  # with --compile, every workload that compiles
-                workloads += list(COMPILE_WORKLOADS if compile_backend is not None and not fake else WORKLOADS)
+            if w == "all":  # with --compile, every workload that compiles; never one that needs another distribution
+                workloads += list(COMPILE_WORKLOADS if compile_backend is not None and not fake else
+                                  [name for name, info in WORKLOADS.items() if info.requires is None])
             elif w:
                 workloads.append(w)
     given = args.algorithms

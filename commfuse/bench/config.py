@@ -44,6 +44,7 @@ class WorkloadInfo:
     collective: str  # all_gather | reduce_scatter | all_to_all | mixed: decides which algorithms apply
     layer: str | None = None  # the commfuse.nn class it runs, None for a bare op
     backward: bool = False  # runs forward + backward unless --forward-only
+    requires: str | None = None  # a distribution commfuse does not install (left out of ``-w all``)
 
 
 WORKLOADS = {
@@ -68,6 +69,10 @@ WORKLOADS = {
                      "commfuse.models.llama) forward + backward on (b, s/N, h): vanilla is torch's own styles "
                      "(DTensor's collectives, then the GEMMs), every other algorithm commfuse.tp's block styles",
                      "mixed", None, True),
+        WorkloadInfo("torchtitan", "torchtitan 0.3's own Llama 3 block (commfuse.integrations.torchtitan) forward + "
+                     "backward on (b, s/N, h), plain local tensors: vanilla is torchtitan's stock tensor-parallel plan, "
+                     "every other algorithm the block with commfuse's fused modules (needs torchtitan installed)",
+                     "mixed", None, True, requires="torchtitan"),
         WorkloadInfo("moe", "MoE(h, ffn, experts, topk) forward + backward on (b, s/N, h) under expert parallelism: "
                      "the token dispatch (an uneven all-to-all) fused with the experts' gate/up GEMM per arriving "
                      "source, the down GEMM with the combine per destination; checked against moe_reference",

@@ -235,6 +235,105 @@ class LlamaBlock(Workload):
         return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
 
 
+class TorchtitanBlock(Workload):
+    """torchtitan 0.3's Llama 3 block (``Llama3TransformerBlock``: RMSNorm, grouped-query attention with the fused
+    ``wqkv`` and RoPE, SwiGLU) on a tensor-parallel mesh over every rank, sequence parallelism on, under its
+    ``spmd_types`` backend (plain local tensors), built twice from one seed by torchtitan's own config classes and
+    ``Module.parallelize``: stock (the ``vanilla`` run: the boundary all-gathers and reduce-scatters torchtitan
+    declares, then its GEMMs) and with ``commfuse.integrations.torchtitan.use_commfuse`` (every other algorithm,
+    set on its modules). Attention's core is torchtitan's SDPA module (causal). Forward + backward on
+    (b, s/N, h). As for ``llama_block``, the measure modes cannot take the stock plan apart: its runs refuse them.
+    """
+
+    name = "torchtitan"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        try:
+            from commfuse.integrations.torchtitan_cpu import prepare
+
+            if self.device.type == "cpu":
+                prepare()
+            from commfuse.integrations import torchtitan as cf_titan
+        except ImportError as e:
+            raise CommfuseValueError(f"workload torchtitan needs torchtitan installed beside commfuse ({e}); "
+                                     "`bash ci/setup_torchtitan.sh` makes such an environment") from None
+        import dataclasses
+        import types
+
+        from torchtitan.config import ParallelismConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+        from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+        from torchtitan.models.llama3 import llama3_configs
+
+        s = self.config.shape
+        if s.hidden % s.heads:
+            raise CommfuseValueError(f"workload torchtitan: hidden {s.hidden} is not divisible by heads {s.heads}")
+        parallelism = ParallelismConfig(tensor_parallel_degree=self.n, enable_sequence_parallel=True,
+                                        spmd_backend="spmd_types")
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=self.n, pp=1, ep=1, world_size=self.n,
+                            spmd_backend="spmd_types")
+        self.context = dist_utils.get_spmd_context(parallel_dims=dims)
+        blocks = []
+        for fused in (False, True):
+            config = llama3_configs["debugmodel"](attn_backend="flex")
+            layer = config.layers[0]
+            init = {"weight": layer.feed_forward.w1.param_init["weight"]}
+            config.dim, config.layers = s.hidden, [layer]
+            for norm in (config.norm, layer.attention_norm, layer.ffn_norm):
+                norm.normalized_shape = s.hidden
+            config.tok_embeddings.embedding_dim, config.lm_head.in_features = s.hidden, s.hidden
+            layer.attention = make_gqa_config(dim=s.hidden, n_heads=s.heads, n_kv_heads=s.kv_heads or s.heads,
+                                              wqkv_param_init=init, wo_param_init=init,
+                                              inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True,
+                                              rope=dataclasses.replace(layer.attention.rope,
+                                                                       dim=s.hidden // s.heads))
+            layer.feed_forward = make_ffn_config(dim=s.hidden, hidden_dim=s.ffn, w1_param_init=init,
+                                                 w2w3_param_init=init)
+            if fused:
+                cf_titan.use_commfuse(config, algorithm="vanilla")
+            config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+            with torch.device("meta"):
+                model = config.build()
+            model.parallelize(dims)
+            model.to_empty(device=self.device)
+            torch.manual_seed(self.config.seed)  # the same parameters in both blocks
+            with torch.no_grad(), self.context():
+                model.init_weights(buffer_device=self.device)
+            blocks.append(model.layers["0"].to(dtype=self.dtype))
+        self.theirs, self.ours = blocks
+        self.modules = [m for m in self.ours.modules() if isinstance(m, cf_titan._MODULES)]
+        self.backward = self.config.backward
+        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
+        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        from commfuse.runtime.observe import measuring
+
+        if algorithm == "vanilla":
+            if measuring() is not None:
+                raise CommfuseValueError("torchtitan's stock plan runs its own collectives, which compute_only and "
+                                         "comm_only cannot remove")
+            block = self.theirs
+        else:
+            block = self.ours
+            for module in self.modules:
+                module.algorithm = algorithm
+        with self.context():
+            if not self.backward:
+                with torch.no_grad():
+                    return [block(self.x, None)]
+            self.x.grad = None
+            params = list(block.parameters())
+            for p in params:
+                p.grad = None
+            y = block(self.x, None)
+            y.backward(self.dy)
+        return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
+
+
 class MixtureOfExperts(Workload):
     """``commfuse.nn.MoE`` under expert parallelism over every rank, forward + backward on (b, s/N, h).
 
@@ -327,7 +426,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear,
-                               LlamaBlock, MixtureOfExperts)}
+                               LlamaBlock, TorchtitanBlock, MixtureOfExperts)}
 
 
 def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:

@@ -1,55 +1,7 @@
-"""What a CPU process needs before it imports torchtitan 0.3's model code, and the checks that name a
-changed seam.
+"""The torchtitan stage's shared set-up: torchtitan's model code readied for a CPU rank
+(``commfuse.integrations.torchtitan_cpu.prepare``) and the releases this stage is run with."""
 
-torchtitan 0.3 targets CUDA (and a nightly torch). Two things stand between its model code and a CPU
-rank here, and both are torchtitan's, not commfuse's (the closing notes list them):
+from commfuse.integrations.torchtitan_cpu import prepare  # noqa: F401
 
-* ``torchtitan.tools.utils.device_type`` falls back to ``"cuda"`` when torch finds no accelerator, so
-  meshes and FSDP would be built for CUDA: it is set to ``"cpu"`` before any torchtitan module that
-  copies it is imported;
-* ``torchtitan.distributed.minimal_async_ep.kernels`` imports triton at module level (GPU kernels for
-  one of its MoE token dispatchers, which these tests never select): a stand-in module with the same
-  names is registered instead, each raising if it is ever called.
-"""
-
-from __future__ import annotations
-
-import sys
-import types
-
-import torch
-
-#: The torchtitan releases this harness and commfuse.integrations.torchtitan are tested with.
+#: The torchtitan releases CI's torchtitan stage runs; ``commfuse.integrations.torchtitan.TESTED`` must agree.
 TESTED = ("0.3.0",)
-
-_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
-_KERNEL_NAMES = ("copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
-                 "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
-                 "reduce_topk_slots_kernel", "topk_scores_grad_kernel")
-
-
-def _stand_in(name: str):
-    def kernel(*args, **kwargs):
-        raise RuntimeError(f"{_KERNELS}.{name} is a triton GPU kernel; the CPU tests stand it in and never "
-                           "select the minimal_async_ep token dispatcher that calls it")
-    kernel.__name__ = name
-    return kernel
-
-
-def prepare() -> None:
-    """Make torchtitan's model code importable on this CPU process (idempotent)."""
-    if _KERNELS not in sys.modules:
-        try:
-            import triton  # noqa: F401  (a machine with triton needs no stand-in)
-        except ImportError:
-            module = types.ModuleType(_KERNELS)
-            for name in _KERNEL_NAMES:
-                setattr(module, name, _stand_in(name))
-            sys.modules[_KERNELS] = module
-    import torchtitan.tools.utils as utils
-
-    if not torch.cuda.is_available():
-        utils.device_type, utils.device_module = "cpu", torch.cpu
-    from torchtitan.distributed import utils as dist_utils
-
-    dist_utils.set_spmd_backend("spmd_types")

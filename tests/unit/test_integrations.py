@@ -32,3 +32,17 @@ def test_importing_commfuse_imports_no_integration():
                           "print(sorted(m for m in sys.modules if m.startswith(('commfuse.integrations.', 'torchtitan'))))"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.skipif(_installed("torchtitan"), reason="this environment has torchtitan; the workload runs there")
+def test_the_torchtitan_bench_workload_without_torchtitan_says_how_to_get_it():
+    import torch
+
+    from commfuse.bench import command, workloads
+    from commfuse.cli import parser
+    from commfuse.errors import CommfuseValueError
+
+    config = command.config_from_args(parser().parse_args(["bench", "-w", "torchtitan", "--preset", "tiny"]))
+    with pytest.raises(CommfuseValueError, match=r"workload torchtitan needs torchtitan .*ci/setup_torchtitan\.sh"):
+        workloads.make("torchtitan", config, 0, 1, torch.device("cpu"))
+    assert "torchtitan" not in command.config_from_args(parser().parse_args(["bench", "-w", "all"])).workloads
