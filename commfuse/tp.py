@@ -28,17 +28,34 @@ GEMM, these run commfuse's fused op on the local shards:
   :func:`commfuse.matmul_reduce_scatter` along d.
 
 Two block styles fuse a whole sub-block each (apply them to the block, not its
-linears): :class:`SwiGLUParallel`, a SwiGLU feed-forward whose two up
-projections share one gather, and :class:`AttentionParallel`, self-attention
-whose Q/K/V projections share one gather, with a hook for rotary embeddings,
-and whose out-projection reduce-scatter is fed by per-query-slice attention.
+linears, which they name by their paths in it, dotted where they sit deeper):
+:class:`SwiGLUParallel`, a SwiGLU feed-forward whose two up projections share
+one gather, and :class:`AttentionParallel`, self-attention whose Q/K/V
+projections (three, or one fused ``wqkv``) share one gather, with a hook for
+rotary embeddings, and whose out-projection reduce-scatter is fed by
+per-query-slice attention.
 
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
 activation through DTensor exactly as torch's style does, and logs why at
 DEBUG on the ``commfuse`` logger. Inputs may be DTensors (``SequenceParallel``
 hands its output on as one) or local tensors laid out as ``input_layouts``
-says; ``use_local_output`` means what it means in torch.
+says.
+
+``use_local_output`` means what it means in torch, and its default is that of
+torch's style of the same kind (torch 2.13's
+``torch.distributed.tensor.parallel.style``): True for
+:class:`ColwiseParallel` and :class:`RowwiseParallel`, as torch's styles of
+those names; True for the block styles too, whose output is their
+row-parallel projection's (``w2``, ``wo``), as it is under torch's
+``RowwiseParallel`` in torch's plan for the same block (torch's
+``PrepareModuleOutput`` defaults to True as well; only ``SequenceParallel``
+and ``PrepareModuleInput``, which hand an activation on to the next style,
+default to False). So a block's output adds to a residual stream of local
+tensors, as in torch's plan. Where the residual stream is a DTensor (``x +
+attention(norm(x))`` with ``x`` a DTensor), give ``use_local_output=False``,
+as torch's ``RowwiseParallel`` needs there too: a local output added to a
+DTensor is torch's ``aten.add.Tensor got mixed torch.Tensor and DTensor``.
 
 What a style's fused ops compute with but cannot see in the shapes (whether
 each linear has a bias; the attention's mask, head size and rope hook) joins
@@ -269,8 +286,9 @@ class ColwiseParallel(_Style):
     out; with ``Shard(d)`` for a dim d other than the feature dim (the sequence
     dim under sequence parallelism) the forward is ``all_gather_matmul`` along
     d: each arriving shard's GEMM overlaps the next hop. ``output_layouts``
-    (default ``Shard(-1)``) and ``use_local_output`` (default True) as in torch.
-    ``algorithm``: commfuse's algorithm for the fused op (``"auto"``, ``"ring"``...).
+    (default ``Shard(-1)``) and ``use_local_output`` (default True) as in
+    torch's ``ColwiseParallel``. ``algorithm``: commfuse's algorithm for the
+    fused op (``"auto"``, ``"ring"``...).
     """
 
     _collectives = (Collective.ALL_GATHER,)
@@ -296,13 +314,14 @@ class RowwiseParallel(_Style):
     with the GEMM.
 
     ``input_layouts`` (default ``Shard(-1)``, the features a column-parallel
-    layer produced) and ``use_local_output`` (default True) as in torch.
-    ``output_layouts`` (default ``Replicate()``): with ``Shard(d)`` for a dim d
-    other than the feature dim (the sequence dim under sequence parallelism)
-    the forward is ``matmul_reduce_scatter`` along d, each step's partial GEMM
-    overlapping the ring; ``Replicate()`` is an all-reduce, through DTensor,
-    as in torch. The bias is added once after the reduction, and its gradient
-    is summed over the mesh. ``algorithm``: commfuse's algorithm for the fused op.
+    layer produced) and ``use_local_output`` (default True) as in torch's
+    ``RowwiseParallel``. ``output_layouts`` (default ``Replicate()``): with
+    ``Shard(d)`` for a dim d other than the feature dim (the sequence dim
+    under sequence parallelism) the forward is ``matmul_reduce_scatter``
+    along d, each step's partial GEMM overlapping the ring; ``Replicate()`` is
+    an all-reduce, through DTensor, as in torch. The bias is added once after
+    the reduction, and its gradient is summed over the mesh. ``algorithm``:
+    commfuse's algorithm for the fused op.
     """
 
     _collectives = (Collective.REDUCE_SCATTER,)
@@ -340,18 +359,29 @@ def _rowwise(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
 
 
 def _linears(style: _Style, module: nn.Module, names: dict[str, str], mesh: DeviceMesh) -> dict[str, nn.Linear]:
-    """The named ``nn.Linear`` children of a module a block style parallelizes, checked."""
+    """The ``nn.Linear`` projections of a block a block style parallelizes, by argument: ``names`` maps each of
+    the style's arguments (``w1``, ``wq``, ``qkv``...) to a submodule's path in the block, dotted where the
+    projection sits deeper (torchtitan's ``qkv_linear.wqkv``), resolved with ``get_submodule``. The modules
+    stay where they are, so their parameters' names and state-dict keys do not change."""
     style._check_mesh(mesh)
     found = {}
-    for role, name in names.items():
-        child = getattr(module, name, None)
+    for argument, path in names.items():
+        if not isinstance(path, str):
+            raise CommfuseTypeError(f"commfuse.tp.{type(style).__name__}: {argument} names a projection of the "
+                                    f"block (a submodule's path such as 'wq' or 'qkv_linear.wqkv'), got {path!r}")
+        try:
+            child = module.get_submodule(path)
+        except AttributeError:
+            child = None
         if not isinstance(child, nn.Linear):
-            raise CommfuseTypeError(
-                f"commfuse.tp.{type(style).__name__}: {type(module).__name__} has no nn.Linear {name!r} (its "
-                f"{role}); name the module's projections with the style's arguments"
+            what = "has no submodule" if child is None else f"has a {type(child).__name__}, not an nn.Linear, at"
+            raise CommfuseValueError(
+                f"commfuse.tp.{type(style).__name__}: {type(module).__name__} {what} {path!r} (the {argument}= "
+                f"argument, its {style._roles[argument]}); name each projection by its path in the block, "
+                f"dotted where it sits deeper ('qkv_linear.wq')"
             )
         style._check_linear(child)
-        found[role] = child
+        found[argument] = child
     return found
 
 
@@ -364,27 +394,36 @@ class SwiGLUParallel(_Style):
     default ``Shard(1)``) the forward is one ``all_gather_matmul`` serving both
     up projections, the gate, and one ``matmul_reduce_scatter`` into
     ``output_layouts`` (default ``Shard(1)``). ``w1``, ``w2``, ``w3`` name the
-    block's ``nn.Linear`` children.
+    block's ``nn.Linear`` projections by their path in it, dotted where they
+    sit deeper (``"mlp.w1"``); they are found when the style is applied.
+    ``use_local_output`` (default True) as torch's ``RowwiseParallel`` on
+    ``w2``, whose output the block's is: :mod:`commfuse.tp` says when to set
+    it False (a DTensor residual stream).
     """
+
+    _roles = {"w1": "gate projection", "w2": "down projection", "w3": "up projection"}
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True, algorithm: str = "auto", w1: str = "w1", w2: str = "w2",
                  w3: str = "w3") -> None:
         super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
                          use_local_output=use_local_output, algorithm=algorithm)
-        self.names = {"gate projection": w1, "down projection": w2, "up projection": w3}
+        self.names = {"w1": w1, "w2": w2, "w3": w3}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         lin = _linears(self, module, self.names, device_mesh)
-        _colwise(self, lin["gate projection"], device_mesh)
-        _colwise(self, lin["up projection"], device_mesh)
-        _rowwise(self, lin["down projection"], device_mesh)
-        return self._install(module, device_mesh, self._forward)
+        _colwise(self, lin["w1"], device_mesh)
+        _colwise(self, lin["w3"], device_mesh)
+        _rowwise(self, lin["w2"], device_mesh)
+        w1, w2, w3 = lin["w1"], lin["w2"], lin["w3"]
 
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, x) -> torch.Tensor:
-        names = self.names
+        def forward(module, mesh, x):
+            return self._forward(mesh, w1, w2, w3, x)
+
+        return self._install(module, device_mesh, forward)
+
+    def _forward(self, mesh: DeviceMesh, w1: nn.Linear, w2: nn.Linear, w3: nn.Linear, x) -> torch.Tensor:
         who = "commfuse.tp.SwiGLUParallel"
-        w1, w2, w3 = (getattr(module, names[r]) for r in ("gate projection", "down projection", "up projection"))
         options = config(who, gate_bias=w1.bias is not None, up_bias=w3.bias is not None,
                          down_bias=w2.bias is not None)
         gate, up = self._columns(mesh, x, [w1, w3], who, options)
@@ -394,18 +433,30 @@ class SwiGLUParallel(_Style):
 class AttentionParallel(_Style):
     """Self-attention with heads split over the mesh and the queries split over the ring (TPSP, query-split).
 
-    Apply it to the attention block, whose ``wq``, ``wk``, ``wv`` and ``wo``
-    ``nn.Linear`` children (names are arguments) project to and from heads of
-    ``head_dim``: the projections become column-parallel and ``wo``
-    row-parallel, with torch's placements, so each rank holds whole heads
-    (grouped-query attention included). The forward, for a sequence-sharded
-    input (``input_layouts``, default ``Shard(1)``):
+    Apply it to the attention block, whose ``nn.Linear`` projections to and
+    from heads of ``head_dim`` are named by the arguments ``wq``, ``wk``,
+    ``wv`` and ``wo`` (defaults ``"wq"``...), each by its path in the block,
+    dotted where it sits deeper (torchtitan's ``"qkv_linear.wq"``); they are
+    found when the style is applied, and stay where they are (their
+    parameters' names and state-dict keys do not change). The projections
+    become column-parallel and ``wo`` row-parallel, with torch's placements,
+    so each rank holds whole heads (grouped-query attention included). The
+    forward, for a sequence-sharded input (``input_layouts``, default
+    ``Shard(1)``):
 
     - one ``all_gather_matmul`` of the input serves the Q, K and V projections;
     - ``rope(q, k, *args, **kwargs) -> (q, k)``, when given, turns the rotary
       embeddings on with the block's own extra forward arguments (a Llama
       block's ``freqs_cis``) but its masks; q and k are (batch, sequence,
-      local heads, head_dim) over the whole sequence;
+      local heads, head_dim) over the whole sequence. With
+      ``rope_takes_module=True`` the hook also gets the block, by keyword:
+      ``rope(q, k, *args, module=block, **kwargs)``, for a block that keeps
+      its own rotary module (torchtitan's ``attention.rope``, called as
+      ``rope(xq, xk, positions)``)::
+
+          def rope(q, k, positions=None, *, module):
+              return module.rope(q, k, positions)
+
     - with a sequence-sharded output (``output_layouts``, default
       ``Shard(1)``) each query slice's attention and its ``wo`` partial are the
       producer of a reduce-scatter ring (``produce_reduce_scatter``): the ring
@@ -413,6 +464,22 @@ class AttentionParallel(_Style):
       slice takes its rows of the mask and its keys' columns.
 
     ``causal`` (default True) masks each query to the keys up to its position.
+    ``use_local_output`` (default True) as torch's ``RowwiseParallel`` on
+    ``wo``, whose output the block's is: :mod:`commfuse.tp` says when to set
+    it False (a DTensor residual stream).
+
+    **One fused QKV projection.** ``qkv`` (in place of ``wq``, ``wk``, ``wv``)
+    names one ``nn.Linear`` whose output rows are torchtitan's
+    ``FusedQKVLinear`` layout, ``(n_kv_heads, R, head_dim)`` with
+    ``R = n_heads // n_kv_heads + 2``: for each key/value head, its
+    ``n_heads // n_kv_heads`` query heads, then its key head, then its value
+    head. ``n_heads`` is read from ``wo`` (its input features over
+    ``head_dim``) and ``n_kv_heads`` from the rest of the rows. The
+    projection is column-parallel (``Shard(0)``, as torch's
+    ``ColwiseParallel`` and torchtitan shard it), so each rank's rows are
+    whole key/value groups: ``n_kv_heads`` must divide by the mesh size. The
+    one gather feeds the one fused GEMM, whose output is split per group into
+    q, k and v as ``FusedQKVLinear.forward`` splits it.
 
     **Masks and the block's other arguments.** Every argument the block's
     forward gets after its input is one of two things, decided by the name of
@@ -436,11 +503,13 @@ class AttentionParallel(_Style):
     """
 
     _native = False  # the out-projection's ring is produce_reduce_scatter's
+    _roles = {"wq": "query projection", "wk": "key projection", "wv": "value projection",
+              "qkv": "fused QKV projection", "wo": "output projection"}
 
     def __init__(self, *, head_dim: int, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True, algorithm: str = "auto",
-                 causal: bool = True, rope=None, wq: str = "wq", wk: str = "wk", wv: str = "wv",
-                 wo: str = "wo") -> None:
+                 causal: bool = True, rope=None, rope_takes_module: bool = False, wq: str | None = None,
+                 wk: str | None = None, wv: str | None = None, qkv: str | None = None, wo: str = "wo") -> None:
         super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
                          use_local_output=use_local_output, algorithm=algorithm)
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
@@ -448,28 +517,76 @@ class AttentionParallel(_Style):
         if rope is not None and not callable(rope):
             raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
         self.head_dim, self.causal, self.rope = head_dim, causal, rope
-        self._rope_takes = _takes(rope, 2) if rope is not None else (0, frozenset())
-        self.names = {"query projection": wq, "key projection": wk, "value projection": wv,
-                      "output projection": wo}
+        self.rope_takes_module = bool(rope_takes_module)
+        if self.rope_takes_module and (rope is None or not _takes_keyword(rope, "module")):
+            got = "no rope hook is given" if rope is None else \
+                f"the rope hook {getattr(rope, '__name__', rope)!r} takes no keyword 'module'"
+            raise CommfuseTypeError(f"commfuse.tp.AttentionParallel: rope_takes_module=True calls the rope hook as "
+                                    f"rope(q, k, *args, module=block, **kwargs), but {got}")
+        # the style gives the hook module= itself: none of the block's own arguments is routed to that name
+        self._rope_takes = (0, frozenset()) if rope is None else \
+            _takes(rope, 2, given=("module",) if self.rope_takes_module else ())
+        separate = {"wq": wq, "wk": wk, "wv": wv}
+        if qkv is not None:
+            given = [f"{name}={value!r}" for name, value in separate.items() if value is not None]
+            if given:
+                raise CommfuseValueError(f"commfuse.tp.AttentionParallel: qkv={qkv!r} names one fused QKV "
+                                         f"projection in place of wq, wk and wv, but {', '.join(given)} is given "
+                                         "too: give one or the other")
+            self.names = {"qkv": qkv, "wo": wo}
+        else:
+            self.names = {**{name: value or name for name, value in separate.items()}, "wo": wo}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         lin = _linears(self, module, self.names, device_mesh)
         n, d = device_mesh.size(), self.head_dim
-        for role in ("query projection", "key projection", "value projection"):
-            out = lin[role].out_features
-            if out % d or (out // d) % n:
-                raise CommfuseValueError(
-                    f"commfuse.tp.AttentionParallel: the {role} has {out} features, which is not whole heads of "
-                    f"{d} split evenly over {n} ranks: every rank must hold whole heads"
-                )
-            _colwise(self, lin[role], device_mesh)
-        _rowwise(self, lin["output projection"], device_mesh)
+        wo = lin["wo"]
+        if "qkv" in lin:
+            heads_per_kv = self._kv_groups(lin["qkv"], wo, n)
+            projections = [lin["qkv"]]
+        else:
+            heads_per_kv = None
+            projections = [lin["wq"], lin["wk"], lin["wv"]]
+            for argument, linear in zip(("wq", "wk", "wv"), projections):
+                out = linear.out_features
+                if out % d or (out // d) % n:
+                    raise CommfuseValueError(
+                        f"commfuse.tp.AttentionParallel: the {self._roles[argument]} {self.names[argument]!r} has "
+                        f"{out} features, which is not whole heads of {d} split evenly over {n} ranks: every rank "
+                        f"must hold whole heads"
+                    )
+        for linear in projections:
+            _colwise(self, linear, device_mesh)
+        _rowwise(self, wo, device_mesh)
         names = _positional_names(module.forward)  # the block's own parameters, read before it is replaced
 
-        def forward(module, mesh, x, *args, **kwargs):
-            return self._forward(module, mesh, names, x, *args, **kwargs)
+        def forward(block, mesh, x, *args, **kwargs):
+            return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
 
         return self._install(module, device_mesh, forward)
+
+    def _kv_groups(self, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
+        """The query heads per key/value head of a fused QKV projection (torchtitan's ``FusedQKVLinear``
+        layout), read from its rows and ``wo``'s input features, checked: each of the ``n`` ranks must hold
+        whole key/value groups."""
+        d, path = self.head_dim, self.names["qkv"]
+        heads, rows = wo.in_features // d, qkv.out_features // d
+        kv_heads = (rows - heads) // 2
+        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 or rows != heads + 2 * kv_heads \
+                or heads % kv_heads:
+            raise CommfuseValueError(
+                f"commfuse.tp.AttentionParallel: the fused QKV projection {path!r} has {qkv.out_features} "
+                f"features, which is not (n_heads + 2 * n_kv_heads) heads of {d} laid out as torchtitan's "
+                f"FusedQKVLinear, with n_heads = {wo.in_features / d:g} read from the output projection "
+                f"{self.names['wo']!r} ({wo.in_features} input features) and n_heads dividing by n_kv_heads"
+            )
+        if kv_heads % n:
+            raise CommfuseValueError(
+                f"commfuse.tp.AttentionParallel: the fused QKV projection {path!r} holds n_kv_heads = {kv_heads} "
+                f"key/value groups, which do not split evenly over {n} ranks: under Shard(0) every rank must hold "
+                f"whole groups (its query heads, key head and value head)"
+            )
+        return heads // kv_heads
 
     def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
         """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
@@ -502,21 +619,32 @@ class AttentionParallel(_Style):
             )
         return masks, tuple(value for _, _, value in rest), more
 
-    def _forward(self, module: nn.Module, mesh: DeviceMesh, names: tuple, x, *args, **kwargs) -> torch.Tensor:
+    def _forward(self, block: nn.Module, mesh: DeviceMesh, names: tuple, projections: list, wo: nn.Linear,
+                 heads_per_kv: int | None, x, *args, **kwargs) -> torch.Tensor:
+        """The block's forward: ``projections`` are wq, wk, wv, or the one fused QKV projection whose rows hold
+        ``heads_per_kv`` query heads per key/value group (None for the three)."""
         who = "commfuse.tp.AttentionParallel"
         given, args, kwargs = self._arguments(names, args, kwargs) if args or kwargs else ({}, args, kwargs)
-        wq, wk, wv, wo = (getattr(module, self.names[r]) for r in
-                          ("query projection", "key projection", "value projection", "output projection"))
         causal = bool(self.causal)
+        if heads_per_kv is None:
+            wq, wk, wv = projections
+            layout = dict(q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None)
+        else:
+            layout = dict(qkv_bias=projections[0].bias is not None, heads_per_kv=heads_per_kv)
         options = config(who, causal=causal, head_dim=self.head_dim, rope=self.rope is not None,
-                         q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None,
-                         o_bias=wo.bias is not None, mask=fused_attention.mask_kind(given))
-        q, k, v = self._columns(mesh, x, [wq, wk, wv], who, options)
-        if q.ndim != 3:
-            raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {q.ndim}-D")
-        b, s, d = q.shape[0], q.shape[1], self.head_dim
-        q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
-        if self.rope is not None:
+                         rope_module=self.rope_takes_module, **layout, o_bias=wo.bias is not None,
+                         mask=fused_attention.mask_kind(given))
+        ys = self._columns(mesh, x, projections, who, options)
+        if ys[0].ndim != 3:
+            raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {ys[0].ndim}-D")
+        b, s, d = ys[0].shape[0], ys[0].shape[1], self.head_dim
+        if heads_per_kv is None:
+            q, k, v = (y.view(b, s, -1, d) for y in ys)
+        else:
+            q, k, v = _split_qkv(ys[0], heads_per_kv, d)
+        if self.rope_takes_module:
+            q, k = self.rope(q, k, *args, module=block, **kwargs)
+        elif self.rope is not None:
             q, k = self.rope(q, k, *args, **kwargs)
         n = mesh.size()
         mask = fused_attention.resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
@@ -541,6 +669,22 @@ class AttentionParallel(_Style):
         return self._row(mesh, o.reshape(b, s, -1), wo, who, options)
 
 
+def _split_qkv(qkv: torch.Tensor, heads_per_kv: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (batch, sequence, heads, head_dim) of a fused QKV projection's output, whose features are
+    (key/value groups, heads_per_kv + 2, head_dim): each group's query heads, then its key head, then its value
+    head. torchtitan's ``FusedQKVLinear.forward`` split, on this rank's whole groups.
+
+    ========  ====================================================
+    qkv       (b, s, groups * (heads_per_kv + 2) * head_dim)
+    q         (b, s, groups * heads_per_kv, head_dim), contiguous
+    k, v      (b, s, groups, head_dim), contiguous
+    ========  ====================================================
+    """
+    b, s = qkv.shape[0], qkv.shape[1]
+    q, k, v = torch.split(qkv.view(b, s, -1, heads_per_kv + 2, head_dim), [heads_per_kv, 1, 1], dim=-2)
+    return tuple(t.reshape(b, s, -1, head_dim).contiguous() for t in (q, k, v))
+
+
 def _shape_of(module: nn.Module) -> str:
     """``(in -> out)`` of a linear, or the names of a block's children: how a site is told apart before
     ``commfuse.explain`` names it by its path."""
@@ -561,11 +705,12 @@ def _positional_names(forward) -> tuple:
     return tuple(named[1:])
 
 
-def _takes(hook, skip: int) -> tuple[int | None, frozenset | None]:
-    """What ``hook`` takes after its first ``skip`` positional arguments: (how many more positional ones,
-    None: any; the keyword names, None: any). A hook whose signature cannot be read takes anything."""
+def _takes(hook, skip: int, given: tuple = ()) -> tuple[int | None, frozenset | None]:
+    """What ``hook`` takes after its first ``skip`` positional arguments, besides the keywords ``given`` that
+    its caller passes itself: (how many more positional ones, None: any; the keyword names, None: any). A hook
+    whose signature cannot be read takes anything."""
     try:
-        params = list(inspect.signature(hook).parameters.values())
+        params = [p for p in inspect.signature(hook).parameters.values() if p.name not in given]
     except (TypeError, ValueError):
         return None, None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -573,6 +718,16 @@ def _takes(hook, skip: int) -> tuple[int | None, frozenset | None]:
     keywords = None if any(p.kind == p.VAR_KEYWORD for p in params) else frozenset(
         p.name for p in params[skip:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     return more, keywords
+
+
+def _takes_keyword(hook, name: str) -> bool:
+    """Whether ``hook`` can be called with the keyword ``name`` (a hook whose signature cannot be read can)."""
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind == p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+               for p in params)
 
 
 def _described(value) -> str:

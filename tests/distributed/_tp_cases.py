@@ -492,8 +492,8 @@ def block_styles(rank, n):
                                   (lambda: tp.AttentionParallel(head_dim=8, rope=3), cf.errors.CommfuseTypeError,
                                    "rope"),
                                   (lambda: parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh,
-                                                              tp.SwiGLUParallel()), cf.errors.CommfuseTypeError,
-                                   "'w1'"),
+                                                              tp.SwiGLUParallel()), cf.errors.CommfuseValueError,
+                                   "Sequential has no submodule 'w1' (the w1= argument"),
                                   (lambda: parallelize_module(llama_block.Attention(8 * n, 2 * n + 1, 1), mesh,
                                                               tp.AttentionParallel(head_dim=1)),
                                    cf.errors.CommfuseValueError, "whole heads")):
@@ -537,4 +537,327 @@ def block_styles(rank, n):
     _run(results, "block-styles-replicated-out", replicated_out)
     _run(results, "block-styles-errors", errors)
     _run(results, "attention-auto-computes-each-slice-once", auto_computes_each_slice_once)
+    return results
+
+
+# -- torchtitan's shapes: nested projections, one fused wqkv, a RoPE module per layer, a DTensor residual ----------
+
+
+class _RoPE(nn.Module):
+    """A rotary module as torchtitan keeps one per attention layer: its own cache, called rope(xq, xk, positions)."""
+
+    def __init__(self, head_dim: int, max_seq: int) -> None:
+        super().__init__()
+        from commfuse.models import llama
+
+        cos, sin = llama.rope_cache(head_dim, max_seq)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, xq, xk, positions=None):
+        from commfuse.models import llama
+
+        at = torch.arange(xq.shape[1]) if positions is None else positions
+        return llama.apply_rope(xq, xk, (self.cos[at], self.sin[at]))
+
+
+class _QKVLinear(nn.Module):
+    """torchtitan's QKVLinear: three projections, one level down (``qkv_linear.wq``)."""
+
+    def __init__(self, dim, n_heads, n_kv_heads, head_dim):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        return tuple(w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+
+
+class _FusedQKVLinear(nn.Module):
+    """torchtitan's FusedQKVLinear: one ``wqkv`` whose rows are (n_kv_heads, heads_per_kv + 2, head_dim), split
+    per key/value group as its forward splits it."""
+
+    def __init__(self, dim, n_heads, n_kv_heads, head_dim):
+        super().__init__()
+        self.head_dim, self.heads_per_kv = head_dim, n_heads // n_kv_heads
+        self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hpk, hd = self.heads_per_kv, self.head_dim
+        qkv = self.wqkv(x).view(b, s, -1, hpk + 2, hd)
+        q, k, v = torch.split(qkv, [hpk, 1, 1], dim=-2)
+        return q.reshape(b, s, -1, hd), k.reshape(b, s, -1, hd), v.reshape(b, s, -1, hd)
+
+
+class _TitanAttention(nn.Module):
+    """torchtitan's GQAttention: ``qkv_linear`` (three projections or one fused), a RoPE module, causal
+    grouped-query attention, ``wo``; ``forward(x, attention_masks, positions=None)``."""
+
+    def __init__(self, dim=16, n_heads=8, n_kv_heads=4, fused=True):
+        super().__init__()
+        hd = dim // n_heads * 2
+        self.qkv_linear = (_FusedQKVLinear if fused else _QKVLinear)(dim, n_heads, n_kv_heads, hd)
+        self.rope = _RoPE(hd, 64)
+        self.wo = nn.Linear(n_heads * hd, dim, bias=False)
+
+    def forward(self, x, attention_masks, positions=None):
+        assert attention_masks is None
+        q, k, v = self.qkv_linear(x)
+        q, k = self.rope(q, k, positions)
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        o = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=True)
+        return self.wo(o.transpose(1, 2).flatten(2))
+
+
+class _NestedFeedForward(nn.Module):
+    """A SwiGLU feed-forward one level down: its projections are ``mlp.w1``, ``mlp.w2``, ``mlp.w3``."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        from commfuse.models import llama
+
+        self.mlp = llama.FeedForward(dim, hidden)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def _fused_from_separate(wq, wk, wv, n_kv_heads):
+    """torchtitan's merge of wq, wk, wv rows into wqkv's (n_kv_heads, heads_per_kv + 2, head_dim) layout."""
+    hd = wk.shape[0] // n_kv_heads
+    q, k, v = (w.reshape(n_kv_heads, -1, hd, w.shape[1]) for w in (wq, wk, wv))
+    return torch.cat([q, k, v], dim=1).reshape(-1, wq.shape[1])
+
+
+def _rope_with_module(seen):
+    """A rope hook that takes the block (``rope_takes_module=True``) and calls the block's own RoPE module."""
+
+    def rope(q, k, positions=None, *, module):
+        seen.append(module)
+        return module.rope(q, k, positions)
+
+    return rope
+
+
+def torchtitan_shapes(rank, n):
+    """The block styles on torchtitan's shapes: projections named by dotted paths, one fused wqkv, the rope
+    hook given the block (its RoPE module), and a block's output added to a DTensor residual stream."""
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    from commfuse.models import llama
+
+    results = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    b, s, dim, heads, kv_heads = 2, 4 * n, 16, 4 * n, 2 * n  # every rank holds 2 key/value groups of 2 queries
+    hd = dim // heads * 2
+    x = torch.randn(b, s, dim, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(b, s, dim, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(s).flip(0) + 3  # not arange: the positions must reach the block's RoPE module
+    local = x.tensor_split(n, dim=1)[rank]
+    local_g = g.tensor_split(n, dim=1)[rank]
+
+    def titan(fused, seed=5):
+        torch.manual_seed(seed)
+        return _TitanAttention(dim, heads, kv_heads, fused=fused)
+
+    def run(block, *args):
+        xi = local.clone().requires_grad_()
+        y = block(xi, *args)
+        (y * local_g).sum().backward()
+        return xi, y
+
+    def dotted_names():
+        # projections one level down (qkv_linear.wq, ...): against torch's plan on the same block, whose keys
+        # name them so too; the rope hook takes the block and calls its RoPE module with the positions
+        theirs, ours = titan(False), titan(False)
+        ours.load_state_dict(theirs.state_dict())
+        keys = {k: v.shape for k, v in ours.state_dict().items()}
+        parallelize_module(theirs, mesh, PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                            desired_input_layouts=(Replicate(), None, None)))
+        parallelize_module(theirs, mesh, {"qkv_linear.wq": TorchColwise(), "qkv_linear.wk": TorchColwise(),
+                                          "qkv_linear.wv": TorchColwise(), "wo": TorchRowwise(output_layouts=Shard(1))})
+        seen = []
+        parallelize_module(ours, mesh, tp.AttentionParallel(
+            head_dim=hd, wq="qkv_linear.wq", wk="qkv_linear.wk", wv="qkv_linear.wv", rope=_rope_with_module(seen),
+            rope_takes_module=True, algorithm="ring"))
+        xt, yt = run(theirs, None, positions)
+        with _Counted() as calls:
+            xo, yo = run(ours, None, positions)
+        if calls.get("all_gather_matmul") != 1 or calls.get("attention_reduce_scatter") != 1:
+            raise AssertionError(f"the nested block did not take one gather and one fused attention: {calls}")
+        if len(seen) != 1 or seen[0] is not ours:
+            raise AssertionError(f"the rope hook got {seen}, not the block it was applied to")
+        _close(yo, yt, "nested block output against torch's plan")
+        _close(xo.grad, xt.grad, "nested block input grad against torch's plan")
+        for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
+            if not isinstance(po, DTensor) or po.placements != pt.placements:
+                raise AssertionError(f"{name}: {type(po).__name__} {getattr(po, 'placements', '')}, torch's "
+                                     f"{pt.placements}")
+            _close(po.grad, pt.grad, f"{name} grad against torch's plan")
+        if {k: v.shape for k, v in ours.state_dict().items()} != keys:
+            raise AssertionError(f"the state dict changed: {list(ours.state_dict())} against {list(keys)}")
+        # the feed-forward with its projections one level down, against the same weights one level up
+        torch.manual_seed(6)
+        flat, nested = llama.FeedForward(dim, 4 * n), _NestedFeedForward(dim, 4 * n)
+        nested.mlp.load_state_dict(flat.state_dict())
+        parallelize_module(flat, mesh, tp.SwiGLUParallel(algorithm="ring"))
+        parallelize_module(nested, mesh, tp.SwiGLUParallel(w1="mlp.w1", w2="mlp.w2", w3="mlp.w3", algorithm="ring"))
+        (xa, ya), (xb, yb) = run(flat), run(nested)
+        _close(yb, ya, "nested SwiGLU output")
+        _close(xb.grad, xa.grad, "nested SwiGLU input grad")
+        for name in ("w1", "w2", "w3"):
+            _close(getattr(nested.mlp, name).weight.grad, getattr(flat, name).weight.grad, f"mlp.{name} grad")
+        if list(nested.state_dict()) != ["mlp.w1.weight", "mlp.w2.weight", "mlp.w3.weight"]:
+            raise AssertionError(f"nested SwiGLU state dict keys: {list(nested.state_dict())}")
+
+    def fused_qkv():
+        # one fused wqkv: against torch's ColwiseParallel/RowwiseParallel plan on the same block, and against the
+        # unsharded attention with separate q/k/v projections built from the same (reordered) rows
+        theirs, ours, separate = titan(True), titan(True), titan(False)
+        ours.load_state_dict(theirs.state_dict())
+        wqkv = theirs.qkv_linear.wqkv.weight.detach()
+        rows = wqkv.reshape(kv_heads, heads // kv_heads + 2, hd, dim)
+        for name, part in (("wq", rows[:, :-2]), ("wk", rows[:, -2]), ("wv", rows[:, -1])):
+            getattr(separate.qkv_linear, name).weight = nn.Parameter(part.reshape(-1, dim).clone())
+        separate.wo.weight = nn.Parameter(theirs.wo.weight.detach().clone())
+        if not torch.equal(_fused_from_separate(*(getattr(separate.qkv_linear, w).weight for w in ("wq", "wk", "wv")),
+                                                kv_heads), wqkv):
+            raise AssertionError("the test's reordering of wqkv's rows is not torchtitan's merge")
+        parallelize_module(theirs, mesh, PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                            desired_input_layouts=(Replicate(), None, None)))
+        parallelize_module(theirs, mesh, {"qkv_linear.wqkv": TorchColwise(),
+                                          "wo": TorchRowwise(output_layouts=Shard(1))})
+        seen = []
+        parallelize_module(ours, mesh, tp.AttentionParallel(head_dim=hd, qkv="qkv_linear.wqkv",
+                                                            rope=_rope_with_module(seen), rope_takes_module=True,
+                                                            algorithm="ring"))
+        xt, yt = run(theirs, None, positions)
+        with _Counted() as calls:
+            xo, yo = run(ours, None, positions)
+        if calls.get("all_gather_matmul") != 1 or calls.get("attention_reduce_scatter") != 1:
+            raise AssertionError(f"the fused block did not take one gather and one fused attention: {calls}")
+        if len(seen) != 1 or seen[0] is not ours:
+            raise AssertionError(f"the rope hook got {seen}, not the block it was applied to")
+        _close(yo, yt, "fused QKV output against torch's plan")
+        _close(xo.grad, xt.grad, "fused QKV input grad against torch's plan")
+        for name in ("qkv_linear.wqkv.weight", "wo.weight"):
+            po, pt = ours.get_parameter(name), theirs.get_parameter(name)
+            if po.placements != pt.placements:
+                raise AssertionError(f"{name}: placements {po.placements} != torch's {pt.placements}")
+            _close(po.grad, pt.grad, f"{name} grad against torch's plan")
+        if ours.state_dict()["qkv_linear.wqkv.weight"].shape != wqkv.shape:
+            raise AssertionError(f"wqkv in the state dict: {list(ours.state_dict()['qkv_linear.wqkv.weight'].shape)}")
+        xs = x.clone().requires_grad_()
+        ys = separate(xs, None, positions)
+        (ys * g).sum().backward()
+        _close(yo, ys.tensor_split(n, dim=1)[rank], "fused QKV output against separate projections")
+        _close(xo.grad, xs.grad.tensor_split(n, dim=1)[rank], "fused QKV input grad against separate projections")
+        grads = [getattr(separate.qkv_linear, w).weight.grad for w in ("wq", "wk", "wv")]
+        _close(ours.qkv_linear.wqkv.weight.grad, _fused_from_separate(*grads, kv_heads),
+               "wqkv grad against separate projections' grads, merged")
+        _close(ours.wo.weight.grad, separate.wo.weight.grad, "wo grad against separate projections")
+
+    def refused():
+        def expect(call, kind, *words):
+            try:
+                call()
+            except kind as e:
+                missing = [w for w in words if w not in str(e)]
+                if missing:
+                    raise AssertionError(f"the error does not say {missing}: {e}") from e
+            else:
+                raise AssertionError(f"no {kind.__name__} naming {words}")
+
+        error, kind_error = cf.errors.CommfuseValueError, cf.errors.CommfuseTypeError
+        expect(lambda: parallelize_module(titan(False), mesh, tp.AttentionParallel(head_dim=hd)), error,
+               "_TitanAttention has no submodule 'wq'", "wq= argument", "query projection")
+        expect(lambda: parallelize_module(titan(True), mesh, tp.AttentionParallel(head_dim=hd, qkv="qkv_linear.wkv")),
+               error, "'qkv_linear.wkv'", "qkv= argument")
+        expect(lambda: parallelize_module(titan(True), mesh, tp.AttentionParallel(head_dim=hd, qkv="rope")),
+               error, "_RoPE, not an nn.Linear", "'rope'", "qkv= argument")
+        expect(lambda: tp.AttentionParallel(head_dim=hd, qkv="qkv_linear.wqkv", wk="wk"), error,
+               "wk='wk'", "one or the other")
+        # n + 1 key/value groups cannot be whole on each of n ranks
+        expect(lambda: parallelize_module(_TitanAttention(dim, n + 1, n + 1), mesh,
+                                          tp.AttentionParallel(head_dim=dim // (n + 1) * 2, qkv="qkv_linear.wqkv")),
+               error, f"n_kv_heads = {n + 1}", "'qkv_linear.wqkv'", "whole groups")
+        odd = titan(True)
+        odd.wo = nn.Linear(heads * hd + hd, dim, bias=False)  # wo's heads do not fit wqkv's rows
+        expect(lambda: parallelize_module(odd, mesh, tp.AttentionParallel(head_dim=hd, qkv="qkv_linear.wqkv")),
+               error, "'qkv_linear.wqkv'", "FusedQKVLinear", "n_heads = 9")
+        expect(lambda: tp.AttentionParallel(head_dim=hd, rope=llama.apply_rope, rope_takes_module=True), kind_error,
+               "apply_rope", "takes no keyword 'module'")
+        expect(lambda: tp.AttentionParallel(head_dim=hd, rope_takes_module=True), kind_error, "no rope hook")
+
+    def dtensor_residual():
+        # a residual stream of DTensors, x + block(x): with use_local_output=False (torch's RowwiseParallel needs
+        # the same), against torch's plan for the block with its row-parallel projection's use_local_output=False
+        for kind, style in ((tp.ColwiseParallel, TorchColwise), (tp.RowwiseParallel, TorchRowwise),
+                            (tp.SwiGLUParallel, TorchRowwise), (tp.AttentionParallel, TorchRowwise)):
+            ours = kind(head_dim=hd) if kind is tp.AttentionParallel else kind()
+            if ours.use_local_output != style().use_local_output:
+                raise AssertionError(f"{kind.__name__}'s use_local_output defaults to {ours.use_local_output}, "
+                                     f"torch's {style.__name__} to {style().use_local_output}")
+        for which in ("feed_forward", "attention"):
+            torch.manual_seed(8)
+            base = llama.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n)
+            blocks = {"torch": base, "commfuse": llama.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n),
+                      "default": llama.Block(dim=8 * n, n_heads=n, n_kv_heads=n, ffn=8 * n)}
+            for block in blocks.values():
+                block.load_state_dict(base.state_dict())
+            cache = llama.rope_cache(8, 4 * n)
+            if which == "feed_forward":
+                parallelize_module(base, mesh, {
+                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "feed_forward.w1": TorchColwise(), "feed_forward.w3": TorchColwise(),
+                    "feed_forward.w2": TorchRowwise(output_layouts=Shard(1), use_local_output=False)})
+                parallelize_module(blocks["commfuse"], mesh,
+                                   {"feed_forward": tp.SwiGLUParallel(use_local_output=False)})
+                parallelize_module(blocks["default"], mesh, {"feed_forward": tp.SwiGLUParallel()})
+            else:
+                parallelize_module(base, mesh, {
+                    "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                    desired_input_layouts=(Replicate(), None)),
+                    "attention.wq": TorchColwise(), "attention.wk": TorchColwise(), "attention.wv": TorchColwise(),
+                    "attention.wo": TorchRowwise(output_layouts=Shard(1), use_local_output=False)})
+                parallelize_module(blocks["commfuse"], mesh, {"attention": tp.AttentionParallel(
+                    head_dim=8, rope=llama.apply_rope, use_local_output=False)})
+                parallelize_module(blocks["default"], mesh, {"attention": tp.AttentionParallel(
+                    head_dim=8, rope=llama.apply_rope)})
+            xr = torch.randn(2, 4 * n, 8 * n, generator=torch.Generator().manual_seed(9))
+            outs = {}
+            for name, block in blocks.items():
+                xd = DTensor.from_local(xr.tensor_split(n, dim=1)[rank].clone(), mesh, [Shard(1)]).requires_grad_()
+                sub = getattr(block, which)
+                try:
+                    y = xd + (sub(xd, cache) if which == "attention" else sub(xd))  # the residual stream
+                except RuntimeError as e:
+                    if name != "default" or "mixed torch.Tensor and DTensor" not in str(e):
+                        raise
+                    continue  # the default hands on a local output, as torch's RowwiseParallel does
+                else:
+                    if name == "default":
+                        raise AssertionError(f"{which}: the default output added to a DTensor residual: a local "
+                                             "output (use_local_output=True) must not pass as a DTensor")
+                if not isinstance(y, DTensor) or y.placements != (Shard(1),):
+                    raise AssertionError(f"{which} ({name}): the residual is {type(y).__name__} "
+                                         f"{getattr(y, 'placements', '')}, not a DTensor Shard(1)")
+                y.full_tensor().square().sum().backward()
+                outs[name] = (xd, y, sub)
+            (xt, yt, st), (xo, yo, so) = outs["torch"], outs["commfuse"]
+            _close(yo, yt, f"{which}: x + block(x) on a DTensor residual")
+            _close(xo.grad, xt.grad, f"{which}: input grad through the DTensor residual")
+            for (pn, pt), (_, po) in zip(st.named_parameters(), so.named_parameters()):
+                _close(po.grad, pt.grad, f"{which}.{pn} grad through the DTensor residual")
+
+    _run(results, "dotted-projection-names", dotted_names)
+    _run(results, "fused-qkv", fused_qkv)
+    _run(results, "refused-by-name", refused)
+    _run(results, "dtensor-residual", dtensor_residual)
     return results

@@ -61,3 +61,8 @@ def test_nn_layers_hold_dtensor_parameters(n, name):
                                   "attention-auto-computes-each-slice-once"))
 def test_block_styles(name):
     _check("block_styles", 2, name)
+
+
+@pytest.mark.parametrize("name", ("dotted-projection-names", "fused-qkv", "refused-by-name", "dtensor-residual"))
+def test_block_styles_on_torchtitan_shapes(name):
+    _check("torchtitan_shapes", 2, name)
