@@ -36,14 +36,19 @@ takes the ring and half a block carries at least 64 KiB. The grouped GEMM over a
 ``torch.nn.functional.grouped_mm`` where this build runs it for the device and
 dtype (:data:`GROUPED_MM` says what a process uses), else a loop over experts.
 
-What the parameters are (DTensors: experts sharded by expert, the router
-replicated), which mean the gradients are of, and what runs in which dtype
-under ``torch.autocast``: :class:`MoE`.
+The router also has torchtitan 0.3's (and DeepSeek-V3's) options: a route
+scale, a router bias, the auxiliary-loss-free load-balancing expert bias and
+node-limited routing; and the layer may have shared experts, whose GEMMs run
+while the dispatch flies. What each costs, what the parameters are
+(DTensors: experts sharded by expert, the router replicated), which mean the
+gradients are of, and what runs in which dtype under ``torch.autocast``:
+:class:`MoE`.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from contextlib import nullcontext
 
@@ -153,21 +158,54 @@ def _cumulative(counts) -> list[int]:
 # -- routing ---------------------------------------------------------------------------------------------------
 
 
-def route(x: torch.Tensor, router: torch.Tensor, topk: int, gating: str = "softmax", normalize: bool = True):
+def route(x: torch.Tensor, router: torch.Tensor, topk: int, gating: str = "softmax", normalize: bool = True, *,
+          bias: torch.Tensor | None = None, expert_bias: torch.Tensor | None = None, route_scale: float = 1.0,
+          num_expert_groups: int | None = None, num_limited_groups: int | None = None):
     """Top-k routing of tokens ``x`` (tokens, hidden) by ``router`` (experts, hidden; a tensor, or a replicated
-    DTensor such as :attr:`MoE.router`, whose local tensor is the whole).
+    DTensor such as :attr:`MoE.router`, whose local tensor is the whole): torchtitan's ``TokenChoiceTopKRouter``.
 
     Returns ``(weights, experts)``, both (tokens, topk): the gate weights in
-    ``x``'s dtype (renormalised over the k picked when ``normalize``) and the
-    experts picked. ``softmax`` (Mixtral) scores every expert with a softmax of
-    its logit, ``sigmoid`` (DeepSeek-V3) with a sigmoid.
+    ``x``'s dtype and the experts picked. ``softmax`` (Mixtral) scores every
+    expert with a softmax of its logit, ``sigmoid`` (DeepSeek-V3) with a
+    sigmoid, in float32. In order:
+
+    * ``bias`` (experts,): the router linear's bias, added to the logits;
+    * ``expert_bias`` (experts,): the load-balancing bias, added to the scores
+      only to *choose* the experts; the weights are the unbiased scores of the
+      chosen;
+    * ``num_expert_groups`` / ``num_limited_groups`` (node-limited routing):
+      experts in that many groups of consecutive experts, each scored by the
+      sum of its two best (biased) scores; only the ``num_limited_groups``
+      best groups of a token may be chosen;
+    * ``normalize``: the weights renormalised over the k chosen (a sum guarded
+      by 1e-20, as torchtitan's ``route_norm``); then times ``route_scale``.
     """
-    logits = x @ local(router).t()
+    weight = local(router)
+    logits = x @ weight.t() if bias is None else F.linear(x, weight, local(bias))
     scores = torch.softmax(logits.float(), dim=-1) if gating == "softmax" else torch.sigmoid(logits.float())
-    weights, experts = torch.topk(scores, topk, dim=-1)
+    choice = scores if expert_bias is None else scores + expert_bias
+    if num_expert_groups is not None:
+        choice = _limit_groups(choice, num_expert_groups, num_limited_groups)
+    if choice is scores:
+        weights, experts = torch.topk(scores, topk, dim=-1)
+    else:
+        experts = torch.topk(choice, topk, dim=-1).indices
+        weights = scores.gather(-1, experts)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if route_scale != 1.0:
+        weights = weights * route_scale
     return weights.to(x.dtype), experts
+
+
+def _limit_groups(scores: torch.Tensor, groups: int, limited: int) -> torch.Tensor:
+    """``scores`` (tokens, experts) with every expert outside each token's ``limited`` best groups at -inf (a
+    group's score: the sum of its two best)."""
+    grouped = scores.unflatten(-1, (groups, scores.shape[-1] // groups))
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    kept = torch.topk(group_scores, limited, dim=-1, sorted=False).indices
+    dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, kept, False)
+    return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def _sort_by_expert(experts: torch.Tensor, n_experts: int):
@@ -193,16 +231,25 @@ def _swiglu_backward(h13: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
 
 
 def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk: int,
-                  gating: str = "softmax", normalize: bool = True) -> torch.Tensor:
+                  gating: str = "softmax", normalize: bool = True, *, router_bias: torch.Tensor | None = None,
+                  expert_bias: torch.Tensor | None = None, route_scale: float = 1.0,
+                  num_expert_groups: int | None = None, num_limited_groups: int | None = None,
+                  shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None) -> torch.Tensor:
     """One process holding every expert: what :class:`MoE` computes, with plain autograd ops.
 
     ``x`` (..., hidden); ``router`` (experts, hidden); ``w13`` (experts,
     hidden, 2 * ffn), the gate projection's columns then the up projection's;
-    ``w2`` (experts, ffn, hidden).
+    ``w2`` (experts, ffn, hidden). The routing options are :func:`route`'s
+    (``router_bias`` is its ``bias``). ``shared_w13`` (hidden, 2 * shared ffn)
+    and ``shared_w2`` (shared ffn, hidden): the shared experts, one SwiGLU
+    every token goes through, added to the routed output.
     """
+    _check_routing("moe_reference", router.shape[0], topk, route_scale, num_expert_groups, num_limited_groups)
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    weights, experts = route(xt, router, topk, gating, normalize)
+    weights, experts = route(xt, router, topk, gating, normalize, bias=router_bias, expert_bias=expert_bias,
+                             route_scale=route_scale, num_expert_groups=num_expert_groups,
+                             num_limited_groups=num_limited_groups)
     order, token, counts = _sort_by_expert(experts, w13.shape[0])
     xs = xt.index_select(0, token)
     parts, at = [], 0
@@ -211,7 +258,41 @@ def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: 
         parts.append(_swiglu(rows @ w13[e]) @ w2[e])
         at += c
     ys = torch.cat(parts) * weights.reshape(-1)[order].unsqueeze(-1)
-    return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
+    out = torch.zeros_like(xt).index_add(0, token, ys)
+    if shared_w13 is not None:
+        out = out + _swiglu(xt @ shared_w13) @ shared_w2
+    return out.reshape(shape)
+
+
+def _check_routing(where: str, experts: int, topk: int, route_scale, num_expert_groups, num_limited_groups) -> None:
+    """Refuse routing options :func:`route` cannot honour, naming the option and its value."""
+    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not (
+            math.isfinite(route_scale) and route_scale > 0):
+        raise CommfuseValueError(f"{where}: route_scale must be a positive finite number, got {route_scale!r}")
+    if (num_expert_groups is None) != (num_limited_groups is None):
+        raise CommfuseValueError(
+            f"{where}: node-limited routing takes num_expert_groups and num_limited_groups together, got "
+            f"num_expert_groups={num_expert_groups!r}, num_limited_groups={num_limited_groups!r}")
+    if num_expert_groups is None:
+        return
+    for name, value in (("num_expert_groups", num_expert_groups), ("num_limited_groups", num_limited_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CommfuseValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    if experts % num_expert_groups:
+        raise CommfuseValueError(
+            f"{where}: num_expert_groups={num_expert_groups} does not divide the {experts} experts")
+    per_group = experts // num_expert_groups
+    if per_group < 2:  # a group's score is the sum of its two best
+        raise CommfuseValueError(
+            f"{where}: num_expert_groups={num_expert_groups} leaves {per_group} expert per group of the {experts}; "
+            "a group is scored by its two best experts, so it needs at least 2")
+    if num_limited_groups > num_expert_groups:
+        raise CommfuseValueError(
+            f"{where}: num_limited_groups={num_limited_groups} is more than num_expert_groups={num_expert_groups}")
+    if topk > num_limited_groups * per_group:
+        raise CommfuseValueError(
+            f"{where}: topk={topk} is more than the {num_limited_groups * per_group} experts of "
+            f"num_limited_groups={num_limited_groups} groups of {per_group}")
 
 
 # -- the fused expert-parallel part -----------------------------------------------------------------------------
@@ -285,6 +366,60 @@ class _Experts:
         return dx
 
 
+class _Shared:
+    """One call's shared experts: a SwiGLU (``x @ w13`` -> SwiGLU -> ``@ w2``) that every token of this rank goes
+    through, run as the first compute of an exchange: its forward in the dispatch's first compute step, its
+    backward (dgrad and wgrad) in the backward dispatch's.
+
+    Those steps are where the dispatch is in flight: in a ring, step 0 sends
+    the first hop while the own block is computed, so the shared GEMMs run
+    beside that hop too; ``sliced:c`` runs them beside its second chunk's
+    exchange; ``vanilla`` (one whole exchange, with no compute beside it) runs
+    every compute after the exchange, the shared experts' as well. Each
+    method runs once however often it is called: a call that received no
+    slice runs it after its dispatch.
+    """
+
+    def __init__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.x, self.w13, self.w2 = x, w13, w2
+        self.h13 = self.act = self.out = self.dy = self.grads = None
+
+    def forward(self) -> None:
+        if self.out is None:
+            self.h13 = self.x @ self.w13
+            self.act = _swiglu(self.h13)
+            self.out = self.act @ self.w2
+
+    def forward_stand_in(self) -> None:  # comm_only: the shape, no work
+        if self.out is None:
+            self.out = self.x.new_zeros(self.x.shape[0], self.w2.shape[-1])
+
+    def backward(self) -> None:
+        if self.grads is None:
+            if self.act is None:  # its forward stood in (comm_only)
+                return self.backward_stand_in()
+            d_act = self.dy @ self.w2.t()
+            dh13 = _swiglu_backward(self.h13, d_act)
+            self.grads = (dh13 @ self.w13.t(), self.x.t() @ dh13, self.act.t() @ self.dy)
+
+    def backward_stand_in(self) -> None:
+        if self.grads is None:
+            self.grads = (torch.zeros_like(self.x), torch.zeros_like(self.w13), torch.zeros_like(self.w2))
+
+    def first(self, run, stand_in, consumer: pipelined.StandIn) -> pipelined.StandIn:
+        """``consumer`` (a by-slice one) that runs ``run`` (``stand_in`` in comm_only runs) before its first
+        slice."""
+        def consume(t, q, start):
+            run()
+            consumer.consumer(t, q, start)
+
+        def stand(t, q, start):
+            stand_in()
+            consumer.stand_in(t, q, start)
+
+        return pipelined.StandIn(consume, stand)
+
+
 class _ExpertParallel(torch.autograd.Function):
     """Rows sorted by expert (``send_counts[d]`` per expert of rank d) through the experts of their ranks and
     back, in the same order: dispatch fused with the gate/up GEMM, the down GEMM fused with combine.
@@ -299,57 +434,89 @@ class _ExpertParallel(torch.autograd.Function):
                                                                                    summed, divided by N
     ========== =============================== =================================== ================================
 
-    The weight gradients are divided by N (in the GEMMs that accumulate them): the layer's gradients are
-    those of the mean of its ranks' losses, as :class:`MoE` says."""
+    With shared experts (``xt``, ``sw13``, ``sw2`` given; :class:`_Shared` runs them while the dispatch flies):
+
+    ========== ========================================================== ======================================
+    pass       this rank's tokens xt (tokens, h)                          shared weights (replicated)
+    ========== ========================================================== ======================================
+    forward    xt @ sw13 -> SwiGLU -> act (tokens, fs) @ sw2: a second    sw13 (h, 2fs), sw2 (fs, h)
+               output, (tokens, h)
+    dgrad      dshared @ sw2^T -> SwiGLU' -> dh (tokens, 2fs) @ sw13^T    (the same)
+    wgrad      (none)                                                     xt^T @ dh, act^T @ dshared: this
+                                                                          rank's tokens only (the caller
+                                                                          averages them over the group)
+    ========== ========================================================== ======================================
+
+    The experts' weight gradients are divided by N (in the GEMMs that accumulate them): the layer's gradients
+    are those of the mean of its ranks' losses, as :class:`MoE` says."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
-                meta: list[int]):
+                meta: list[int], xt: torch.Tensor | None = None, sw13: torch.Tensor | None = None,
+                sw2: torch.Tensor | None = None):
+        shared = None if xt is None else _Shared(xt, sw13, sw2)
         if call is None:
             work = _Experts(w13, w2, send_counts.tolist())
+            if shared is not None:
+                shared.forward()
             work.up(xs, 0, 0)
             ys = work.down(0, 0, xs.shape[0])
-            ctx.state = (call, work, [xs.shape[0]], [xs.shape[0]])
-            return ys
+            ctx.state = (call, work, [xs.shape[0]], [xs.shape[0]], shared)
+            return ys if shared is None else (ys, shared.out)
         recv_counts = pipelined.exchange_sizes(call, send_counts, label="moe.sizes", meta=meta).tolist()
         send_rows = send_counts.sum(dim=1).tolist()
         recv_rows = [sum(c) for c in recv_counts]
         work = _Experts(w13, w2, recv_counts, 1.0 / len(recv_counts))
+        up = pipelined.StandIn(work.up, work.up_stand_in)
+        if shared is not None:
+            up = shared.first(shared.forward, shared.forward_stand_in, up)
         pipelined.all_to_all_consume_core(
-            call, list(xs.split(send_rows)), pipelined.StandIn(work.up, work.up_stand_in), 0,
-            recv_sizes=recv_rows, label="moe.dispatch", by_slice=True)
+            call, list(xs.split(send_rows)), up, 0, recv_sizes=recv_rows, label="moe.dispatch", by_slice=True)
+        if shared is not None:
+            shared.forward()  # no slice came (nothing is run twice)
         like = xs.new_empty(0, w2.shape[-1])
         ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=recv_rows,
                                                label="moe.combine", like=like, by_slice=True)
-        ctx.state = (call, work, send_rows, recv_rows)
-        return torch.cat(ys) if len(ys) > 1 else ys[0]
+        ctx.state = (call, work, send_rows, recv_rows, shared)
+        ys = torch.cat(ys) if len(ys) > 1 else ys[0]
+        return ys if shared is None else (ys, shared.out)
 
     @staticmethod
-    def backward(ctx, dys: torch.Tensor):
-        call, work, send_rows, recv_rows = ctx.state
+    def backward(ctx, dys: torch.Tensor, dshared: torch.Tensor | None = None):
+        call, work, send_rows, recv_rows, shared = ctx.state
         ctx.state = None
         dys = dys.contiguous()
         dw13 = torch.zeros_like(work.w13)
         dw2 = torch.zeros_like(work.w2)
+        if shared is not None:
+            shared.dy = dshared.contiguous()
         if call is None:
+            if shared is not None:
+                shared.backward()
             work.down_backward(dys, 0, 0, dw2)
-            return work.up_backward(0, 0, dys.shape[0], dw13), dw13, dw2, None, None, None
-
-        with op_calls(call.be, "MoE.backward (its dispatch and combine)", 2):
-            dxs = _ExpertParallel._backward(dys, call, work, send_rows, recv_rows, dw13, dw2)
-        return dxs, dw13, dw2, None, None, None
+            dxs = work.up_backward(0, 0, dys.shape[0], dw13)
+        else:
+            with op_calls(call.be, "MoE.backward (its dispatch and combine)", 2):
+                dxs = _ExpertParallel._backward(dys, call, work, send_rows, recv_rows, dw13, dw2, shared)
+        dx, dsw13, dsw2 = (None, None, None) if shared is None else shared.grads
+        return dxs, dw13, dw2, None, None, None, dx, dsw13, dsw2
 
     @staticmethod
-    def _backward(dys, call, work, send_rows, recv_rows, dw13, dw2):
+    def _backward(dys, call, work, send_rows, recv_rows, dw13, dw2, shared):
         def down_backward(dyq, q, start):
             work.down_backward(dyq, q, start, dw2)
 
         def down_stand_in(dyq, q, start):  # comm_only: what the input gradient's slices are made of
             work._keep(work.dh13, q, start, dyq.new_empty(dyq.shape[0], work.w13.shape[-1]))
 
+        down = pipelined.StandIn(down_backward, down_stand_in)
+        if shared is not None:
+            down = shared.first(shared.backward, shared.backward_stand_in, down)
         pipelined.all_to_all_consume_core(
-            call, list(dys.split(send_rows)), pipelined.StandIn(down_backward, down_stand_in), 0,
-            recv_sizes=recv_rows, label="moe.dispatch.backward", by_slice=True)
+            call, list(dys.split(send_rows)), down, 0, recv_sizes=recv_rows, label="moe.dispatch.backward",
+            by_slice=True)
+        if shared is not None:
+            shared.backward()  # no slice came (nothing is run twice)
         like = dys.new_empty(0, work.w13.shape[1])
         dxs = pipelined.produce_all_to_all_core(call, lambda q, start, rows: work.up_backward(q, start, rows, dw13), 0,
                                                 recv_sizes=send_rows, send_sizes=recv_rows,
@@ -368,9 +535,12 @@ def _not_traced() -> None:
         )
 
 
-def _expert_parallel(xs, w13, w2, call, send_counts, meta):
+def _expert_parallel(xs, w13, w2, call, send_counts, meta, shared=None):
+    """The routed rows through the experts and back; with ``shared`` (``xt``, ``sw13``, ``sw2``), also the shared
+    experts' output on ``xt``, computed while the dispatch flies: ``(ys, shared_out)``."""
     _not_traced()
-    return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta)
+    xt, sw13, sw2 = (None, None, None) if shared is None else shared
+    return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta, xt, sw13, sw2)
 
 
 eager_only(_expert_parallel)
@@ -430,6 +600,51 @@ class MoE(nn.Module):
     the router ``router`` (experts, hidden) on every rank. ``group`` is a
     ProcessGroup, a 1-D DeviceMesh (``mesh["ep"]``) or None (the default group).
 
+    **Routing options** (keyword-only, each off by default; each is
+    torchtitan 0.3's ``TokenChoiceTopKRouter`` / ``MoE`` option of the same
+    name unless said, :func:`route` has the math; DeepSeek-V3's values in
+    brackets). None adds a host synchronisation: the one a call has is still
+    its size exchange. What each costs:
+
+    * ``route_scale`` (2.5): a factor on the gate weights applied on combine,
+      after the renormalisation. One multiply of the (tokens, k) weights.
+    * ``router_bias`` (a bool; torchtitan's router ``gate`` linear's ``bias``):
+      the router linear gets a bias :attr:`router_bias` (experts,),
+      replicated as the router, initialised to zeros. The add in the router's
+      GEMM, and one all-reduce of its E gradients in the backward (averaged
+      over the group as the router's).
+    * ``load_balance_coeff`` (1e-3; torchtitan's default is 1e-3, here None):
+      the auxiliary-loss-free load balancing of DeepSeek-V3. A buffer
+      :attr:`expert_bias` (experts,) float32 is added to the scores only to
+      choose the experts (the gate weights are the unbiased scores), and each
+      forward in training mode adds this rank's tokens per expert into the
+      buffer :attr:`tokens_per_expert` (an add of E floats on the device). The
+      update, :meth:`update_expert_bias`, runs before the optimizer step
+      (:meth:`register_expert_bias_update` hooks it there, as torchtitan's
+      optimizer hook does): the counts summed over the group (and the
+      data-parallel group, if given), ``bias += coeff * sign(mean - counts)``
+      centred to mean zero, counts zeroed. One all-reduce of E floats per
+      optimizer step. Under DDP over a data-parallel axis pass
+      ``broadcast_buffers=False``: DDP would overwrite every rank's counts
+      with its first rank's before each forward.
+    * ``num_expert_groups`` and ``num_limited_groups`` (8 and 4):
+      node-limited routing. The experts fall in groups of consecutive experts
+      (so groups that divide the ranks are ranks' experts), each scored per
+      token by the sum of its two best biased scores; a token chooses only
+      within its ``num_limited_groups`` best groups. A few (tokens, experts)
+      ops; the exchanges stay dropless all-to-alls, carrying no rows to the
+      groups a token did not keep.
+    * ``shared_ffn_size`` (2048 = the routed experts' ffn times the count of
+      shared experts, as torchtitan's DeepSeek-V3 builds its
+      ``shared_experts`` FeedForward): a dense SwiGLU, replicated on every rank
+      of the group (:attr:`shared_w13` (hidden, 2 * shared_ffn_size), the gate
+      then the up projection, :attr:`shared_w2` (shared_ffn_size, hidden)),
+      through which every token goes; its output is added to the routed
+      output. Its GEMMs run while the dispatch flies (in the dispatch's first
+      compute step: beside the ring's first hop), its backward while the
+      backward's dispatch flies; one all-reduce of its gradients per backward
+      (averaged over the group as the router's).
+
     **Parameters.** With more than one rank they are DTensors, as torchtitan
     holds an expert-parallel MoE's: ``w13`` (experts, hidden, 2 * ffn), the
     gate then the up projection, and ``w2`` (experts, ffn, hidden) placed
@@ -486,7 +701,10 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, experts: int, topk: int = 2, *, gating: str = "softmax",
-                 normalize: bool = True, group=None, algorithm: str = "auto", device=None, dtype=None) -> None:
+                 normalize: bool = True, route_scale: float = 1.0, router_bias: bool = False,
+                 load_balance_coeff: float | None = None, num_expert_groups: int | None = None,
+                 num_limited_groups: int | None = None, shared_ffn_size: int | None = None, group=None,
+                 algorithm: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
         if gating not in GATINGS:
             raise CommfuseValueError(f"gating must be one of {GATINGS}, got {gating!r}")
@@ -496,6 +714,17 @@ class MoE(nn.Module):
                 raise CommfuseValueError(f"MoE: {name} must be a positive int, got {value!r}")
         if topk > experts:
             raise CommfuseValueError(f"MoE: topk={topk} is more than the {experts} experts")
+        _check_routing("MoE", experts, topk, route_scale, num_expert_groups, num_limited_groups)
+        if not isinstance(router_bias, bool):
+            raise CommfuseValueError(f"MoE: router_bias must be True or False, got {router_bias!r}")
+        if load_balance_coeff is not None and (
+                isinstance(load_balance_coeff, bool) or not isinstance(load_balance_coeff, (int, float))
+                or not (math.isfinite(load_balance_coeff) and load_balance_coeff > 0)):
+            raise CommfuseValueError(
+                f"MoE: load_balance_coeff must be a positive finite number or None, got {load_balance_coeff!r}")
+        if shared_ffn_size is not None and (
+                isinstance(shared_ffn_size, bool) or not isinstance(shared_ffn_size, int) or shared_ffn_size < 1):
+            raise CommfuseValueError(f"MoE: shared_ffn_size must be a positive int or None, got {shared_ffn_size!r}")
         self.algorithm = algorithm  # checked (the property below)
         self.group = resolve_group(group)
         self.rank, self.world_size = world(self.group)
@@ -505,6 +734,10 @@ class MoE(nn.Module):
                 "expert-parallel group")
         self.hidden_size, self.ffn_size, self.experts, self.topk = hidden_size, ffn_size, experts, topk
         self.gating, self.normalize = gating, normalize
+        self.route_scale = float(route_scale)
+        self.load_balance_coeff = None if load_balance_coeff is None else float(load_balance_coeff)
+        self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
+        self.shared_ffn_size = shared_ffn_size
         self.local_experts = experts // self.world_size
         self.backend = None
         self._calls: dict = {}
@@ -518,6 +751,19 @@ class MoE(nn.Module):
                             (experts, hidden_size, 2 * ffn_size))
         self.w2 = as_param(torch.empty(self.local_experts, ffn_size, hidden_size, **kw), mesh, shard,
                            (experts, ffn_size, hidden_size))
+        self.router_bias = as_param(torch.empty(experts, **kw), mesh, whole, (experts,)) if router_bias else None
+        self.shared_w13 = self.shared_w2 = None
+        if shared_ffn_size is not None:
+            self.shared_w13 = as_param(torch.empty(hidden_size, 2 * shared_ffn_size, **kw), mesh, whole,
+                                       (hidden_size, 2 * shared_ffn_size))
+            self.shared_w2 = as_param(torch.empty(shared_ffn_size, hidden_size, **kw), mesh, whole,
+                                      (shared_ffn_size, hidden_size))
+        if self.load_balance_coeff is not None:  # float32 whatever the parameters' dtype, as torchtitan's
+            self.register_buffer("expert_bias", torch.zeros(experts, device=device, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(experts, device=device, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
         self.reset_parameters()
 
     @property
@@ -529,11 +775,20 @@ class MoE(nn.Module):
         self._algorithm = site_algorithm("MoE", value, Collective.ALL_TO_ALL)
 
     def reset_parameters(self) -> None:
-        """The router from the global RNG; expert e from a generator seeded by one draw of the global RNG and e."""
+        """The router and the shared experts from the global RNG, the router bias and the expert bias zeros;
+        expert e from a generator seeded by one draw of the global RNG and e."""
         router, w13, w2 = local(self.router), local(self.w13), local(self.w2)
         seed = int(torch.randint(0, 2**62, ()))  # the same on every rank seeded alike
         with torch.no_grad():
             nn.init.normal_(router, std=1.0 / math.sqrt(self.hidden_size))
+            if self.router_bias is not None:
+                nn.init.zeros_(local(self.router_bias))
+            if self.shared_w13 is not None:
+                nn.init.normal_(local(self.shared_w13), std=1.0 / math.sqrt(self.hidden_size))
+                nn.init.normal_(local(self.shared_w2), std=1.0 / math.sqrt(self.shared_ffn_size))
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+                self.tokens_per_expert.zero_()
             if w13.device.type == "meta":
                 return
             start, _ = self.expert_range
@@ -547,13 +802,28 @@ class MoE(nn.Module):
         """The global indices [start, stop) of this rank's experts."""
         return self.rank * self.local_experts, (self.rank + 1) * self.local_experts
 
-    def load_experts(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> "MoE":
+    def load_experts(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                     router_bias: torch.Tensor | None = None, expert_bias: torch.Tensor | None = None,
+                     shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None) -> "MoE":
         """Copy this rank's share of every expert's weights (``moe_reference``'s layout: ``w13`` (experts,
         hidden, 2 * ffn), ``w2`` (experts, ffn, hidden)) and the router (experts, hidden) into the local
-        tensors."""
+        tensors; and, where given, the router bias (experts,), the expert bias (experts,) and the shared
+        experts (``shared_w13`` (hidden, 2 * shared ffn), ``shared_w2`` (shared ffn, hidden)), each of which
+        the layer must have."""
         want = {"router": (self.experts, self.hidden_size), "w13": (self.experts, self.hidden_size, 2 * self.ffn_size),
-                "w2": (self.experts, self.ffn_size, self.hidden_size)}
-        for name, t in (("router", router), ("w13", w13), ("w2", w2)):
+                "w2": (self.experts, self.ffn_size, self.hidden_size), "router_bias": (self.experts,),
+                "expert_bias": (self.experts,)}
+        if self.shared_ffn_size is not None:
+            want["shared_w13"] = (self.hidden_size, 2 * self.shared_ffn_size)
+            want["shared_w2"] = (self.shared_ffn_size, self.hidden_size)
+        given = {"router": router, "w13": w13, "w2": w2, "router_bias": router_bias, "expert_bias": expert_bias,
+                 "shared_w13": shared_w13, "shared_w2": shared_w2}
+        for name, t in given.items():
+            if t is None:
+                continue
+            if getattr(self, name) is None:
+                raise CommfuseValueError(f"MoE.load_experts: rank {self.rank}: {name} was given, but the layer was "
+                                         f"built without it ({self.extra_repr()})")
             if tuple(t.shape) != want[name]:
                 raise CommfuseValueError(f"MoE.load_experts: rank {self.rank}: {name} has shape {list(t.shape)}, "
                                          f"the whole layer's is {list(want[name])}")
@@ -562,6 +832,9 @@ class MoE(nn.Module):
             local(self.router).copy_(local(router))
             local(self.w13).copy_(w13[start:stop])
             local(self.w2).copy_(w2[start:stop])
+            for name in ("router_bias", "expert_bias", "shared_w13", "shared_w2"):
+                if given[name] is not None:
+                    local(getattr(self, name)).copy_(local(given[name]))
         return self
 
     def gather_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -573,7 +846,41 @@ class MoE(nn.Module):
 
     def _meta(self) -> list[int]:
         return [self.experts, self.hidden_size, self.ffn_size, self.topk, GATINGS.index(self.gating),
-                int(self.normalize)]
+                int(self.normalize), self.shared_ffn_size or 0, self.num_expert_groups or 0,
+                self.num_limited_groups or 0, int(self.router_bias is not None), int(self.expert_bias is not None),
+                _float_bits(self.route_scale)]
+
+    def update_expert_bias(self, dp_group=None) -> None:
+        """One step of the auxiliary-loss-free load balancing (torchtitan's ``_update_expert_bias``): the
+        tokens each expert got since the last update, summed over the expert-parallel group and, given one
+        (a ProcessGroup or a 1-D DeviceMesh, ``mesh["dp"]``), the data-parallel group (torchtitan sums over
+        its loss mesh: every rank whose tokens differ); then ``delta = coeff * sign(mean(counts) - counts)``,
+        ``expert_bias += delta - mean(delta)``; the counts zeroed. Every rank of both groups must call it
+        (one all-reduce of E floats over each, through commfuse); the bias then is the same on every rank.
+        Run it before each optimizer step (:meth:`register_expert_bias_update`), after the step's forwards
+        (all of them, under gradient accumulation)."""
+        if self.load_balance_coeff is None:
+            raise CommfuseValueError(
+                f"MoE.update_expert_bias: rank {self.rank}: the layer was built with load_balance_coeff=None: it "
+                "has no expert bias to update")
+        with torch.no_grad():
+            counts = self.tokens_per_expert.clone()
+            if self.world_size > 1:
+                counts = _summed(counts, self.group)
+            if dp_group is not None and world(resolve_group(dp_group))[1] > 1:
+                counts = _summed(counts, resolve_group(dp_group))
+            delta = self.load_balance_coeff * torch.sign(counts.mean() - counts)
+            self.expert_bias.add_(delta - delta.mean())
+            self.tokens_per_expert.zero_()
+
+    def register_expert_bias_update(self, optimizer: torch.optim.Optimizer, dp_group=None):
+        """Run :meth:`update_expert_bias` before each ``optimizer.step()`` (torchtitan's optimizer step pre-hook);
+        returns the hook's handle (``handle.remove()`` undoes it)."""
+        if self.load_balance_coeff is None:
+            raise CommfuseValueError(
+                f"MoE.register_expert_bias_update: rank {self.rank}: the layer was built with "
+                "load_balance_coeff=None: it has no expert bias to update")
+        return optimizer.register_step_pre_hook(lambda *_: self.update_expert_bias(dp_group))
 
     def _refuse_ddp_over_experts(self) -> None:
         """Refuse to run inside DistributedDataParallel over a group that holds two or more of this layer's
@@ -629,20 +936,38 @@ class MoE(nn.Module):
                     f"MoE: rank {self.rank}: the input is {xt.dtype} and the layer's parameters are {w13.dtype}: "
                     "torch's matmul does not mix them; cast the input, or the layer (moe.to(dtype)), or run "
                     "under torch.autocast")
-            router = _averaged(router, self.group, self.world_size)
-            weights, chosen = route(xt, router, self.topk, self.gating, self.normalize)
-            order, token, counts = _sort_by_expert(chosen, self.experts)
-            xs = xt.index_select(0, token)
             n = self.world_size
+            router = _averaged(router, self.group, n)
+            bias = None if self.router_bias is None else _averaged(local(self.router_bias), self.group, n)
+            weights, chosen = route(xt, router, self.topk, self.gating, self.normalize, bias=bias,
+                                    expert_bias=self.expert_bias, route_scale=self.route_scale,
+                                    num_expert_groups=self.num_expert_groups,
+                                    num_limited_groups=self.num_limited_groups)
+            order, token, counts = _sort_by_expert(chosen, self.experts)
+            if self.tokens_per_expert is not None and self.training:
+                with torch.no_grad():  # on the device: read on the host only by update_expert_bias's all-reduce
+                    self.tokens_per_expert.add_(counts)
+            xs = xt.index_select(0, token)
             call = self._call(xt)
             send_counts = counts.view(n, self.local_experts)
+            shared = None
+            if self.shared_w13 is not None:
+                shared = (xt, _averaged(local(self.shared_w13), self.group, n),
+                          _averaged(local(self.shared_w2), self.group, n))
             if cast is None:
-                ys = _expert_parallel(xs, w13, w2, call, send_counts, self._meta())
+                ys = _expert_parallel(xs, w13, w2, call, send_counts, self._meta(), shared)
             else:  # the rows, the experts and both exchanges in autocast's dtype; autocast itself off inside
+                if shared is not None:
+                    shared = tuple(t.to(cast) for t in shared)
                 with torch.autocast(xt.device.type, enabled=False):
-                    ys = _expert_parallel(xs.to(cast), w13.to(cast), w2.to(cast), call, send_counts, self._meta())
+                    ys = _expert_parallel(xs.to(cast), w13.to(cast), w2.to(cast), call, send_counts, self._meta(),
+                                          shared)
+        ys, shared_out = ys if shared is not None else (ys, None)
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(xt).index_add(0, token, ys).reshape(shape)
+        out = torch.zeros_like(xt).index_add(0, token, ys)
+        if shared_out is not None:
+            out = out + shared_out
+        return out.reshape(shape)
 
     def _call(self, xt: torch.Tensor):
         """The exchanges' resolved options. ``auto`` decides once per layer, device and dtype, on the blocks of
@@ -669,23 +994,47 @@ class MoE(nn.Module):
         return call
 
     def extra_repr(self) -> str:
+        options = "".join(f", {name}={value!r}" for name, value, on in (
+            ("route_scale", self.route_scale, self.route_scale != 1.0),
+            ("router_bias", True, self.router_bias is not None),
+            ("load_balance_coeff", self.load_balance_coeff, self.load_balance_coeff is not None),
+            ("num_expert_groups", self.num_expert_groups, self.num_expert_groups is not None),
+            ("num_limited_groups", self.num_limited_groups, self.num_limited_groups is not None),
+            ("shared_ffn_size", self.shared_ffn_size, self.shared_ffn_size is not None)) if on)
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, experts={self.experts} "
-                f"({self.local_experts} per rank of {self.world_size}), topk={self.topk}, gating={self.gating}, "
-                f"algorithm={self.algorithm!r}")
+                f"({self.local_experts} per rank of {self.world_size}), topk={self.topk}, gating={self.gating}"
+                f"{options}, algorithm={self.algorithm!r}")
+
+
+def _float_bits(x: float) -> int:
+    """``x``'s IEEE double bits as a signed int64 (a fingerprint holds ints)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over ``group``: through commfuse (numbered, bounded by its timeout, told to every rank)."""
+    call = resolve_call(Collective.REDUCE_SCATTER, "vanilla", group=group, device=t.device)
+    return pipelined.all_reduce_core(call, t.contiguous(), label="moe.tokens_per_expert")
 
 
 def _describe_sizes(v):
     k = v[0]
     rest = v[1:]
-    if len(rest) >= 6:
-        experts, hidden, ffn, topk, gating, normalize = rest[:6]
+    if len(rest) >= 12:
+        experts, hidden, ffn, topk, gating, normalize, shared, groups, limited, bias, balance, scale = rest[:12]
         gate = GATINGS[gating] if 0 <= gating < len(GATINGS) else f"gating#{gating}"
+        scale = struct.unpack("<d", struct.pack("<q", scale))[0]
+        options = "".join(part for part, on in (
+            (f", route_scale {scale:g}", scale != 1.0), (", a router bias", bias), (", an expert bias", balance),
+            (f", {limited} of {groups} expert groups", groups), (f", shared experts of ffn {shared}", shared)) if on)
         return (f"an MoE layer of {experts} experts ({k} on each rank), hidden {hidden}, ffn {ffn}, top-{topk} "
-                f"{gate} gating{'' if normalize else ', not renormalised'}")
+                f"{gate} gating{'' if normalize else ', not renormalised'}{options}")
     return f"{k} counts per rank"
 
 
 register_format("moe.sizes", _describe_sizes)
 register_format("moe.tokens", lambda v: "the token count auto decides on (one per rank)")
+for _label in ("moe.tokens_per_expert.reduce", "moe.tokens_per_expert.gather"):
+    register_format(_label, lambda v: "the tokens per expert of the load balancing's update")
 for _label in ("moe.dispatch", "moe.combine", "moe.dispatch.backward", "moe.combine.backward"):
     register_format(_label, lambda v: f"token rows of {v[3:3 + v[2]]} (dim {v[1]} differs per peer)")

@@ -8,6 +8,7 @@ import commfuse as cf
 from commfuse.errors import CommfuseError
 from commfuse.nn import MoE, moe_reference
 from commfuse.nn._common import local
+from commfuse.nn.moe import route
 from commfuse.runtime.c10d import C10dBackend
 from commfuse.runtime.observe import measure
 
@@ -97,30 +98,42 @@ def matches_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
         for algorithm in algorithms:
             where = f"top-{topk} {gating} {algorithm}"
             moe = MoE(HIDDEN, FFN, experts, topk, gating=gating, algorithm=algorithm).load_experts(router, w13, w2)
-            x = xs[rank].clone().requires_grad_()
-            y = moe(x)
-            # whole blocks run the experts' GEMMs on the reference's rows, exactly; blocks cut in slices
-            # (ring:m, sliced:c) run them on fewer rows at a time, which the BLAS may block differently
-            ((call,),) = moe._calls.values()  # what the layer ran (auto resolved)
-            exact = call.spec.name in ("vanilla", "ring") and call.spec.parts == 1
-            if not (torch.equal(y, ys[rank]) if exact else _close(y, ys[rank], 1e-6)):
-                problems.append(f"{where}: forward differs from the reference (max "
-                                f"{(y - ys[rank]).abs().max().item() if y.numel() else 0:g})")
-            y.backward(_grad_weights(rank, y))
+            x, y = _forward_backward(problems, where, moe, rank, xs[rank], ys[rank])
             lo, hi = moe.expert_range
-            for name, got, want in (("input", x.grad, dxs[rank]), ("w13", moe.w13.grad, dw13[lo:hi]),
-                                    ("w2", moe.w2.grad, dw2[lo:hi]), ("router", moe.router.grad, drouter)):
-                got = torch.zeros_like(want) if got is None else local(got)  # a DTensor's: this rank's piece
-                if not _close(got, want):
-                    problems.append(f"{where}: {name} gradient differs (max {(got - want).abs().max().item():g})")
-            # the measurement modes the benchmark uses run the same layer end to end
-            for mode in ("comm_only", "compute_only"):
-                with measure(mode):
-                    out = moe(xs[rank].clone().requires_grad_())
-                    out.backward(torch.ones_like(out))
-                if out.shape != y.shape:
-                    problems.append(f"{where}: {mode} gave shape {list(out.shape)}")
+            _gradients_and_modes(problems, where, moe, xs[rank], y,
+                                 (("input", x.grad, dxs[rank]), ("w13", moe.w13.grad, dw13[lo:hi]),
+                                  ("w2", moe.w2.grad, dw2[lo:hi]), ("router", moe.router.grad, drouter)))
     return problems
+
+
+def _forward_backward(problems: list, where: str, moe, rank: int, x_in: torch.Tensor, want: torch.Tensor):
+    """``moe`` on a copy of ``x_in``, its output checked against the reference's ``want``, then its backward:
+    ``(x, y)``. Whole blocks run the experts' GEMMs on the reference's rows, exactly; blocks cut in slices
+    (ring:m, sliced:c) run them on fewer rows at a time, which the BLAS may block differently."""
+    x = x_in.clone().requires_grad_()
+    y = moe(x)
+    ((call,),) = moe._calls.values()  # what the layer ran (auto resolved)
+    exact = call.spec.name in ("vanilla", "ring") and call.spec.parts == 1
+    if not (torch.equal(y, want) if exact else _close(y, want, 1e-6)):
+        problems.append(f"{where}: forward differs from the reference (max "
+                        f"{(y - want).abs().max().item() if y.numel() else 0:g})")
+    y.backward(_grad_weights(rank, y))
+    return x, y
+
+
+def _gradients_and_modes(problems: list, where: str, moe, x: torch.Tensor, y: torch.Tensor, checks) -> None:
+    """Each ``(name, got, want)`` gradient compared, then the measurement modes the benchmark uses run on the same
+    layer end to end."""
+    for name, got, want in checks:
+        got = torch.zeros_like(want) if got is None else local(got)  # a DTensor's: this rank's piece
+        if not _close(got, want):
+            problems.append(f"{where}: {name} gradient differs (max {(got - want).abs().max().item():g})")
+    for mode in ("comm_only", "compute_only"):
+        with measure(mode):
+            out = moe(x.clone().requires_grad_())
+            out.backward(torch.ones_like(out))
+        if out.shape != y.shape:
+            problems.append(f"{where}: {mode} gave shape {list(out.shape)}")
 
 
 def uneven_no_empty_messages(rank: int, n: int) -> dict:
@@ -223,3 +236,193 @@ def auto_takes(rank: int, n: int) -> dict:
         want = moe_reference(xs[rank], *moe.gather_experts(), 2)
         out[rows] = {"taken": call[0].spec.shown, "reason": call[0].reason, "close": _close(y, want, 1e-5)}
     return out
+
+
+# -- the routing options (DeepSeek-V3's, as torchtitan 0.3 has them) ----------------------------------------------
+
+#: Each option set: a name, top-k, gating and MoE's keyword options. ``groups`` and ``limited`` are written for
+#: the world size n (see ``_routing``); the expert count is 4n.
+OPTION_SETS = [
+    ("route_scale", 2, "sigmoid", dict(route_scale=2.5)),
+    ("router_bias softmax", 2, "softmax", dict(router_bias=True)),
+    ("router_bias sigmoid", 2, "sigmoid", dict(router_bias=True)),
+    ("expert_bias", 2, "sigmoid", dict(load_balance_coeff=1e-3)),
+    ("node-limited, a group a rank", 2, "sigmoid", dict(num_expert_groups="n", num_limited_groups=1)),
+    ("node-limited, two groups a rank", 3, "softmax", dict(num_expert_groups="2n", num_limited_groups=2)),
+    ("shared experts", 2, "softmax", dict(shared_ffn_size=2 * FFN)),
+    ("DeepSeek-V3-like", 3, "sigmoid", dict(route_scale=2.5, router_bias=True, load_balance_coeff=1e-3,
+                                            num_expert_groups="2n", num_limited_groups="n",
+                                            shared_ffn_size=2 * FFN)),
+]
+
+
+def _routing(options: dict, n: int) -> dict:
+    """The option set at world size n ("n" and "2n" read as such)."""
+    sizes = {"n": n, "2n": 2 * n}
+    return {k: sizes.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+
+
+def _whole_layer(n: int, experts: int, options: dict, seed: int = 1) -> dict:
+    """Every weight of the layer, the same on every rank: the router's and experts' of :func:`_weights` (expert 0
+    and, at 4 ranks, the last rank's experts starved), and what the options add: a router bias, an expert
+    bias (random, and -1 on the starved experts so that it never un-starves them), the shared experts."""
+    router, w13, w2, starved = _weights(n, experts, starve_rank=n - 1 if n >= 4 else None, starve_expert=0,
+                                        seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    whole = {"router": router, "w13": w13, "w2": w2}
+    if options.get("router_bias"):
+        whole["router_bias"] = 0.5 * torch.randn(experts, generator=g)
+    if options.get("load_balance_coeff") is not None:
+        bias = 0.05 * torch.randn(experts, generator=g)
+        bias[starved] = -1.0
+        whole["expert_bias"] = bias
+    if options.get("shared_ffn_size") is not None:
+        f = options["shared_ffn_size"]
+        whole["shared_w13"] = torch.randn(HIDDEN, 2 * f, generator=g) / HIDDEN ** 0.5
+        whole["shared_w2"] = torch.randn(f, HIDDEN, generator=g) / f ** 0.5
+    return whole, starved
+
+
+def _route_options(whole: dict, options: dict) -> dict:
+    """moe_reference's keywords for the option set and weights."""
+    kw = {k: options[k] for k in ("route_scale", "num_expert_groups", "num_limited_groups") if k in options}
+    for name in ("router_bias", "expert_bias", "shared_w13", "shared_w2"):
+        if name in whole:
+            kw[name] = whole[name]
+    return kw
+
+
+def _picked(xs, whole: dict, topk: int, gating: str, kw: dict) -> list:
+    """The experts each token of every rank chooses under routing options ``kw`` (moe_reference's), sorted."""
+    picked = []
+    for x in xs:
+        if x.numel():
+            _, chosen = route(x, whole["router"], topk, gating, bias=kw.get("router_bias"),
+                              expert_bias=kw.get("expert_bias"), route_scale=kw.get("route_scale", 1.0),
+                              num_expert_groups=kw.get("num_expert_groups"),
+                              num_limited_groups=kw.get("num_limited_groups"))
+            picked.extend(map(tuple, chosen.sort(dim=-1).values.tolist()))
+    return picked
+
+
+def _reference_with(xs, whole: dict, topk: int, gating: str, kw: dict):
+    """:func:`_reference` with the routing options: outputs and input gradients by rank (each of its own loss),
+    and every parameter's gradient of the mean of the ranks' losses (the experts' summed over every rank's
+    tokens and the replicated ones' over every rank's loss, each divided by the rank count)."""
+    params = {k: v.clone().requires_grad_() for k, v in whole.items() if k != "expert_bias"}
+    kw = {k: params.get(k, v) for k, v in kw.items()}
+    xr = [x.clone().requires_grad_() for x in xs]
+    ys = [moe_reference(x, params["router"], params["w13"], params["w2"], topk, gating, **kw) for x in xr]
+    loss = sum(((y * _grad_weights(q, y)).sum() for q, y in enumerate(ys)), torch.zeros(()))
+    loss.backward()
+    n = len(xs)
+    return [y.detach() for y in ys], [x.grad for x in xr], {k: p.grad / n for k, p in params.items()}
+
+
+def options_match_reference(rank: int, n: int, algorithms: list[str]) -> list[str]:
+    """Forward and backward of MoE with each routing option (route_scale, a router bias, an expert bias,
+    node-limited routing, shared experts, all of them at once) against the one-process reference, with
+    skewed routing (a rank with no tokens, an expert no token picks, at 4 ranks a rank whose experts no token
+    picks): outputs exactly where the blocks are whole (within 1e-6 where cut in slices), gradients within
+    2e-5 (the input's, the experts', the router's and its bias's, the shared experts')."""
+    problems: list[str] = []
+    experts = 4 * n
+    xs = _tokens(n)
+    for name, topk, gating, options in OPTION_SETS:
+        options = _routing(options, n)
+        whole, starved = _whole_layer(n, experts, options)
+        kw = _route_options(whole, options)
+        picked = _picked(xs, whole, topk, gating, kw)
+        if {e for p in picked for e in p} & set(starved):
+            problems.append(f"{name}: the test's routing is not skewed as meant: starved experts were picked")
+        # each option that changes the choice must change it here, or the test proves nothing of it
+        for option, off in (("expert_bias", ("expert_bias",)),
+                            ("num_expert_groups", ("num_expert_groups", "num_limited_groups"))):
+            if option in kw:
+                without = {k: v for k, v in kw.items() if k not in off}
+                if _picked(xs, whole, topk, gating, without) == picked:
+                    problems.append(f"{name}: {option} changed no token's choice: the test does not exercise it")
+        ys, dxs, grads = _reference_with(xs, whole, topk, gating, kw)
+        for algorithm in algorithms:
+            where = f"{name} (top-{topk} {gating}) {algorithm}"
+            moe = MoE(HIDDEN, FFN, experts, topk, gating=gating, algorithm=algorithm, **options)
+            moe.load_experts(**whole)
+            x, y = _forward_backward(problems, where, moe, rank, xs[rank], ys[rank])
+            lo, hi = moe.expert_range
+            checks = [("input", x.grad, dxs[rank])]
+            for pname, want in grads.items():
+                checks.append((pname, getattr(moe, pname).grad, want[lo:hi] if pname in ("w13", "w2") else want))
+            _gradients_and_modes(problems, where, moe, xs[rank], y, checks)
+    return problems
+
+
+#: Hand-computed updates (coefficient 1): the tokens per expert summed over every rank, and
+#: ``sign(mean - counts)`` less its mean. 4 experts: mean 1.5, signs -1 1 1 1 (mean 0.5). 8 experts: mean 2,
+#: signs -1 1 1 1 1 0 0 -1 (mean 0.25).
+HAND_UPDATES = {
+    4: ([3, 1, 1, 1], [-1.5, 0.5, 0.5, 0.5]),
+    8: ([3, 1, 1, 1, 0, 2, 2, 6], [-1.25, 0.75, 0.75, 0.75, 0.75, -0.25, -0.25, -1.25]),
+}
+
+
+def expert_bias_update(rank: int, n: int) -> list[str]:
+    """The load balancing's bookkeeping and update against hand-computed values: each training forward adds
+    this rank's tokens per expert (an eval forward none); before ``optimizer.step()`` the hook sums the
+    counts over the ranks, adds ``coeff * sign(mean - counts)`` less its mean to the bias (the same on every
+    rank) and zeroes the counts; the next forward chooses with the new bias. At 4 ranks, also on a 2 x 2
+    (dp, ep) mesh, the counts summed over the data-parallel group as well."""
+    problems: list[str] = []
+    experts, coeff = 2 * n, 0.25
+    options = dict(load_balance_coeff=coeff)
+    whole, _ = _whole_layer(n, experts, options, seed=5)
+    moe = MoE(HIDDEN, FFN, experts, 2, gating="sigmoid", algorithm="ring", **options).load_experts(**whole)
+    x = _tokens(n)[rank]
+    kw = _route_options(whole, options)
+    _, chosen = route(x, whole["router"], 2, "sigmoid", expert_bias=whole["expert_bias"])
+    mine = torch.bincount(chosen.flatten(), minlength=experts).float()
+    moe(x)
+    moe(x)
+    with torch.no_grad():
+        moe.eval()
+        moe(x)
+        moe.train()
+    if not torch.equal(moe.tokens_per_expert, 2 * mine):
+        problems.append(f"counts after two training forwards and one eval forward: {moe.tokens_per_expert.tolist()}, "
+                        f"expected twice {mine.tolist()}")
+    # the update, from counts set by hand: rank r holds its share of the global counts
+    counts, signs = HAND_UPDATES[experts]
+    share = [c // n + (1 if rank < c % n else 0) for c in counts]
+    moe.tokens_per_expert.copy_(torch.tensor(share, dtype=torch.float32))
+    before = moe.expert_bias.clone()
+    opt = torch.optim.SGD(moe.parameters(), lr=0.0)
+    handle = moe.register_expert_bias_update(opt)
+    opt.step()
+    want = before + coeff * torch.tensor(signs)
+    if not torch.equal(moe.expert_bias, want):
+        problems.append(f"expert bias after the update: {moe.expert_bias.tolist()}, expected {want.tolist()}")
+    if moe.tokens_per_expert.abs().sum().item() != 0:
+        problems.append(f"the update left counts {moe.tokens_per_expert.tolist()}")
+    handle.remove()
+    opt.step()  # no hook: nothing changes
+    if not torch.equal(moe.expert_bias, want):
+        problems.append("the expert bias changed on a step after the hook was removed")
+    # the next forward chooses with the new bias (the gate weights stay the unbiased scores)
+    kw["expert_bias"] = want
+    y = moe(x)
+    ref = moe_reference(x, whole["router"], whole["w13"], whole["w2"], 2, "sigmoid", **kw)
+    if not torch.equal(y, ref):
+        problems.append(f"after the update, forward differs from the reference (max {(y - ref).abs().max():g})")
+    if n == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        counts, signs = HAND_UPDATES[4]
+        dp_moe = MoE(HIDDEN, FFN, 4, 2, gating="sigmoid", group=mesh["ep"], **options)
+        before = dp_moe.expert_bias.clone()
+        dp_moe.tokens_per_expert.copy_(torch.tensor([c // 4 + (1 if rank < c % 4 else 0) for c in counts],
+                                                    dtype=torch.float32))
+        dp_moe.update_expert_bias(dp_group=mesh["dp"])
+        if not torch.equal(dp_moe.expert_bias, before + coeff * torch.tensor(signs)):
+            problems.append(f"dp x ep: expert bias after the update {dp_moe.expert_bias.tolist()}, expected "
+                            f"{(before + coeff * torch.tensor(signs)).tolist()}")
+    return problems

@@ -1,9 +1,11 @@
 """Mixture-of-experts under expert parallelism on real gloo ranks: the fused layer against a one-process
-reference that holds every expert, uneven exchanges that post no empty message, and ranks that built
-different layers named on every rank."""
+reference that holds every expert (with each DeepSeek-style routing option too), the expert bias's update
+against hand-computed values, uneven exchanges that post no empty message, and ranks that built different
+layers named on every rank."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import _moe_cases  # noqa: E402
 from commfuse.errors import CommfuseValueError  # noqa: E402
 from commfuse.launch import launch  # noqa: E402
 from commfuse.nn import MoE, moe_reference  # noqa: E402
-from commfuse.nn.moe import grouped_mm, grouped_mm_kind, grouped_wgrad_add_  # noqa: E402
+from commfuse.nn.moe import grouped_mm, grouped_mm_kind, grouped_wgrad_add_, route  # noqa: E402
 
 ALGORITHMS = ["vanilla", "sliced:2", "ring", "ring:2", "ring:3", "auto"]
 
@@ -115,3 +117,87 @@ def test_compiled_layer_runs_its_exchanges_at_a_graph_break():
     for rank, res in enumerate(launch(_moe_cases.compiled, 2, timeout=600)):
         assert res["equal"], f"rank {rank}: compiled MoE differs from eager"
         assert "sized on the host each call" in res["fullgraph"], f"rank {rank}: {res['fullgraph'][:500]}"
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_routing_options_equal_the_reference(n):
+    """route_scale, a router bias, the expert bias, node-limited routing and shared experts, each and all at
+    once (DeepSeek-V3-like), with skewed routing: outputs and every gradient equal the one-process reference."""
+    algorithms = ["vanilla", "ring", "ring:2", "sliced:2"] if n == 2 else ["vanilla", "ring"]
+    for rank, problems in enumerate(launch(_moe_cases.options_match_reference, n, algorithms, timeout=600)):
+        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("n", (2, 4))
+def test_the_expert_bias_update_is_the_hand_computed_one(n):
+    for rank, problems in enumerate(launch(_moe_cases.expert_bias_update, n, timeout=600)):
+        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
+
+
+def test_one_process_with_every_routing_option_is_the_reference():
+    torch.manual_seed(0)
+    options = dict(route_scale=2.5, router_bias=True, load_balance_coeff=1e-3, num_expert_groups=4,
+                   num_limited_groups=2, shared_ffn_size=16)
+    moe = MoE(8, 12, 8, 3, gating="sigmoid", **options)
+    with torch.no_grad():
+        moe.router_bias.normal_()
+        moe.expert_bias.normal_(std=0.1)
+    x = torch.randn(7, 8, requires_grad=True)
+    y = moe(x)
+    names = ("router", "w13", "w2", "router_bias", "shared_w13", "shared_w2")
+    w = {name: getattr(moe, name).detach().clone().requires_grad_() for name in names}
+    x2 = x.detach().clone().requires_grad_()
+    want = moe_reference(x2, w["router"], w["w13"], w["w2"], 3, "sigmoid", router_bias=w["router_bias"],
+                         expert_bias=moe.expert_bias, route_scale=2.5, num_expert_groups=4, num_limited_groups=2,
+                         shared_w13=w["shared_w13"], shared_w2=w["shared_w2"])
+    assert torch.equal(y, want)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    for name in names:
+        torch.testing.assert_close(getattr(moe, name).grad, w[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_node_limited_routing_chooses_only_within_the_kept_groups():
+    """Each token's experts lie in at most num_limited_groups groups, and those are its best groups by the sum
+    of their two best biased scores (torchtitan's group score)."""
+    torch.manual_seed(1)
+    x, router, expert_bias = torch.randn(64, 8), torch.randn(16, 8), 0.1 * torch.randn(16)
+    _, chosen = route(x, router, 4, "sigmoid", expert_bias=expert_bias, num_expert_groups=4, num_limited_groups=2)
+    scores = torch.sigmoid(x @ router.t()) + expert_bias
+    best = scores.view(64, 4, 4).topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+    for t in range(64):
+        assert set((chosen[t] // 4).tolist()) <= set(best[t].tolist()), t
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(route_scale=0.0), "route_scale must be a positive finite number, got 0.0"),
+    (dict(route_scale=float("nan")), "route_scale must be a positive finite number, got nan"),
+    (dict(route_scale=True), "route_scale must be a positive finite number, got True"),
+    (dict(router_bias=1), "router_bias must be True or False, got 1"),
+    (dict(load_balance_coeff=0.0), "load_balance_coeff must be a positive finite number or None, got 0.0"),
+    (dict(load_balance_coeff=-1e-3), "load_balance_coeff must be a positive finite number or None, got -0.001"),
+    (dict(num_expert_groups=4), ("num_expert_groups and num_limited_groups together, got num_expert_groups=4, "
+                                 "num_limited_groups=None")),
+    (dict(num_limited_groups=2), "got num_expert_groups=None, num_limited_groups=2"),
+    (dict(num_expert_groups=3, num_limited_groups=1), "num_expert_groups=3 does not divide the 8 experts"),
+    (dict(num_expert_groups=8, num_limited_groups=1), "num_expert_groups=8 leaves 1 expert per group of the 8"),
+    (dict(num_expert_groups=4, num_limited_groups=5), "num_limited_groups=5 is more than num_expert_groups=4"),
+    (dict(num_expert_groups=4, num_limited_groups=0), "num_limited_groups must be a positive int, got 0"),
+    (dict(num_expert_groups=4, num_limited_groups=1, topk=3),
+     "topk=3 is more than the 2 experts of num_limited_groups=1 groups of 2"),
+    (dict(shared_ffn_size=0), "shared_ffn_size must be a positive int or None, got 0"),
+])
+def test_bad_routing_options_are_named(kwargs, message):
+    kwargs = dict(dict(hidden_size=8, ffn_size=4, experts=8, topk=2), **kwargs)
+    with pytest.raises(CommfuseValueError, match=re.escape(message)):
+        MoE(**kwargs)
+
+
+def test_an_expert_bias_update_without_load_balancing_is_named():
+    with pytest.raises(CommfuseValueError, match="load_balance_coeff=None"):
+        MoE(8, 4, 2, 1).update_expert_bias()
+    with pytest.raises(CommfuseValueError, match="router_bias was given, but the layer was built without it"):
+        MoE(8, 4, 2, 1).load_experts(torch.zeros(2, 8), torch.zeros(2, 8, 8), torch.zeros(2, 4, 8),
+                                     router_bias=torch.zeros(2))
