@@ -16,6 +16,7 @@ runs that instead, on the same inputs and parameters.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -175,7 +176,48 @@ class FSDPLinear(LayerWorkload):
         return cls(s.hidden, s.ffn, algorithm="vanilla")
 
 
-class LlamaBlock(Workload):
+class _SideBySide(Workload):
+    """A block built twice, run side by side: the ``vanilla`` run is ``theirs`` (a plan whose collectives are its
+    own, which commfuse's measure modes cannot remove: its runs refuse them), every other algorithm ``ours``, with
+    the algorithm set on ``tuned`` (what of ours takes one). Forward + backward on (b, s/N, h), under
+    :attr:`context`; ``stock`` says what ``theirs`` runs, for the refusal."""
+
+    stock = ""
+    context = staticmethod(nullcontext)
+
+    def side_by_side(self, theirs, ours, tuned: list, *args) -> None:
+        """The two blocks, what takes the algorithm, and the blocks' arguments after the input."""
+        self.theirs, self.ours, self.tuned, self.args = theirs, ours, tuned, args
+        s = self.config.shape
+        self.backward = self.config.backward
+        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
+        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
+
+    def run(self, algorithm: str) -> list[torch.Tensor]:
+        from commfuse.runtime.observe import measuring
+
+        if algorithm == "vanilla":
+            if measuring() is not None:
+                raise CommfuseValueError(f"{self.stock}, which compute_only and comm_only cannot remove")
+            block = self.theirs
+        else:
+            block = self.ours
+            for each in self.tuned:
+                each.algorithm = algorithm
+        with self.context():
+            if not self.backward:
+                with torch.no_grad():
+                    return [block(self.x, *self.args)]
+            self.x.grad = None
+            params = list(block.parameters())
+            for p in params:
+                p.grad = None
+            y = block(self.x, *self.args)
+            y.backward(self.dy)
+        return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
+
+
+class LlamaBlock(_SideBySide):
     """commfuse.models.llama's block on a tensor-parallel mesh over every rank, built twice from one seed:
     with torch's styles (the ``vanilla`` run: DTensor's collectives, then the GEMMs) and with commfuse.tp's
     block styles (every other algorithm, set on the styles). Forward + backward on (b, s/N, h).
@@ -185,6 +227,7 @@ class LlamaBlock(Workload):
     side by side."""
 
     name = "llama_block"
+    stock = "torch's styles run DTensor's collectives"
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -199,43 +242,17 @@ class LlamaBlock(Workload):
         head_dim = s.hidden // s.heads
         mesh = init_device_mesh(self.device.type, (self.n,), mesh_dim_names=("tp",))
         ours = llama.commfuse_plan(head_dim=head_dim, algorithm="vanilla")
-        self.styles = [style for style in ours.values() if hasattr(style, "algorithm")]  # commfuse.tp's
+        styles = [style for style in ours.values() if hasattr(style, "algorithm")]  # commfuse.tp's
         blocks = []
         for plan in (llama.torch_plan(), ours):
             torch.manual_seed(self.config.seed)  # the same parameters in both blocks and on every rank
             block = llama.Block(dim=s.hidden, n_heads=s.heads, n_kv_heads=s.kv_heads or s.heads, ffn=s.ffn)
             blocks.append(parallelize_module(block.to(device=self.device, dtype=self.dtype), mesh, plan))
-        self.theirs, self.ours = blocks
-        self.cache = tuple(t.to(device=self.device, dtype=self.dtype) for t in llama.rope_cache(head_dim, s.seq))
-        self.backward = self.config.backward
-        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
-        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
-
-    def run(self, algorithm: str) -> list[torch.Tensor]:
-        from commfuse.runtime.observe import measuring
-
-        if algorithm == "vanilla":
-            if measuring() is not None:
-                raise CommfuseValueError("torch's styles run DTensor's collectives, which compute_only and "
-                                         "comm_only cannot remove")
-            block = self.theirs
-        else:
-            block = self.ours
-            for style in self.styles:
-                style.algorithm = algorithm
-        if not self.backward:
-            with torch.no_grad():
-                return [block(self.x, self.cache)]
-        self.x.grad = None
-        params = list(block.parameters())
-        for p in params:
-            p.grad = None
-        y = block(self.x, self.cache)
-        y.backward(self.dy)
-        return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
+        cache = tuple(t.to(device=self.device, dtype=self.dtype) for t in llama.rope_cache(head_dim, s.seq))
+        self.side_by_side(*blocks, styles, cache)
 
 
-class TorchtitanBlock(Workload):
+class TorchtitanBlock(_SideBySide):
     """torchtitan 0.3's Llama 3 block (``Llama3TransformerBlock``: RMSNorm, grouped-query attention with the fused
     ``wqkv`` and RoPE, SwiGLU) on a tensor-parallel mesh over every rank, sequence parallelism on, under its
     ``spmd_types`` backend (plain local tensors), built twice from one seed by torchtitan's own config classes and
@@ -246,6 +263,7 @@ class TorchtitanBlock(Workload):
     """
 
     name = "torchtitan"
+    stock = "torchtitan's stock plan runs its own collectives"
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -303,35 +321,7 @@ class TorchtitanBlock(Workload):
             with torch.no_grad(), self.context():
                 model.init_weights(buffer_device=self.device)
             blocks.append(model.layers["0"].to(dtype=self.dtype))
-        self.theirs, self.ours = blocks
-        self.modules = [m for m in self.ours.modules() if isinstance(m, cf_titan._MODULES)]
-        self.backward = self.config.backward
-        self.x = self.randn(s.batch, s.seq // self.n, s.hidden).requires_grad_(self.backward)
-        self.dy = self.randn(s.batch, s.seq // self.n, s.hidden)
-
-    def run(self, algorithm: str) -> list[torch.Tensor]:
-        from commfuse.runtime.observe import measuring
-
-        if algorithm == "vanilla":
-            if measuring() is not None:
-                raise CommfuseValueError("torchtitan's stock plan runs its own collectives, which compute_only and "
-                                         "comm_only cannot remove")
-            block = self.theirs
-        else:
-            block = self.ours
-            for module in self.modules:
-                module.algorithm = algorithm
-        with self.context():
-            if not self.backward:
-                with torch.no_grad():
-                    return [block(self.x, None)]
-            self.x.grad = None
-            params = list(block.parameters())
-            for p in params:
-                p.grad = None
-            y = block(self.x, None)
-            y.backward(self.dy)
-        return [y.detach(), self.x.grad] + [_local(p.grad) for p in params]
+        self.side_by_side(*blocks, [m for m in blocks[1].modules() if isinstance(m, cf_titan._Fused)], None)
 
 
 class MixtureOfExperts(Workload):

@@ -134,7 +134,17 @@ def _heads(t: torch.Tensor, b: int, s: int, head_dim: int) -> torch.Tensor:
     return t.reshape(b, s, -1, head_dim).contiguous()
 
 
-class FusedQKVLinear(_DistQKV):
+class _Fused:
+    """What the four modules share: the algorithm from their config (settable per module, as the bench does) and
+    the TP group :func:`bind_group` gives them (None: torchtitan's mesh context)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.algorithm = config.algorithm
+        self._commfuse_group = None
+
+
+class FusedQKVLinear(_Fused, _DistQKV):
     """torchtitan's fused Q/K/V projection (one ``wqkv``, rows laid out ``(n_kv_heads, R, head_dim)``,
     ``R = n_heads // n_kv_heads + 2``) whose sequence all-gather runs inside the GEMM: one
     :func:`commfuse.all_gather_matmul` along the sequence dim. Takes the block's sequence shard
@@ -143,11 +153,6 @@ class FusedQKVLinear(_DistQKV):
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(_DistQKV.Config):
         algorithm: str = "auto"
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.algorithm = config.algorithm
-        self._commfuse_group = None
 
     def forward(self, x: torch.Tensor):  # noqa: D102
         group = _group(self)
@@ -163,18 +168,13 @@ class FusedQKVLinear(_DistQKV):
         return _heads(xq, b, s, self.head_dim), _heads(xk, b, s, self.head_dim), _heads(xv, b, s, self.head_dim)
 
 
-class QKVLinear(_StockQKV):
+class QKVLinear(_Fused, _StockQKV):
     """torchtitan's separate Q/K/V projections (``wq``, ``wk``, ``wv``) fed by one sequence all-gather
     fused with all three GEMMs (:func:`commfuse.all_gather_matmul` with three weights)."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(_StockQKV.Config):
         algorithm: str = "auto"
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.algorithm = config.algorithm
-        self._commfuse_group = None
 
     def forward(self, x: torch.Tensor):  # noqa: D102
         group = _group(self)
@@ -191,7 +191,7 @@ class QKVLinear(_StockQKV):
         return _heads(xq, b, s, self.head_dim), _heads(xk, b, s, self.head_dim), _heads(xv, b, s, self.head_dim)
 
 
-class RowParallelLinear(_DistRow):
+class RowParallelLinear(_Fused, _DistRow):
     """A row-parallel projection (attention's ``wo``, the feed-forward's ``w2``) whose reduce-scatter back to
     the sequence shard runs inside the GEMM: :func:`commfuse.matmul_reduce_scatter` along the sequence dim.
     Takes ``(B, S, K/N)``, returns this rank's ``(B, S/N, out_features)``. A bias (replicated) is added to
@@ -202,11 +202,6 @@ class RowParallelLinear(_DistRow):
     class Config(_DistRow.Config):
         algorithm: str = "auto"
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.algorithm = config.algorithm
-        self._commfuse_group = None
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
         group = _group(self)
         if group is None:
@@ -216,7 +211,7 @@ class RowParallelLinear(_DistRow):
         return _bias(z, self)
 
 
-class FeedForward(_DistFFN):
+class FeedForward(_Fused, _DistFFN):
     """torchtitan's SwiGLU feed-forward (``w2(silu(w1(x)) * w3(x))``, stock ``w1``/``w2``/``w3``) with one
     sequence all-gather fused with the ``w1`` and ``w3`` GEMMs and ``w2``'s GEMM fused with the reduce-scatter
     back to the sequence shard. Takes and returns the block's sequence shard ``(B, S/N, D)``."""
@@ -228,11 +223,6 @@ class FeedForward(_DistFFN):
         def __post_init__(self) -> None:
             """Nothing to refuse: ``dist_gemm``'s check (no ``w1``/``w3`` bias: its multi-weight gather takes
             none) does not apply, commfuse adds the biases after its fused GEMMs."""
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.algorithm = config.algorithm
-        self._commfuse_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
         group = _group(self)
@@ -246,9 +236,6 @@ class FeedForward(_DistFFN):
         z = ops.matmul_reduce_scatter(h, self.w2.weight.t(), group=group, scatter_dim=1, algorithm=self.algorithm,
                                       config=layer_config("torchtitan.FeedForward.w2", bias=self.w2.bias is not None))
         return _bias(z, self.w2)
-
-
-_MODULES = (FusedQKVLinear, QKVLinear, RowParallelLinear, FeedForward)
 
 
 def _fields(config) -> dict:
@@ -303,7 +290,7 @@ def bind_group(model: torch.nn.Module, group) -> int:
     context). Returns how many modules were bound."""
     bound = 0
     for module in model.modules():
-        if isinstance(module, _MODULES):
+        if isinstance(module, _Fused):
             module._commfuse_group = group
             bound += 1
     return bound

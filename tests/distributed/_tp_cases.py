@@ -21,6 +21,18 @@ from commfuse import tp
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
 
 
+def expect(call, kind, *words) -> None:
+    """``call()`` must raise ``kind`` with every one of ``words`` in its message."""
+    try:
+        call()
+    except kind as e:
+        missing = [w for w in words if w not in str(e)]
+        if missing:
+            raise AssertionError(f"the error does not say {missing}: {e}") from e
+    else:
+        raise AssertionError(f"no {kind.__name__} naming {words}")
+
+
 def _run(results, name, fn):
     try:
         fn()
@@ -764,16 +776,6 @@ def torchtitan_shapes(rank, n):
         _close(ours.wo.weight.grad, separate.wo.weight.grad, "wo grad against separate projections")
 
     def refused():
-        def expect(call, kind, *words):
-            try:
-                call()
-            except kind as e:
-                missing = [w for w in words if w not in str(e)]
-                if missing:
-                    raise AssertionError(f"the error does not say {missing}: {e}") from e
-            else:
-                raise AssertionError(f"no {kind.__name__} naming {words}")
-
         error, kind_error = cf.errors.CommfuseValueError, cf.errors.CommfuseTypeError
         expect(lambda: parallelize_module(titan(False), mesh, tp.AttentionParallel(head_dim=hd)), error,
                "_TitanAttention has no submodule 'wq'", "wq= argument", "query projection")

@@ -191,10 +191,10 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> 
     missing = fused.load_state_dict(stock.state_dict(), strict=True)
     if missing.missing_keys or missing.unexpected_keys:
         problems.append(f"state dict keys differ: {missing}")
-    modules = [type(m).__name__ for m in fused.modules() if isinstance(m, cf_titan._MODULES)]
+    modules = [type(m).__name__ for m in fused.modules() if isinstance(m, cf_titan._Fused)]
     if len(modules) != 6:
         problems.append(f"commfuse modules in the built model: {modules}")
-    if any(isinstance(m, cf_titan._MODULES) for m in stock.modules()):
+    if any(isinstance(m, cf_titan._Fused) for m in stock.modules()):
         problems.append("the stock model holds commfuse modules")
 
     tp_group = parallel_dims.get_mesh("tp").get_group()
