@@ -51,13 +51,14 @@ __all__ = [
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int = 0,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d), query rows starting at ``q_offset``.
 
     With ``causal`` query row i (global position q_offset + i) sees keys 0..q_offset+i. ``mask`` (what
     :meth:`AttentionMask.rows` cuts for these rows and keys), broadcastable to (b, Hq, Lq, Lk), is
     ``scaled_dot_product_attention``'s ``attn_mask``: boolean (True attends) or added to the scores; with
     ``causal`` both apply. Grouped-query: every group of Hq/Hkv query heads shares one key/value head.
+    ``scale``: the scores' factor, SDPA's (None: ``1 / sqrt(d)``).
     """
     hq, hkv = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -70,14 +71,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q
         cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
         allowed = cols <= rows
     if mask is None:
-        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed).transpose(1, 2)
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale).transpose(1, 2)
     if mask.dtype == torch.bool:
         combined = mask if allowed is None else mask & allowed
     else:  # additive, in the queries' dtype (as SDPA wants it; autocast casts it so too)
         combined = mask.to(q.dtype)
         if allowed is not None:
             combined = combined.masked_fill(~allowed, float("-inf"))
-    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=combined).transpose(1, 2)
+    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=combined, scale=scale).transpose(1, 2)
 
 
 # -- masks -----------------------------------------------------------------------------------------------------
@@ -286,10 +287,10 @@ def _dense(who: str, name: str, m: torch.Tensor, batch: int, seq: int, heads: in
 
 
 def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: int,
-                 mask: AttentionMask | None = None):
+                 mask: AttentionMask | None = None, scale: float | None = None):
     """``producer(dest, q, k, v, wo)`` of the query-split reduce-scatter: query slice ``dest``'s attention
     over the keys it may see (with ``causal``, those up to its last row; its rows of ``mask`` and those keys'
-    columns; the causal offset of its first row), times ``wo^T``."""
+    columns; the causal offset of its first row; the scores times ``scale``), times ``wo^T``."""
     b, s = q.shape[0], q.shape[1]
     rows = s // world_size
 
@@ -297,7 +298,8 @@ def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: 
         start = dest * rows
         keys = start + rows if causal else s
         cut = None if mask is None else mask.rows(start, rows, keys)
-        o = attend(q[:, start : start + rows], k[:, :keys], v[:, :keys], causal=causal, q_offset=start, mask=cut)
+        o = attend(q[:, start : start + rows], k[:, :keys], v[:, :keys], causal=causal, q_offset=start, mask=cut,
+                   scale=scale)
         return o.reshape(b, rows, -1) @ wo.t()
 
     return producer
@@ -321,18 +323,20 @@ def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, d
 
 
 def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, *,
-                             causal: bool, mask: AttentionMask | None = None, config: tuple | None = None):
+                             causal: bool, mask: AttentionMask | None = None, config: tuple | None = None,
+                             scale: float | None = None):
     """``RS_d(attend(q_d, k, v) @ wo^T)`` over the query slices d on a resolved ``call``
     (:func:`reduce_scatter_call`; None: world size 1, the whole attention here): q (b, s, Hq, d), k and v
     (b, s, Hkv, d) this rank's heads over the whole sequence, ``wo`` (hidden, Hq * d) this rank's columns of
     the out-projection; returns (b, s / N, hidden), this rank's rows of the sum. ``config``: the options
-    every rank must share, for the ring's fingerprint (``pipelined.layer_config``).
+    every rank must share, for the ring's fingerprint (``pipelined.layer_config``). ``scale``: the scores'
+    factor (None: ``1 / sqrt(head_dim)``).
 
     Differentiable with respect to q, k, v and wo when a gradient is wanted: each slice's graph is kept,
     and the backward all-gathers the output gradient in a ring and back-propagates each arriving slice
     through the partial that made it. Each slice's attention runs once."""
     n = 1 if call is None else call.world_size
-    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask)
+    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale)
     inputs = (q, k, v, wo)
     if call is None:
         return producer(0, *inputs)
@@ -344,12 +348,12 @@ def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def attention_reduce_scatter_backward(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor,
                                       dout: torch.Tensor, *, causal: bool, mask: AttentionMask | None = None,
-                                      config: tuple | None = None) -> list[torch.Tensor]:
+                                      config: tuple | None = None, scale: float | None = None) -> list[torch.Tensor]:
     """The gradients (dq, dk, dv, dwo) of :func:`attention_reduce_scatter` for the output gradient ``dout``
     (b, s / N, hidden), recomputing each slice's attention as its gradient arrives in the all-gather ring
     (through ``torch.func.vjp``: what a custom op's kernel can do, where autograd does not record)."""
     n = 1 if call is None else call.world_size
-    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask)
+    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale)
     grads: list[torch.Tensor | None] = [None] * 4
 
     def consume(g: torch.Tensor, d: int) -> None:

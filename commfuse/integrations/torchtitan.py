@@ -33,11 +33,12 @@ feed-forward is its SwiGLU ``FeedForward``:
   shard (:func:`commfuse.matmul_reduce_scatter`);
 - ``feed_forward.w1`` and ``w3``: one gather feeding both GEMMs.
 
-Attention itself runs torchtitan's own core (``inner_attention``: FlexAttention, varlen or SDPA, with
-its masks) between the fused Q/K/V projection and the fused output projection. Slicing that core per
-query slice to feed the reduce-scatter (what :class:`commfuse.nn.ParallelAttention` does with its own
-attention) would replace torchtitan's kernels and their mask formats, so it is not done here; see
-``docs/torchtitan.md``.
+- ``attention`` itself, where its core allows it (:class:`Attention`): the attention runs per query
+  slice, each slice times ``wo`` being the producer of ``wo``'s reduce-scatter ring, as
+  :class:`commfuse.nn.ParallelAttention` does. Each slice's attention is commfuse's SDPA on the slice's rows
+  with the slice's rows of the mask (torchtitan's causal SDPA; its FlexAttention ``BlockMask`` and varlen
+  documents evaluated per slice), not torchtitan's flex or varlen kernel; ``use_commfuse(...,
+  query_split=False)`` keeps torchtitan's core whole between the fused projections instead.
 
 The TP group is the caller's (:func:`bind_group`) or else, per forward, the ``"tp"`` axis of
 torchtitan's current mesh context, as its ``dist_gemm`` modules read it. With no TP group (TP off,
@@ -59,9 +60,11 @@ import torch
 import torch.nn.functional as F
 
 import commfuse.ops as ops
-from commfuse.errors import CommfuseTypeError, CommfuseWarning
 from commfuse import log
+from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommfuseWarning
+from commfuse.fused import attention as fused_attention
 from commfuse.planning.pipelined import layer_config
+from commfuse.runtime.loop import op_calls
 
 #: torchtitan releases CI runs this integration with.
 TESTED = ("0.3.0",)
@@ -76,7 +79,7 @@ except ImportError as e:  # not installed, or a release whose seam moved
     raise ImportError(f"commfuse.integrations.torchtitan needs torchtitan's model code (tested with "
                       f"torchtitan {', '.join(TESTED)}): {e}") from e
 
-__all__ = ["FeedForward", "FusedQKVLinear", "QKVLinear", "RowParallelLinear", "TESTED", "bind_group",
+__all__ = ["Attention", "FeedForward", "FusedQKVLinear", "QKVLinear", "RowParallelLinear", "TESTED", "bind_group",
            "use_commfuse"]
 
 
@@ -105,6 +108,10 @@ _Linear = _seam(_linear, "Linear", "the configurable linear")
 _DistQKV = _seam(_dist_gemm, "AllGatherFusedQKVLinear", "what its sharding setup treats as a fused Q/K/V")
 _DistRow = _seam(_dist_gemm, "RowParallelLinear", "what its sharding setup treats as a fused row-parallel")
 _DistFFN = _seam(_dist_gemm, "AllGatherFusedFeedForward", "what its sharding setup treats as a fused feed-forward")
+_SDPA = _seam(_attention, "ScaledDotProductAttention", "the SDPA attention core")
+_Flex = _seam(_attention, "FlexAttention", "the FlexAttention core")
+_Varlen = _seam(_attention, "VarlenAttention", "the varlen attention core")
+
 
 def _group(module):
     """The TP group ``module`` runs on: its bound group, else the ``tp`` axis of torchtitan's current mesh
@@ -238,6 +245,91 @@ class FeedForward(_Fused, _DistFFN):
         return _bias(z, self.w2)
 
 
+class Attention(_Fused, _GQAttention):
+    """torchtitan's ``GQAttention`` whose output projection is fed by the query-split attention: the fused Q/K/V
+    projection (:class:`FusedQKVLinear` or :class:`QKVLinear`, one gather), its Q/K norms and RoPE as stock,
+    then :func:`commfuse.fused.attention.attention_reduce_scatter` (the paper's Algorithm 4): query slice d's
+    attention times this rank's columns of ``wo`` is this rank's partial of rank d's output rows, the producer of
+    the reduce-scatter ring, so the output's reduce-scatter travels while the next slice's attention runs.
+    Takes and returns the block's sequence shard ``(B, S/N, D)``; parameters, FQNs and state-dict keys are the
+    stock ones (``qkv_linear``, ``wo``, ``inner_attention`` kept as built).
+
+    The attention of each slice is commfuse's (:func:`commfuse.fused.attention.attend`: SDPA on the slice's
+    rows against the keys it may see), not ``inner_attention``'s kernel, so only cores whose result it
+    reproduces are swapped (:func:`use_commfuse` leaves the others stock): torchtitan's
+    ``ScaledDotProductAttention`` (causal, no masks), ``FlexAttention`` with the ``BlockMask`` torchtitan's
+    decoder builds (``get_attention_masks``: causal, and within a document; ``causal`` False in the config
+    for a model whose masks let a query see later keys), ``VarlenAttention`` whose window is causal (-1, 0) or
+    whole (-1, -1), its ``VarlenMetadata`` read as documents. The mask is cut per query slice
+    (:class:`commfuse.fused.attention.AttentionMask`)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(_GQAttention.Config):
+        algorithm: str = "auto"
+        causal: bool = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.causal = config.causal
+        if not isinstance(self.qkv_linear, _Fused) or not isinstance(self.wo, RowParallelLinear):
+            raise CommfuseTypeError(f"commfuse.integrations.torchtitan.Attention: qkv_linear and wo must be this "
+                                    f"module's fused ones (use_commfuse makes them), got "
+                                    f"{type(self.qkv_linear).__name__} and {type(self.wo).__name__}")
+
+    def forward(self, x_BLD: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None):  # noqa: D102
+        group = _group(self)
+        if group is None:
+            return _GQAttention.forward(self, x_BLD, attention_masks, positions)
+        who = "commfuse.integrations.torchtitan.Attention"
+        if isinstance(self.inner_attention, _SDPA) and attention_masks is not None:
+            raise CommfuseValueError(f"{who}: got attention_masks ({type(attention_masks).__name__}) with "
+                                     "torchtitan's ScaledDotProductAttention core, which takes none (stock raises "
+                                     "too): use FlexAttention or VarlenAttention for masks")
+        n = group.size()
+        b, rows = x_BLD.shape[0], x_BLD.shape[1]
+        given = {} if attention_masks is None else {"attention_masks": attention_masks}
+        kind = fused_attention.mask_kind(given)
+        config = layer_config("torchtitan.Attention", causal=bool(self.causal), mask=kind,
+                              scale=0.0 if self.scaling is None else float(self.scaling),
+                              qk_norm=self.q_norm is not None, bias=self.wo.bias is not None)
+        weight = self.wo.weight
+        compiling = torch.compiler.is_compiling()
+        call = None if compiling else fused_attention.reduce_scatter_call(
+            self.algorithm, batch=b, rows=rows, hidden=weight.shape[0], group=group, device=x_BLD.device,
+            dtype=ops.autocast_dtype(x_BLD) or x_BLD.dtype)  # the partials' dtype: autocast's under it
+        # a rank whose mask is refused, or whose projection fails, still leaves both calls: its peers are told why
+        with op_calls(None if call is None else call.be, f"{who}.forward", 2):
+            mask = fused_attention.resolve_mask(who, given, batch=b, seq=rows * n, heads=self.n_heads // n,
+                                                world_size=n, rank=group.rank()) if given else None
+            xq, xk, xv = self.qkv_linear(x_BLD)
+            if self.q_norm is not None:
+                xq, xk = self.q_norm(xq), self.k_norm(xk)
+            xq, xk = self.rope(xq, xk, positions)
+            if compiling:  # one op in the graph (commfuse.library)
+                from commfuse import library
+
+                z = library.attention_reduce_scatter(xq, xk, xv, weight, causal=self.causal, group=group,
+                                                     algorithm=self.algorithm, mask=mask, scale=self.scaling)
+            else:
+                z = fused_attention.attention_reduce_scatter(call, xq, xk, xv, weight, causal=self.causal, mask=mask,
+                                                             config=config, scale=self.scaling)
+        return _bias(z, self.wo)
+
+
+def _query_split_causal(inner) -> bool | None:
+    """Whether torchtitan's attention core ``inner`` (its config) attends causally, for a core whose result
+    :class:`Attention`'s query slices reproduce; None for a core they do not (left stock)."""
+    kind = type(inner)
+    if kind is _SDPA.Config:  # GQAttention calls it with is_causal's default, True, and no mask
+        return True
+    if kind is _Flex.Config:  # its masks are torchtitan's decoder's: causal, within a document
+        return True
+    if kind is _Varlen.Config:
+        window = tuple(inner.window_size)
+        return True if window == (-1, 0) else False if window == (-1, -1) else None  # a sliding window: stock
+    return None
+
+
 def _fields(config) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
 
@@ -247,7 +339,7 @@ def _as(cls, config, algorithm: str):
     return cls.Config(**{**_fields(config), "algorithm": algorithm})
 
 
-def use_commfuse(model_config, *, algorithm: str = "auto") -> list[str]:
+def use_commfuse(model_config, *, algorithm: str = "auto", query_split: bool = True) -> list[str]:
     """Make the torchtitan model built from ``model_config`` (a decoder config with ``layers``, e.g.
     ``llama3_configs[...]``'s) run commfuse's fused modules for its tensor-parallel projections. In place,
     before the model is built; returns the FQNs of what it swapped, e.g. ``"layers.0.attention.qkv_linear"``.
@@ -256,7 +348,12 @@ def use_commfuse(model_config, *, algorithm: str = "auto") -> list[str]:
     all-gather only when both are fused. Blocks whose attention or feed-forward is not torchtitan's stock
     ``GQAttention`` / SwiGLU ``FeedForward`` (or its ``dist_gemm`` variants) are left as they are and not
     listed; a MoE block's routed and shared experts are not tensor-parallel GEMMs of this kind.
-    ``algorithm`` as for every commfuse op (``"auto"``, ``"ring"``, ``"vanilla"``, ...)."""
+    ``algorithm`` as for every commfuse op (``"auto"``, ``"ring"``, ``"vanilla"``, ...).
+
+    ``query_split`` (default): a block whose attention core :class:`Attention` reproduces (SDPA, FlexAttention
+    with the decoder's masks, causal or whole varlen) also runs its attention per query slice feeding ``wo``'s
+    reduce-scatter (listed as ``"layers.0.attention"``); False, or another core, keeps torchtitan's core whole
+    between the fused projections."""
     _check_version()
     layers = getattr(model_config, "layers", None)
     if not isinstance(layers, (list, tuple)):
@@ -278,6 +375,11 @@ def use_commfuse(model_config, *, algorithm: str = "auto") -> list[str]:
             if qkv is not None:
                 attention.wo = _as(RowParallelLinear, attention.wo, algorithm)
                 swapped += [f"layers.{i}.attention.qkv_linear", f"layers.{i}.attention.wo"]
+                causal = _query_split_causal(attention.inner_attention)
+                if query_split and causal is not None and type(attention) in (_GQAttention.Config, Attention.Config):
+                    layer.attention = Attention.Config(**{**_fields(attention), "algorithm": algorithm,
+                                                          "causal": causal})
+                    swapped.append(f"layers.{i}.attention")
         ffn = getattr(layer, "feed_forward", None)
         if type(ffn) in (_StockFFN.Config, _DistFFN.Config, FeedForward.Config):
             layer.feed_forward = _as(FeedForward, ffn, algorithm)

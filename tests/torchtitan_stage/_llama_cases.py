@@ -41,32 +41,35 @@ def _fail(results: dict, name: str, problems: list[str]) -> None:
 
 
 class _Counted:
-    """commfuse.ops' two fused ops, counted as the modules call them (the real ops run)."""
+    """commfuse's fused ops, counted as the modules call them (the real ops run): commfuse.ops' two and the
+    query-split attention (``commfuse.fused.attention.attention_reduce_scatter``)."""
 
     def __init__(self):
         import commfuse.ops as ops
+        from commfuse.fused import attention
 
-        self.ops, self.calls = ops, {"all_gather_matmul": 0, "matmul_reduce_scatter": 0}
-        self.real = {name: getattr(ops, name) for name in self.calls}
+        self.where = {"all_gather_matmul": ops, "matmul_reduce_scatter": ops, "attention_reduce_scatter": attention}
+        self.calls = dict.fromkeys(self.where, 0)
+        self.real = {name: getattr(module, name) for name, module in self.where.items()}
 
     def __enter__(self):
         for name, real in self.real.items():
             def counted(*args, _name=name, _real=real, **kwargs):
                 self.calls[_name] += 1
                 return _real(*args, **kwargs)
-            setattr(self.ops, name, counted)
+            setattr(self.where[name], name, counted)
         return self
 
     def __exit__(self, *exc):
         for name, real in self.real.items():
-            setattr(self.ops, name, real)
+            setattr(self.where[name], name, real)
 
 
 _LINEAR_INIT = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=0.02)}
 
 
-def _config(separate_qkv: bool):
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+def _config(separate_qkv: bool, core: str = "sdpa"):
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_gqa_config
     from torchtitan.models.llama3 import llama3_configs
 
@@ -74,11 +77,12 @@ def _config(separate_qkv: bool):
     config.layers = config.layers[:2]
     for layer in config.layers:
         stock = layer.attention
-        # grouped-query attention (4 query heads per kv head), as in Llama 3's own sizes; SDPA as the core:
-        # FlexAttention would need inductor's CPU compiler here, and the core is torchtitan's either way
+        # grouped-query attention (4 query heads per kv head), as in Llama 3's own sizes; SDPA as the core
+        # (FlexAttention compiles with inductor's CPU compiler: one case, with packed documents' masks)
+        inner = FlexAttention.Config() if core == "flex" else ScaledDotProductAttention.Config()
         layer.attention = make_gqa_config(dim=config.dim, n_heads=16, n_kv_heads=4, head_dim=None,
                                           wqkv_param_init=_LINEAR_INIT, wo_param_init=stock.wo.param_init,
-                                          inner_attention=ScaledDotProductAttention.Config(),
+                                          inner_attention=inner,
                                           fuse_qkv=not separate_qkv, rope=stock.rope)
     return config
 
@@ -155,7 +159,18 @@ def _compare(what: str, got: dict, want: dict, problems: list[str], rtol=1e-4, a
             problems.append(f"{what} {name}: max |diff| {err}")
 
 
-def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> dict:
+def _positions(g: torch.Generator) -> torch.Tensor:
+    """(BATCH, SEQ) positions of packed documents, restarting at 0 where a document starts (torchtitan's
+    decoder builds its causal same-document masks from these): each row cut at two random places."""
+    rows = []
+    for _ in range(BATCH):
+        cuts = sorted(torch.randperm(SEQ - 2, generator=g)[:2].add(1).tolist())
+        rows.append(torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, SEQ])]))
+    return torch.stack(rows)
+
+
+def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, query_split: bool = True,
+             core: str = "sdpa") -> dict:
     torch.set_num_threads(1)
     prepare()
     from torch.distributed.fsdp import fully_shard
@@ -167,18 +182,19 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> 
     from commfuse.integrations import torchtitan as cf_titan
 
     results: dict = {}
-    name = f"{'dp%dx' % dp if dp > 1 else ''}tp{n // dp}-{'separate' if separate_qkv else 'fused'}-{algorithm}"
+    name = (f"{'dp%dx' % dp if dp > 1 else ''}tp{n // dp}-{'separate' if separate_qkv else 'fused'}-{algorithm}"
+            f"{'' if query_split else '-projections only'}-{core}")
     problems: list[str] = []
     tp = n // dp
     parallelism = ParallelismConfig(tensor_parallel_degree=tp, data_parallel_shard_degree=dp,
                                     enable_sequence_parallel=True, spmd_backend="spmd_types")
     parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=n,
                                  spmd_backend="spmd_types")
-    stock_config = _config(separate_qkv)
+    stock_config = _config(separate_qkv, core)
     fused_config = copy.deepcopy(stock_config)
-    swapped = cf_titan.use_commfuse(fused_config, algorithm=algorithm)
-    want_swapped = [f"layers.{i}.{m}" for i in range(2) for m in ("attention.qkv_linear", "attention.wo",
-                                                                   "feed_forward")]
+    swapped = cf_titan.use_commfuse(fused_config, algorithm=algorithm, query_split=query_split)
+    fused_modules = ("attention.qkv_linear", "attention.wo", "feed_forward") + (("attention",) if query_split else ())
+    want_swapped = [f"layers.{i}.{m}" for i in range(2) for m in fused_modules]
     if sorted(swapped) != sorted(want_swapped):
         problems.append(f"use_commfuse swapped {swapped}, expected {want_swapped}")
     stock = _build(stock_config, parallel_dims, parallelism)
@@ -192,7 +208,7 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> 
     if missing.missing_keys or missing.unexpected_keys:
         problems.append(f"state dict keys differ: {missing}")
     modules = [type(m).__name__ for m in fused.modules() if isinstance(m, cf_titan._Fused)]
-    if len(modules) != 6:
+    if len(modules) != len(want_swapped):
         problems.append(f"commfuse modules in the built model: {modules}")
     if any(isinstance(m, cf_titan._Fused) for m in stock.modules()):
         problems.append("the stock model holds commfuse modules")
@@ -218,10 +234,21 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> 
             g = torch.Generator().manual_seed(100 * step + dp_rank)
             tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
             labels = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+            positions = _positions(g) if core == "flex" else None
             seen = {}
+            if core == "flex":  # torch 2.13's FlexAttention has no backward on CPU: the two forwards, compared
+                for label, model in (("stock", stock), ("commfuse", fused)):
+                    with context(), torch.no_grad():
+                        pred = model(tokens, positions, model.get_attention_masks(positions))
+                        seen[label] = cross_entropy_loss(pred, labels, global_vocab_size=vocab).item()
+                if abs(seen["stock"] - seen["commfuse"]) > 1e-5 * max(1.0, abs(seen["stock"])):
+                    problems.append(f"batch {step}: loss {seen['commfuse']} vs stock {seen['stock']}")
+                clipped += 1
+                continue
             for label, model in (("stock", stock), ("commfuse", fused)):
                 with context():
-                    pred = model(tokens)
+                    masks = None if positions is None else model.get_attention_masks(positions)
+                    pred = model(tokens, positions, masks)
                     loss = cross_entropy_loss(pred, labels, global_vocab_size=vocab) / (BATCH * SEQ * dp)
                     loss.backward()
                 loss = loss.detach()
@@ -242,8 +269,11 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str) -> 
             _compare(f"step {step} gradient of", g1, g0, problems)
     _compare("final", {k: _local(v).detach() for k, v in fused.state_dict().items()},
              {k: _local(v).detach() for k, v in stock.state_dict().items()}, problems, atol=2e-5)
-    per_step = 2 * len(stock_config.layers)  # each block: the Q/K/V gather and the w1/w3 gather; wo's and w2's scatter
-    want_calls = {"all_gather_matmul": per_step * STEPS, "matmul_reduce_scatter": per_step * STEPS}
+    # each block: the Q/K/V gather and the w1/w3 gather; w2's scatter, and wo's (the query-split attention's ring
+    # with query_split, else matmul_reduce_scatter)
+    per_step = len(stock_config.layers) * STEPS
+    want_calls = {"all_gather_matmul": 2 * per_step, "matmul_reduce_scatter": (1 if query_split else 2) * per_step,
+                  "attention_reduce_scatter": per_step if query_split else 0}
     if counted.calls != want_calls:
         problems.append(f"fused op calls {counted.calls}, expected {want_calls} (a silent fallback to the stock "
                         "projection?)")

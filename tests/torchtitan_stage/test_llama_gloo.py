@@ -17,20 +17,22 @@ from commfuse.launch import launch  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def _results(n: int, dp: int, separate_qkv: bool, algorithm: str) -> list[dict]:
-    return launch(_llama_cases.training, n, dp, separate_qkv, algorithm, timeout=600)
+def _results(n: int, dp: int, separate_qkv: bool, algorithm: str, query_split: bool, core: str) -> list[dict]:
+    return launch(_llama_cases.training, n, dp, separate_qkv, algorithm, query_split, core, timeout=600)
 
 
-@pytest.mark.parametrize(("n", "dp", "separate_qkv", "algorithm"), [
-    (4, 1, False, "ring"),      # tp4, the fused wqkv every llama3 config uses
-    (4, 1, False, "vanilla"),
-    (4, 1, True, "auto"),       # wq, wk, wv apart: one gather feeds all three
-    (2, 1, False, "auto"),
-    (4, 2, False, "ring"),      # dp2 x tp2 with FSDP2
-    (4, 2, True, "vanilla"),
+@pytest.mark.parametrize(("n", "dp", "separate_qkv", "algorithm", "query_split", "core"), [
+    (4, 1, False, "ring", True, "sdpa"),    # tp4, the fused wqkv every llama3 config uses; attention split by query
+    (4, 1, False, "ring", False, "sdpa"),   # the same with torchtitan's attention core whole between the projections
+    (4, 1, False, "vanilla", True, "sdpa"),
+    (4, 1, True, "auto", True, "sdpa"),     # wq, wk, wv apart: one gather feeds all three
+    (2, 1, False, "auto", True, "sdpa"),
+    (2, 1, False, "ring", True, "flex"),    # FlexAttention, packed documents' BlockMask: forward only (no CPU backward)
+    (4, 2, False, "ring", True, "sdpa"),    # dp2 x tp2 with FSDP2
+    (4, 2, True, "vanilla", False, "sdpa"),
 ])
-def test_torchtitan_llama3_trains_as_its_stock_tp_plan(n, dp, separate_qkv, algorithm):
-    results = _results(n, dp, separate_qkv, algorithm)
+def test_torchtitan_llama3_trains_as_its_stock_tp_plan(n, dp, separate_qkv, algorithm, query_split, core):
+    results = _results(n, dp, separate_qkv, algorithm, query_split, core)
     errors = {r: e for r, res in enumerate(results) for e in res.values() if e}
     assert len(results) == n and all(len(res) == 1 for res in results), results
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())

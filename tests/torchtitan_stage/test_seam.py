@@ -32,12 +32,18 @@ def test_every_llama3_config_in_torchtitans_registry_is_swapped_whole(name):
     config = llama3_configs[name](attn_backend="flex")
     before = copy.deepcopy(config)
     swapped = cf_titan.use_commfuse(config, algorithm="ring")
-    assert len(swapped) == 3 * len(config.layers)
+    assert len(swapped) == 4 * len(config.layers)
     for layer, old in zip(config.layers, before.layers):
+        # FlexAttention with the decoder's causal document masks: the attention is split by query too
+        assert type(layer.attention) is cf_titan.Attention.Config
+        assert layer.attention.causal and layer.attention.algorithm == "ring"
         assert type(layer.attention.qkv_linear) is cf_titan.FusedQKVLinear.Config
         assert type(layer.attention.wo) is cf_titan.RowParallelLinear.Config
         assert type(layer.feed_forward) is cf_titan.FeedForward.Config
         assert layer.attention.qkv_linear.algorithm == "ring"
+        kept = {k: v for k, v in layer.attention.to_dict().items() if k not in ("qkv_linear", "wo")}
+        assert kept == {**{k: v for k, v in old.attention.to_dict().items() if k not in ("qkv_linear", "wo")},
+                        "algorithm": "ring", "causal": True}
         # every stock field kept: the built module has the stock sizes, FQNs and initialisation
         for new, stock in ((layer.attention.qkv_linear, old.attention.qkv_linear), (layer.attention.wo, old.attention.wo),
                            (layer.feed_forward, old.feed_forward)):
@@ -67,3 +73,41 @@ def test_a_block_it_cannot_fuse_whole_is_left_stock():
     assert cf_titan.use_commfuse(config) == ["layers.0.feed_forward"]
     assert type(config.layers[0].attention.wo).__name__ == "Config" and \
         not isinstance(config.layers[0].attention.wo, cf_titan.RowParallelLinear.Config)
+
+
+@pytest.mark.parametrize(("core", "causal"), [("sdpa", True), ("flex", True), ("varlen causal", True),
+                                               ("varlen whole", False), ("varlen window", None)])
+def test_the_attention_core_decides_whether_attention_is_split_by_query(core, causal):
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+
+    config = llama3_configs["debugmodel"](attn_backend="flex")
+    config.layers = config.layers[:1]
+    config.layers[0].attention.inner_attention = {
+        "sdpa": ScaledDotProductAttention.Config(), "flex": FlexAttention.Config(),
+        "varlen causal": VarlenAttention.Config(window_size=(-1, 0)),
+        "varlen whole": VarlenAttention.Config(window_size=(-1, -1)),
+        "varlen window": VarlenAttention.Config(window_size=(128, 0))}[core]
+    swapped = cf_titan.use_commfuse(config)
+    attention = config.layers[0].attention
+    if causal is None:  # a sliding window: commfuse's slices do not reproduce it, torchtitan's core stays
+        assert "layers.0.attention" not in swapped and type(attention) is not cf_titan.Attention.Config
+        assert type(attention.wo) is cf_titan.RowParallelLinear.Config  # the projections are fused still
+    else:
+        assert "layers.0.attention" in swapped and attention.causal is causal
+
+
+def test_query_split_false_keeps_torchtitans_attention_core():
+    config = llama3_configs["debugmodel"](attn_backend="flex")
+    swapped = cf_titan.use_commfuse(config, query_split=False)
+    assert len(swapped) == 3 * len(config.layers)
+    assert not any(type(layer.attention) is cf_titan.Attention.Config for layer in config.layers)
+
+
+def test_attention_is_refused_without_the_fused_projections():
+    config = llama3_configs["debugmodel"](attn_backend="flex")
+    config.layers = config.layers[:1]
+    cf_titan.use_commfuse(config)
+    config.layers[0].attention.wo = before = copy.deepcopy(llama3_configs["debugmodel"](attn_backend="flex").layers[0].attention.wo)
+    assert not isinstance(before, cf_titan.RowParallelLinear.Config)
+    with pytest.raises(CommfuseTypeError, match="qkv_linear and wo must be"):
+        config.build()
