@@ -273,6 +273,10 @@ AUTO_TINY_AT_MOST = 0.05  # auto at most this much slower than vanilla at tiny s
 #: Below this comm-only / compute-only the exposed share of the communication is within the compute's run-to-run
 #: spread (10% of it is under 2% of the run), so the exposure target is not judged.
 MIN_RATIO = 0.2
+#: the side-by-side workloads: what their vanilla is, and the speed-up commfuse's ring must reach against it
+#: (None: no target), judged where ring's comm-only / compute-only is within STOCK_REGIME_WITHIN of 0.5
+STOCK_PLANS = {"llama_block": ("torch's styles", None), "torchtitan": ("torchtitan's stock TP", 1.25)}
+STOCK_REGIME_WITHIN = 0.15
 #: The preset of the auto target, and the one smoke-test preset: hops of a few KiB are latency-bound, not the
 #: bandwidth-bound hops the overlap targets are set for.
 TINY_PRESET = "tiny"
@@ -300,13 +304,26 @@ def targets(recs: list[dict], config: BenchConfig | None = None) -> list[str]:
     by = {(r["workload"], r["algorithm"]): r for r in recs}
     for workload in dict.fromkeys(r["workload"] for r in recs):
         van, ring = by.get((workload, "vanilla")), by.get((workload, "ring"))
-        if workload == "llama_block":  # vanilla is torch's own plan here: a comparison of plans, no target set
-            lines.append("llama_block: commfuse.tp's block styles against torch's styles (vanilla), forward + "
-                         "backward, side by side (no target set):")
+        if workload in STOCK_PLANS:  # vanilla is another library's plan here: a comparison of plans
+            theirs, target = STOCK_PLANS[workload]
+            rho = _ratio(ring)
+            regime = "" if rho is None else f"; ring's comm-only / compute-only {rho:.2f}"
+            lines.append(f"{workload}: commfuse's modules against {theirs} (vanilla), forward + backward, side by side"
+                         f"{regime}{'' if target else ' (no target set)'}:")
             for r in recs:
                 if r["workload"] == workload and r["algorithm"] != "vanilla" and r["speedup_vs_vanilla"]:
                     lines.append(f"  {r['algorithm']}{' (' + r['taken'] + ')' if r['algorithm'] == 'auto' else ''}:"
-                                 f" {r['speedup_vs_vanilla']:.2f}x torch's speed")
+                                 f" {r['speedup_vs_vanilla']:.2f}x the speed of {theirs}")
+            if target and ring is not None and ring["speedup_vs_vanilla"]:
+                s = ring["speedup_vs_vanilla"]
+                why = smoke
+                if why is None and (rho is None or abs(rho - 0.5) > STOCK_REGIME_WITHIN):
+                    why = ("the target is for comm about half of compute (ring's comm-only / compute-only "
+                           f"0.5 +- {STOCK_REGIME_WITHIN}), here {'not measured' if rho is None else f'{rho:.2f}'}: "
+                           "set --link-rate")
+                if why is None and ring["world_size"] != 2:
+                    why = "the target is for 2 ranks"
+                lines.append(f"  ring vs {theirs} {s:.2f}x (target >= {target}x): {_verdict(s >= target, why)}")
             continue
         sliced, auto = by.get((workload, "sliced:4")), by.get((workload, "auto"))
         ratios = [f"{r['algorithm']} {_ratio(r):.2f}" for r in (van, ring) if _ratio(r) is not None]

@@ -178,12 +178,15 @@ class FSDPLinear(LayerWorkload):
 
 class _SideBySide(Workload):
     """A block built twice, run side by side: the ``vanilla`` run is ``theirs`` (a plan whose collectives are its
-    own, which commfuse's measure modes cannot remove: its runs refuse them), every other algorithm ``ours``, with
-    the algorithm set on ``tuned`` (what of ours takes one). Forward + backward on (b, s/N, h), under
+    own, which commfuse's measure modes cannot remove: its runs refuse them, and the runner times it in the
+    normal mode only), every other algorithm ``ours``, with the algorithm set on ``tuned`` (what of ours takes
+    one), whose compute-only and comm-only times give the regime. Forward + backward on (b, s/N, h), under
     :attr:`context`; ``stock`` says what ``theirs`` runs, for the refusal."""
 
     stock = ""
     context = staticmethod(nullcontext)
+    #: the runner times compute_only and comm_only for ``ours`` only (their ops are commfuse's), never ``theirs``
+    measures_vanilla = False
 
     def side_by_side(self, theirs, ours, tuned: list, *args) -> None:
         """The two blocks, what takes the algorithm, and the blocks' arguments after the input."""
@@ -223,8 +226,8 @@ class LlamaBlock(_SideBySide):
     block styles (every other algorithm, set on the styles). Forward + backward on (b, s/N, h).
 
     ``compute_only`` and ``comm_only`` cannot take torch's plan apart (its collectives are DTensor's, which
-    commfuse's measure modes do not reach): its runs refuse them, and the bench reports normal times only,
-    side by side."""
+    commfuse's measure modes do not reach): its runs refuse them and it is timed in the normal mode only; the
+    styles' runs are timed in all three."""
 
     name = "llama_block"
     stock = "torch's styles run DTensor's collectives"

@@ -119,10 +119,11 @@ def _group(module):
     group = module._commfuse_group
     if group is None:
         mesh = current_spmd_mesh()
-        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-            group = None
+        if mesh is module._commfuse_mesh[0]:  # the same context as the last forward: its group, remembered
+            group = module._commfuse_mesh[1]
         else:
-            group = mesh.get_group("tp")
+            group = None if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) else mesh.get_group("tp")
+            module._commfuse_mesh = (mesh, group)
     if group is None or group.size() == 1:
         name = type(module).__name__
         log.once(("torchtitan unfused", name), "commfuse.integrations.torchtitan.%s: tensor parallelism is not "
@@ -149,6 +150,7 @@ class _Fused:
         super().__init__(config)
         self.algorithm = config.algorithm
         self._commfuse_group = None
+        self._commfuse_mesh = (None, None)  # (the last mesh context seen, its TP group): get_group once per mesh
 
 
 class FusedQKVLinear(_Fused, _DistQKV):

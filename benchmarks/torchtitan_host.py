@@ -1,0 +1,143 @@
+"""Host cost per call of commfuse's torchtitan modules, against torchtitan's stock block and the bare ops.
+
+Tier: benchmark (prints figures, asserts nothing). torch's ``fake`` process group makes this one process
+rank 0 of N (every transfer completes at once, no data moves), and the sizes are tiny, so what is timed is
+the Python and dispatch each forward costs on the host: on a GPU, where a shard's GEMM takes ~0.1 ms, that
+decides whether the host keeps the device fed. Rows (median over rounds of the mean per call, forward
+under ``no_grad`` and forward + backward):
+
+- ``stock block``: torchtitan 0.3's Llama 3 block, its stock TP plan (``spmd_types``, SP on);
+- ``commfuse block``: the same block through ``use_commfuse`` (ring; attention split by query);
+- ``FusedQKVLinear`` against ``ops.all_gather_matmul`` on the same tensors, each call entering
+  torchtitan's mesh context: what the module adds to its op (the context read, the bias, the split into
+  heads, which the stock module does too).
+
+Needs torchtitan (``bash ci/setup_torchtitan.sh``)::
+
+    ~/.cache/commfuse/venv-torchtitan/bin/python benchmarks/torchtitan_host.py [--world-sizes 2 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+
+def _per_call(fn, calls: int, rounds: int) -> float:
+    for _ in range(3):
+        fn()
+    means = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - t0) / calls)
+    return statistics.median(means)
+
+
+def _blocks(n: int, hidden: int, heads: int):
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3 import llama3_configs
+
+    from commfuse.integrations import torchtitan as cf_titan
+
+    parallelism = ParallelismConfig(tensor_parallel_degree=n, enable_sequence_parallel=True, spmd_backend="spmd_types")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=n, pp=1, ep=1, world_size=n, spmd_backend="spmd_types")
+    blocks = []
+    for fused in (False, True):
+        config = llama3_configs["debugmodel"](attn_backend="flex")
+        layer = config.layers[0]
+        init = {"weight": layer.feed_forward.w1.param_init["weight"]}
+        config.dim, config.layers = hidden, [layer]
+        for norm in (config.norm, layer.attention_norm, layer.ffn_norm):
+            norm.normalized_shape = hidden
+        config.tok_embeddings.embedding_dim, config.lm_head.in_features = hidden, hidden
+        layer.attention = make_gqa_config(dim=hidden, n_heads=heads, n_kv_heads=heads, wqkv_param_init=init,
+                                          wo_param_init=init, inner_attention=ScaledDotProductAttention.Config(),
+                                          fuse_qkv=True, rope=dataclasses.replace(layer.attention.rope,
+                                                                                  dim=hidden // heads))
+        layer.feed_forward = make_ffn_config(dim=hidden, hidden_dim=2 * hidden, w1_param_init=init,
+                                             w2w3_param_init=init)
+        if fused:
+            cf_titan.use_commfuse(config, algorithm="ring")
+        config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+        with torch.device("meta"):
+            model = config.build()
+        model.parallelize(dims)
+        model.to_empty(device="cpu")
+        context = dist_utils.get_spmd_context(parallel_dims=dims)
+        with torch.no_grad(), context():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        blocks.append(model.layers["0"])
+    return blocks, context, dims
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=50)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    # the ops' fingerprint exchange off, as in the bench's timed runs: the fake group's peers return no fingerprint
+    os.environ["COMMFUSE_CHECK"] = "0"
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from commfuse.integrations.torchtitan_cpu import prepare
+
+    prepare()
+    import commfuse.ops as ops
+
+    print("host cost per call, us (fake process group: rank 0 of N, transfers complete at once; tiny sizes)")
+    print(f"{'N':>3}  {'stock block fwd':>15}  {'commfuse fwd':>12}  {'stock fwd+bwd':>13}  {'commfuse fwd+bwd':>16}"
+          f"  {'FusedQKVLinear':>14}  {'all_gather_matmul':>17}")
+    for n in args.world_sizes:
+        dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
+        try:
+            hidden, heads = 64, 8
+            (stock, fused), context, _ = _blocks(n, hidden, heads)
+            x = torch.randn(1, 2, hidden)  # this rank's sequence shard: 2 rows of 2N
+            xg = x.clone().requires_grad_()
+            qkv = fused.attention.qkv_linear
+            group = dist.group.WORLD
+
+            def forward(block):
+                with torch.no_grad(), context():
+                    block(x, None, None)
+
+            def train(block):
+                with context():
+                    block(xg, None, None).sum().backward()
+
+            def module():
+                with torch.no_grad(), context():
+                    qkv(x)
+
+            def bare():  # in the same context as the module, whose entry costs both the same
+                with torch.no_grad(), context():
+                    ops.all_gather_matmul(x, qkv.wqkv.weight.t(), group=group, gather_dim=1, algorithm="ring")
+
+            row = [_per_call(lambda: forward(stock), args.calls, args.rounds),
+                   _per_call(lambda: forward(fused), args.calls, args.rounds),
+                   _per_call(lambda: train(stock), args.calls, args.rounds),
+                   _per_call(lambda: train(fused), args.calls, args.rounds),
+                   _per_call(module, args.calls, args.rounds), _per_call(bare, args.calls, args.rounds)]
+            print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>{w}.0f}" for v, w in zip(row, (15, 12, 13, 16, 14, 17))))
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
