@@ -140,6 +140,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", help="Chrome/Perfetto trace of every algorithm")
     g.add_argument("--ranks", type=_ranks, metavar="R,R",
                    help="ranks in the plot and trace (default: the first 8)")
+    g.add_argument("--strands", action="store_true",
+                   help="two strands instead of one layer: a whole block (-w attention or mlp: the Llama block "
+                        "under --tp; -w moe: the MoE block under --ep) as stages, two micro-batches' forward and "
+                        "backward, the second's forward beside the first's backward; prints the searched plan and "
+                        "its predicted step time against per-op rings (docs/simulator.md)")
     g.add_argument("--explain", action="store_true",
                    help="say why: per-op hop vs compute times, and the sequence lengths where the winner changes")
 
@@ -171,6 +176,8 @@ def _simulate(args: argparse.Namespace) -> int:
     profile = sim.load_profile(args.profile)
     if args.settings:
         profile = profile.replace(**dict(args.settings))
+    if args.strands:
+        return _strands(args, profile, moe)
     passes = args.passes or ("both" if args.workload == "moe" else "forward")
     batch = 1 if args.batch is None else args.batch
     workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=batch,
@@ -208,6 +215,51 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot:
         path = _report.write_plot(predictions, args.plot, args.ranks)
         print(f"wrote the predicted Gantt chart to {path}", file=sys.stderr)
+    return 0
+
+
+def _strands(args: argparse.Namespace, profile, moe: dict) -> int:
+    """``--strands``: the block's stages, the searched plan of the second micro-batch's forward beside the
+    first's backward, and the step predicted four ways."""
+    from commfuse.sim import _strands as strands
+
+    for flag in ("json", "plot", "trace", "explain", "full", "algorithms"):
+        if getattr(args, flag):
+            raise CommfuseValueError(f"--strands prints its plan and figures only; --{flag} does not apply")
+    batch = 1 if args.batch is None else args.batch
+    tokens = batch * args.seq
+    ffn = args.ffn or 4 * args.hidden
+    if args.workload == "moe":
+        forward, backward = strands.moe_stages(profile, ep=moe["ep"], tokens=tokens, seq=args.seq,
+                                               hidden=args.hidden, ffn=ffn, topk=moe["topk"])
+        what = f"MoE block, EP {moe['ep']}, {tokens} tokens per rank, hidden {args.hidden}, expert ffn {ffn}, " \
+               f"top-{moe['topk']}"
+    elif args.workload in ("attention", "mlp"):
+        forward, backward = strands.llama_stages(profile, tp=args.tp, tokens=tokens, seq=args.seq,
+                                                 hidden=args.hidden, ffn=ffn)
+        what = f"Llama block, TP {args.tp} with SP, {tokens} tokens, hidden {args.hidden}, ffn {ffn}"
+    else:
+        raise CommfuseValueError(f"--strands simulates a block: -w attention or mlp (the Llama block under --tp) or "
+                                 f"-w moe (the MoE block under --ep), not -w {args.workload}")
+    step = strands.predict_step(forward, backward, slowdown=profile.contention.compute_slowdown)
+    ms = 1e3
+    lines = [f"two strands: {what}, {profile.dtype_bytes}-byte elements, on profile {profile.name}; two "
+             "micro-batches, forward + backward, the second's forward beside the first's backward",
+             "", f"  {'stage':<38} {'compute ms':>10} {'comm ms':>9} {'alone ms':>9}"]
+    for stage in step.forward + step.backward:
+        lines.append(f"  {stage.name:<38} {ms * stage.compute:10.3f} {ms * stage.comm:9.3f} {ms * stage.alone:9.3f}")
+    lines += ["", "searched plan (forward of micro-batch 2 | backward of micro-batch 1):", *step.searched.lines(), "",
+              f"  {'schedule':<44} {'step ms':>9} {'vs per-op ring':>15}"]
+    rows = [("vanilla (compute, then comm)", step.vanilla), ("per-op ring, micro-batches in turn", step.per_op),
+            ("two strands, naive alternation", step.strands(step.naive)),
+            ("two strands, searched plan", step.strands(step.searched)),
+            ("limit: max(total compute, total comm)", step.limit)]
+    for name, seconds in rows:
+        lines.append(f"  {name:<44} {ms * seconds:9.3f} {step.per_op / seconds:14.2f}x")
+    comm = sum(s.comm for s in step.forward + step.backward)
+    compute = sum(s.compute for s in step.forward + step.backward)
+    lines.append(f"comm / compute of the block: {comm / compute:.2f}" if compute else "")
+    print("\n".join(lines))
     return 0
 
 
