@@ -15,10 +15,10 @@ micro-batches through them:
 - the losses come back, and the parameters' gradients are what sequential micro-batches leave
   (``loss_i.backward()`` for each i in turn, accumulated), up to the order of the additions.
 
-What this stop delivers is the stage machinery, the plan and its order, checked for gradients on gloo.
-Within this module the two strands run on one thread and each commfuse op still completes before the next
-stage starts, so the interleaving gains nothing yet: the other strand's compute filling a ring's steps and
-one strand's exposed waits is the runtime work still to do (docs/strands.md).
+The two strands run on one thread. Where the plan puts a stage with transfers beside one without (by the
+stages' figures), the one without runs inside the other's first commfuse op, after its transfers are posted
+and before its first wait. Finer units (one strand's GEMM slices filling the other's ring hops) are still to
+do; docs/strands.md has what was measured and what is missing.
 
 Every rank must run the same plan, or their ops would pair up wrongly: the plan is a function of the
 profiles given, and :func:`run` checks on its first call that every rank of ``group`` holds the same one,
@@ -53,12 +53,9 @@ class Stage:
     backward_comm: float | None = None
 
 
-def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", slowdown: float = 0.0) -> list:
-    """The order :func:`run` runs the stages in: ``(kind, micro-batch, stage index)`` with kind ``"F"``
-    (forward) or ``"B"`` (backward; stage indices count down). ``plan``: ``"sequential"`` (every micro-batch's
-    forward then its backward), ``"alternate"`` (forward stage k of micro-batch i + 1, then backward stage k
-    of micro-batch i), ``"searched"`` (the dynamic program over the stages' profiles) or ``"auto"`` (searched
-    where every stage has a ``compute`` figure, else alternate)."""
+def _slots(stages: Sequence[Stage], micro_batches: int, plan: str, slowdown: float) -> list[tuple]:
+    """:func:`order`'s entries grouped into slots: a slot of two entries is a forward stage and a backward
+    stage the plan runs together."""
     if plan not in ("auto", "sequential", "alternate", "searched"):
         raise CommfuseValueError(f"plan must be auto, sequential, alternate or searched, got {plan!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -67,7 +64,7 @@ def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", sl
     forward = [("F", k) for k in range(n)]
     backward = [("B", k) for k in reversed(range(n))]
     if plan == "sequential":
-        return [(kind, i, k) for i in range(micro_batches) for kind, k in forward + backward]
+        return [((kind, i, k),) for i in range(micro_batches) for kind, k in forward + backward]
     profiled = all(s.compute is not None for s in stages)
     if plan == "searched" and not profiled:
         missing = [s.name for s in stages if s.compute is None]
@@ -75,23 +72,36 @@ def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", sl
     if plan == "auto":
         plan = "searched" if profiled else "alternate"
     if plan == "searched":
-        first = [planning.Stage(s.name, s.compute, s.comm) for s in stages]
-        second = [planning.Stage(s.name + " (backward)", 2 * s.compute if s.backward_compute is None
-                                 else s.backward_compute, s.comm if s.backward_comm is None else s.backward_comm)
-                  for s in reversed(stages)]
+        first, second = _profiles(stages)
         slots = planning.plan(first, second, slowdown=slowdown).slots
-        pairs = [(None if s.a is None else ("F", s.a), None if s.b is None else ("B", n - 1 - s.b)) for s in slots]
+        pairs = [(None if s.a is None else s.a, None if s.b is None else n - 1 - s.b) for s in slots]
     else:
-        pairs = [(forward[k], backward[k]) for k in range(n)]
-    out = [("F", 0, k) for k in range(n)]
+        pairs = [(k, n - 1 - k) for k in range(n)]
+    out = [(("F", 0, k),) for k in range(n)]
     for i in range(1, micro_batches):
         for f, b in pairs:  # micro-batch i's forward beside micro-batch i - 1's backward
-            if f is not None:
-                out.append(("F", i, f[1]))
-            if b is not None:
-                out.append(("B", i - 1, b[1]))
-    out += [("B", micro_batches - 1, k) for _, k in backward]
+            out.append(tuple(e for e in (None if f is None else ("F", i, f), None if b is None else ("B", i - 1, b))
+                             if e is not None))
+    out += [(("B", micro_batches - 1, k),) for _, k in backward]
     return out
+
+
+def _profiles(stages: Sequence[Stage]) -> tuple[list, list]:
+    """The stages' figures as the plan search's two strands: the forward, and the backward in its order."""
+    first = [planning.Stage(s.name, s.compute, s.comm) for s in stages]
+    second = [planning.Stage(s.name + " (backward)", 2 * s.compute if s.backward_compute is None
+                             else s.backward_compute, s.comm if s.backward_comm is None else s.backward_comm)
+              for s in reversed(stages)]
+    return first, second
+
+
+def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", slowdown: float = 0.0) -> list:
+    """The order :func:`run` runs the stages in: ``(kind, micro-batch, stage index)`` with kind ``"F"``
+    (forward) or ``"B"`` (backward; stage indices count down). ``plan``: ``"sequential"`` (every micro-batch's
+    forward then its backward), ``"alternate"`` (forward stage k of micro-batch i + 1, then backward stage k
+    of micro-batch i), ``"searched"`` (the dynamic program over the stages' profiles) or ``"auto"`` (searched
+    where every stage has a ``compute`` figure, else alternate)."""
+    return [entry for slot in _slots(stages, micro_batches, plan, slowdown) for entry in slot]
 
 
 def _tuple(value, who: str) -> tuple:
@@ -135,51 +145,99 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     tensor or a tuple of them) go to the first stage, and ``loss_fn(outputs, target)`` turns the last stage's
     outputs into a scalar loss. Parameters' gradients accumulate in ``.grad`` as sequential micro-batches'
     ``loss.backward()`` would leave them. ``group``: the ranks that must agree on the order (checked once per
-    call; default the world, nothing without a process group)."""
+    call; default the world, nothing without a process group).
+
+    Where the plan puts a stage with transfers beside one without (by their figures), the one without runs
+    inside the other's first commfuse op, after its transfers are posted and before it waits for them
+    (``commfuse.runtime.loop.FILLERS``): it computes while they travel. A stage given ``comm=0`` must call no
+    commfuse op (one op per group at a time)."""
     if not stages:
         raise CommfuseValueError("commfuse.strands.run needs at least one stage")
     for s in stages:
         if not isinstance(s, Stage):
             raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
     batches = list(micro_batches)
-    schedule = order(stages, micro_batches=len(batches), plan=plan, slowdown=slowdown)
-    _check_agreed(schedule, group)
+    slots = _slots(stages, len(batches), plan, slowdown)
+    _check_agreed([e for slot in slots for e in slot], group)
     n = len(stages)
+    first, second = _profiles(stages) if all(s.compute is not None for s in stages) else (None, None)
     saved: dict = {}  # (micro-batch, stage) -> (detached inputs, outputs)
     carry: dict = {}  # micro-batch -> the outputs the next forward stage takes
     grads: dict = {}  # micro-batch -> the gradients of the outputs of the stage whose backward is next
     losses: list = [None] * len(batches)
-    for kind, i, k in schedule:
+
+    def forward(i: int, k: int) -> None:
         stage = stages[k]
-        if kind == "F":
-            if k == 0:
-                batch = batches[i]
-                if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                    raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got "
-                                            f"{type(batch).__name__}")
-                inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
-            else:
-                inputs = _detached(carry.pop(i))
-            with torch.enable_grad():
-                outputs = _tuple(stage.fn(*inputs), f"stage {stage.name!r} (micro-batch {i})")
-                if k == n - 1:
-                    loss = loss_fn(outputs[0] if len(outputs) == 1 else outputs, batches[i][1])
-                    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                        raise CommfuseValueError(f"loss_fn must return a scalar tensor, got "
-                                                 f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}")
-                    losses[i] = loss
-            saved[(i, k)] = (inputs, outputs)
-            if k < n - 1:
-                carry[i] = outputs
+        if k == 0:
+            batch = batches[i]
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got {type(batch).__name__}")
+            inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
         else:
-            inputs, outputs = saved.pop((i, k))
+            inputs = _detached(carry.pop(i))
+        with torch.enable_grad():
+            outputs = _tuple(stage.fn(*inputs), f"stage {stage.name!r} (micro-batch {i})")
             if k == n - 1:
-                torch.autograd.backward(losses[i])
-            else:
-                wanted = grads.pop(i)
-                pairs = [(o, g) for o, g in zip(outputs, wanted) if g is not None and o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            if k > 0:
-                grads[i] = [t.grad if t.requires_grad else None for t in inputs]
+                loss = loss_fn(outputs[0] if len(outputs) == 1 else outputs, batches[i][1])
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    raise CommfuseValueError(f"loss_fn must return a scalar tensor, got "
+                                             f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}")
+                losses[i] = loss
+        saved[(i, k)] = (inputs, outputs)
+        if k < n - 1:
+            carry[i] = outputs
+
+    def backward(i: int, k: int) -> None:
+        inputs, outputs = saved.pop((i, k))
+        if k == n - 1:
+            torch.autograd.backward(losses[i])
+        else:
+            wanted = grads.pop(i)
+            pairs = [(o, g) for o, g in zip(outputs, wanted) if g is not None and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if k > 0:
+            grads[i] = [t.grad if t.requires_grad else None for t in inputs]
+
+    def comm(entry) -> float:
+        kind, _, k = entry
+        return first[k].comm if kind == "F" else second[n - 1 - k].comm
+
+    step = {"F": forward, "B": backward}
+    for slot in slots:
+        if len(slot) == 2 and first is not None and (comm(slot[0]) > 0) != (comm(slot[1]) > 0):
+            sender, filler = slot if comm(slot[0]) > 0 else slot[::-1]
+            _overlapped(step, sender, filler)
+        else:
+            for kind, i, k in slot:
+                step[kind](i, k)
     return [loss.detach() for loss in losses]
+
+
+def _overlapped(step: dict, sender: tuple, filler: tuple) -> None:
+    """Run ``sender`` (a stage with transfers) with ``filler`` (one without) handed to its first commfuse op's
+    wait; the filler runs after the sender when no op took it. The filler's error is raised after the sender
+    is done, so the sender's op completes on every rank whatever the filler did."""
+    from commfuse.runtime import loop
+
+    failed: list = []
+
+    def fill() -> None:
+        try:
+            step[filler[0]](filler[1], filler[2])
+        except BaseException as e:  # noqa: BLE001 - raised once the sender's op is complete
+            failed.append(e)
+        finally:
+            ran.append(True)
+
+    ran: list = []
+    loop.FILLERS.append(fill)
+    try:
+        step[sender[0]](sender[1], sender[2])
+    finally:
+        if not ran:
+            loop.FILLERS.remove(fill)
+    if failed:
+        raise failed[0]
+    if not ran:
+        step[filler[0]](filler[1], filler[2])

@@ -592,6 +592,8 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
         handle = plan.backend.collective_into(call.collective, input, output)
     except Exception as e:
         raise posting_error(plan, st, call, e) from e
+    if FILLERS:
+        run_filler()
     try:
         handle.wait(plan.timeout)
     except BaseException as e:
@@ -722,6 +724,8 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
                 if made is not None:
                     held[s] = made
             if handle is not None:
+                if FILLERS:
+                    run_filler()
                 try:
                     got = handle.wait(plan.timeout)
                 except BaseException as e:
@@ -753,6 +757,8 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
 
 def _land_ring(plan: Plan, st: CompiledStep, handle, recvs, landing: list) -> None:
     """Wait for a ring step's transfers and put what arrived in ``landing``, by slot."""
+    if FILLERS:
+        run_filler()
     try:
         got = handle.wait(plan.timeout)
     except BaseException as e:
@@ -951,6 +957,8 @@ def _post_collectives(plan: Plan, st: CompiledStep, program: Program, run_collec
 
 
 def _wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> None:
+    if FILLERS and pending:
+        run_filler()
     for i, (handle, finish, what) in enumerate(pending):
         try:
             got = handle.wait(timeout)
@@ -962,6 +970,19 @@ def _wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> No
                 land(s, tensor)
         else:
             finish(got)
+
+
+#: Work another strand handed this thread (``commfuse.strands``): the next op that posts transfers runs it once,
+#: after posting and before its first wait, so that it computes while those transfers travel. Each entry is a
+#: callable that takes no argument and raises nothing (the strand keeps its own error). Empty: one truth test
+#: per wait.
+FILLERS: list = []
+
+
+def run_filler() -> None:
+    """Run the work :data:`FILLERS` holds (the last handed in), if any."""
+    if FILLERS:
+        FILLERS.pop()()
 
 
 def _drain(pending, timeout: float) -> None:

@@ -28,8 +28,8 @@ profiles computes the same plan: no rank can run the strands in another order an
 
 The stage profiles come from a hardware profile (:func:`llama_stages`, :func:`moe_stages`: the
 simulator's GEMM and link models) or from measurements a caller makes (:class:`Stage` takes any
-figures). Only the plan and its prediction are built here; the runtime that executes two strands
-(issue "Two strands") is not.
+figures). Only the plan and its prediction are built here; ``commfuse.strands`` runs the stages in its
+order (docs/strands.md).
 """
 
 from __future__ import annotations
