@@ -20,11 +20,9 @@ Needs torchtitan (``bash ci/setup_torchtitan.sh``)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -42,47 +40,6 @@ def _per_call(fn, calls: int, rounds: int) -> float:
     return statistics.median(means)
 
 
-def _blocks(n: int, hidden: int, heads: int):
-    from torchtitan.config import ParallelismConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.llama3 import llama3_configs
-
-    from commfuse.integrations import torchtitan as cf_titan
-
-    parallelism = ParallelismConfig(tensor_parallel_degree=n, enable_sequence_parallel=True, spmd_backend="spmd_types")
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=n, pp=1, ep=1, world_size=n, spmd_backend="spmd_types")
-    blocks = []
-    for fused in (False, True):
-        config = llama3_configs["debugmodel"](attn_backend="flex")
-        layer = config.layers[0]
-        init = {"weight": layer.feed_forward.w1.param_init["weight"]}
-        config.dim, config.layers = hidden, [layer]
-        for norm in (config.norm, layer.attention_norm, layer.ffn_norm):
-            norm.normalized_shape = hidden
-        config.tok_embeddings.embedding_dim, config.lm_head.in_features = hidden, hidden
-        layer.attention = make_gqa_config(dim=hidden, n_heads=heads, n_kv_heads=heads, wqkv_param_init=init,
-                                          wo_param_init=init, inner_attention=ScaledDotProductAttention.Config(),
-                                          fuse_qkv=True, rope=dataclasses.replace(layer.attention.rope,
-                                                                                  dim=hidden // heads))
-        layer.feed_forward = make_ffn_config(dim=hidden, hidden_dim=2 * hidden, w1_param_init=init,
-                                             w2w3_param_init=init)
-        if fused:
-            cf_titan.use_commfuse(config, algorithm="ring")
-        config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
-        with torch.device("meta"):
-            model = config.build()
-        model.parallelize(dims)
-        model.to_empty(device="cpu")
-        context = dist_utils.get_spmd_context(parallel_dims=dims)
-        with torch.no_grad(), context():
-            model.init_weights(buffer_device=torch.device("cpu"))
-        blocks.append(model.layers["0"])
-    return blocks, context, dims
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8])
@@ -95,6 +52,7 @@ def main() -> None:
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from commfuse.bench.workloads import torchtitan_blocks
     from commfuse.integrations.torchtitan_cpu import prepare
 
     prepare()
@@ -107,7 +65,8 @@ def main() -> None:
         dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
         try:
             hidden, heads = 64, 8
-            (stock, fused), context, _ = _blocks(n, hidden, heads)
+            stock, fused, context = torchtitan_blocks(n, hidden=hidden, heads=heads, kv_heads=heads, ffn=2 * hidden,
+                                                      algorithm="ring", device=torch.device("cpu"), seed=0)
             x = torch.randn(1, 2, hidden)  # this rank's sequence shard: 2 rows of 2N
             xg = x.clone().requires_grad_()
             qkv = fused.attention.qkv_linear

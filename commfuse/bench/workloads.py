@@ -279,52 +279,65 @@ class TorchtitanBlock(_SideBySide):
         except ImportError as e:
             raise CommfuseValueError(f"workload torchtitan needs torchtitan installed beside commfuse ({e}); "
                                      "`bash ci/setup_torchtitan.sh` makes such an environment") from None
-        import dataclasses
-        import types
-
-        from torchtitan.config import ParallelismConfig
-        from torchtitan.distributed import ParallelDims
-        from torchtitan.distributed import utils as dist_utils
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-        from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-        from torchtitan.models.llama3 import llama3_configs
-
         s = self.config.shape
         if s.hidden % s.heads:
             raise CommfuseValueError(f"workload torchtitan: hidden {s.hidden} is not divisible by heads {s.heads}")
-        parallelism = ParallelismConfig(tensor_parallel_degree=self.n, enable_sequence_parallel=True,
-                                        spmd_backend="spmd_types")
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=self.n, pp=1, ep=1, world_size=self.n,
-                            spmd_backend="spmd_types")
-        self.context = dist_utils.get_spmd_context(parallel_dims=dims)
-        blocks = []
-        for fused in (False, True):
-            config = llama3_configs["debugmodel"](attn_backend="flex")
-            layer = config.layers[0]
-            init = {"weight": layer.feed_forward.w1.param_init["weight"]}
-            config.dim, config.layers = s.hidden, [layer]
-            for norm in (config.norm, layer.attention_norm, layer.ffn_norm):
-                norm.normalized_shape = s.hidden
-            config.tok_embeddings.embedding_dim, config.lm_head.in_features = s.hidden, s.hidden
-            layer.attention = make_gqa_config(dim=s.hidden, n_heads=s.heads, n_kv_heads=s.kv_heads or s.heads,
-                                              wqkv_param_init=init, wo_param_init=init,
-                                              inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True,
-                                              rope=dataclasses.replace(layer.attention.rope,
-                                                                       dim=s.hidden // s.heads))
-            layer.feed_forward = make_ffn_config(dim=s.hidden, hidden_dim=s.ffn, w1_param_init=init,
-                                                 w2w3_param_init=init)
-            if fused:
-                cf_titan.use_commfuse(config, algorithm="vanilla")
-            config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
-            with torch.device("meta"):
-                model = config.build()
-            model.parallelize(dims)
-            model.to_empty(device=self.device)
-            torch.manual_seed(self.config.seed)  # the same parameters in both blocks
-            with torch.no_grad(), self.context():
-                model.init_weights(buffer_device=self.device)
-            blocks.append(model.layers["0"].to(dtype=self.dtype))
+        stock, fused, self.context = torchtitan_blocks(self.n, hidden=s.hidden, heads=s.heads,
+                                                       kv_heads=s.kv_heads or s.heads, ffn=s.ffn,
+                                                       algorithm="vanilla", device=self.device, seed=self.config.seed)
+        blocks = [stock.to(dtype=self.dtype), fused.to(dtype=self.dtype)]
         self.side_by_side(*blocks, [m for m in blocks[1].modules() if isinstance(m, cf_titan._Fused)], None)
+
+
+def torchtitan_blocks(n: int, *, hidden: int, heads: int, kv_heads: int, ffn: int, algorithm: str, device,
+                      seed: int) -> tuple:
+    """torchtitan 0.3's Llama 3 block (one layer of ``llama3_configs["debugmodel"]`` resized: the fused ``wqkv``,
+    torchtitan's SDPA core, SwiGLU of ``ffn``) sharded by its own ``Module.parallelize`` over ``n`` TP ranks
+    (sequence parallel, ``spmd_types``), built twice with the same parameters (drawn from ``seed``): stock, and
+    through ``use_commfuse(..., algorithm=algorithm)``. Returns (stock block, fused block, the spmd context
+    factory both run under). torchtitan must be importable (and ready for this device: ``torchtitan_cpu``)."""
+    import dataclasses
+    import types
+
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3 import llama3_configs
+
+    from commfuse.integrations import torchtitan as cf_titan
+
+    parallelism = ParallelismConfig(tensor_parallel_degree=n, enable_sequence_parallel=True,
+                                    spmd_backend="spmd_types")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=n, pp=1, ep=1, world_size=n, spmd_backend="spmd_types")
+    context = dist_utils.get_spmd_context(parallel_dims=dims)
+    blocks = []
+    for fused in (False, True):
+        config = llama3_configs["debugmodel"](attn_backend="flex")
+        layer = config.layers[0]
+        init = {"weight": layer.feed_forward.w1.param_init["weight"]}
+        config.dim, config.layers = hidden, [layer]
+        for norm in (config.norm, layer.attention_norm, layer.ffn_norm):
+            norm.normalized_shape = hidden
+        config.tok_embeddings.embedding_dim, config.lm_head.in_features = hidden, hidden
+        layer.attention = make_gqa_config(dim=hidden, n_heads=heads, n_kv_heads=kv_heads, wqkv_param_init=init,
+                                          wo_param_init=init, inner_attention=ScaledDotProductAttention.Config(),
+                                          fuse_qkv=True, rope=dataclasses.replace(layer.attention.rope,
+                                                                                  dim=hidden // heads))
+        layer.feed_forward = make_ffn_config(dim=hidden, hidden_dim=ffn, w1_param_init=init, w2w3_param_init=init)
+        if fused:
+            cf_titan.use_commfuse(config, algorithm=algorithm)
+        config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+        with torch.device("meta"):
+            model = config.build()
+        model.parallelize(dims)
+        model.to_empty(device=device)
+        torch.manual_seed(seed)  # the same parameters in both blocks
+        with torch.no_grad(), context():
+            model.init_weights(buffer_device=device)
+        blocks.append(model.layers["0"])
+    return blocks[0], blocks[1], context
 
 
 class MixtureOfExperts(Workload):

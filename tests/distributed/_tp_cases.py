@@ -684,6 +684,20 @@ def torchtitan_shapes(rank, n):
         (y * local_g).sum().backward()
         return xi, y
 
+    def against_torch(theirs, ours, seen, what):
+        """Both blocks run with the positions: ours by one gather and one fused attention, its rope hook given
+        the block; output and input gradient as torch's plan's. Returns ours (input, output)."""
+        xt, yt = run(theirs, None, positions)
+        with _Counted() as calls:
+            xo, yo = run(ours, None, positions)
+        if calls.get("all_gather_matmul") != 1 or calls.get("attention_reduce_scatter") != 1:
+            raise AssertionError(f"the {what} did not take one gather and one fused attention: {calls}")
+        if len(seen) != 1 or seen[0] is not ours:
+            raise AssertionError(f"the rope hook got {seen}, not the block it was applied to")
+        _close(yo, yt, f"{what} output against torch's plan")
+        _close(xo.grad, xt.grad, f"{what} input grad against torch's plan")
+        return xo, yo
+
     def dotted_names():
         # projections one level down (qkv_linear.wq, ...): against torch's plan on the same block, whose keys
         # name them so too; the rope hook takes the block and calls its RoPE module with the positions
@@ -698,15 +712,7 @@ def torchtitan_shapes(rank, n):
         parallelize_module(ours, mesh, tp.AttentionParallel(
             head_dim=hd, wq="qkv_linear.wq", wk="qkv_linear.wk", wv="qkv_linear.wv", rope=_rope_with_module(seen),
             rope_takes_module=True, algorithm="ring"))
-        xt, yt = run(theirs, None, positions)
-        with _Counted() as calls:
-            xo, yo = run(ours, None, positions)
-        if calls.get("all_gather_matmul") != 1 or calls.get("attention_reduce_scatter") != 1:
-            raise AssertionError(f"the nested block did not take one gather and one fused attention: {calls}")
-        if len(seen) != 1 or seen[0] is not ours:
-            raise AssertionError(f"the rope hook got {seen}, not the block it was applied to")
-        _close(yo, yt, "nested block output against torch's plan")
-        _close(xo.grad, xt.grad, "nested block input grad against torch's plan")
+        against_torch(theirs, ours, seen, "nested block")
         for (name, pt), (_, po) in zip(theirs.named_parameters(), ours.named_parameters()):
             if not isinstance(po, DTensor) or po.placements != pt.placements:
                 raise AssertionError(f"{name}: {type(po).__name__} {getattr(po, 'placements', '')}, torch's "
@@ -749,15 +755,7 @@ def torchtitan_shapes(rank, n):
         parallelize_module(ours, mesh, tp.AttentionParallel(head_dim=hd, qkv="qkv_linear.wqkv",
                                                             rope=_rope_with_module(seen), rope_takes_module=True,
                                                             algorithm="ring"))
-        xt, yt = run(theirs, None, positions)
-        with _Counted() as calls:
-            xo, yo = run(ours, None, positions)
-        if calls.get("all_gather_matmul") != 1 or calls.get("attention_reduce_scatter") != 1:
-            raise AssertionError(f"the fused block did not take one gather and one fused attention: {calls}")
-        if len(seen) != 1 or seen[0] is not ours:
-            raise AssertionError(f"the rope hook got {seen}, not the block it was applied to")
-        _close(yo, yt, "fused QKV output against torch's plan")
-        _close(xo.grad, xt.grad, "fused QKV input grad against torch's plan")
+        xo, yo = against_torch(theirs, ours, seen, "fused QKV block")
         for name in ("qkv_linear.wqkv.weight", "wo.weight"):
             po, pt = ours.get_parameter(name), theirs.get_parameter(name)
             if po.placements != pt.placements:

@@ -96,21 +96,38 @@ def _build(config, parallel_dims, parallelism):
     return model
 
 
-def _tp_replicated(model, parallel_dims) -> set[str]:
-    """FQNs of the parameters torchtitan's sharding configs place Replicate on the TP axis."""
+def _placements(model) -> dict:
+    """Each parameter's and buffer's placement on the TP mesh (``Shard(dim)`` or ``Replicate()``), by its
+    state-dict name, read from torchtitan's sharding configs (the fused ``wqkv``'s also under the ``wq``, ``wk``
+    and ``wv`` it saves as)."""
     import spmd_types as spmd
+    from torch.distributed.tensor import Replicate, Shard
     from torchtitan.distributed.parallel_dims import MeshAxisName
 
-    names = set()
+    placements = {}
     for prefix, module in model.named_modules():
         config = getattr(module, "_sharding_config", None)
-        if config is None:
-            continue
-        for param, layout in config.state_shardings.items():
+        for param, layout in ({} if config is None else config.state_shardings).items():
+            if getattr(module, param, None) is None:
+                continue
             kind = layout.per_axis_spmd_types().get(MeshAxisName.TP)
-            if kind is spmd.R and getattr(module, param, None) is not None:
-                names.add(f"{prefix}.{param}" if prefix else param)
-    return names
+            name = f"{prefix}.{param}" if prefix else param
+            if isinstance(kind, spmd.types.Shard):
+                placement = Shard(kind.dim)
+            elif kind is spmd.R:
+                placement = Replicate()
+            else:
+                raise AssertionError(f"{name}: TP layout {kind!r} is neither Shard nor Replicate")
+            placements[name] = placement
+            if name.endswith(".wqkv.weight"):  # the fused wqkv saves as this rank's rows of wq, wk and wv
+                for part in ("wq", "wk", "wv"):
+                    placements[name.replace(".wqkv.", f".{part}.")] = placement
+    return placements
+
+
+def _tp_replicated(model) -> set[str]:
+    """FQNs of what torchtitan's sharding configs place Replicate on the TP axis."""
+    return {name for name, placement in _placements(model).items() if placement.is_replicate()}
 
 
 def _local(t):
@@ -222,8 +239,8 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, que
             for block in model.layers.values():
                 fully_shard(block, mesh=dp_mesh)
             fully_shard(model, mesh=dp_mesh)
-    replicated = _tp_replicated(stock, parallel_dims)
-    if replicated != _tp_replicated(fused, parallel_dims) or not replicated:
+    replicated = _tp_replicated(stock)
+    if replicated != _tp_replicated(fused) or not replicated:
         problems.append(f"TP-replicated parameters differ or none: {sorted(replicated)[:4]}")
     optimizers = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (stock, fused)}
     vocab = stock_config.vocab_size

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from _harness import prepare
-from _llama_cases import BATCH, SEQ, _build, _config, _positions
+from _llama_cases import BATCH, SEQ, _build, _config, _placements, _positions
 
 #: every op's timeout in the failure bodies (``COMMFUSE_TIMEOUT_S``, set before the ranks start): a rank told
 #: through the board raises long before it
@@ -139,27 +139,6 @@ def compiled(rank: int, n: int) -> list[str]:
     if not set(want_ops) <= set(fused_ops):
         problems.append(f"commfuse's ops in the compiled graphs: {fused_ops}, expected {want_ops}")
     return problems
-
-
-def _placements(model) -> dict:
-    """Each state-dict entry's placement on the TP mesh (``Shard(dim)`` or ``Replicate()``), read from
-    torchtitan's sharding configs."""
-    import spmd_types as spmd
-    from torch.distributed.tensor import Replicate, Shard
-    from torchtitan.distributed.parallel_dims import MeshAxisName
-
-    placements = {}
-    for prefix, module in model.named_modules():
-        config = getattr(module, "_sharding_config", None)
-        for param, layout in ({} if config is None else config.state_shardings).items():
-            kind = layout.per_axis_spmd_types().get(MeshAxisName.TP)
-            placement = Shard(kind.dim) if isinstance(kind, spmd.types.Shard) else Replicate()
-            name = f"{prefix}.{param}" if prefix else param
-            placements[name] = placement
-            if name.endswith(".wqkv.weight"):  # the fused wqkv saves as this rank's rows of wq, wk and wv
-                for part in ("wq", "wk", "wv"):
-                    placements[name.replace(".wqkv.", f".{part}.")] = placement
-    return placements
 
 
 def _as_dtensors(model, tp_mesh) -> dict:
