@@ -44,6 +44,35 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+#: Where weight gradients go while they are deferred (``commfuse.strands``, as Zero Bubble pipelines split a
+#: backward into its input and weight halves). While this list holds a callable, the backward of
+#: :func:`all_gather_matmul_fn` (with the gathered input kept) and of :func:`matmul_reduce_scatter_fn` hands it
+#: each weight-gradient GEMM as a closure, instead of running it in the ring's step, and returns no gradient
+#: for that weight to autograd: the closure adds into the weight's ``.grad`` itself. Only for a leaf weight
+#: without gradient hooks (DDP's and FSDP's hooks must see their gradients): any other weight's gradient is
+#: computed in the ring as always.
+WGRAD_SINK: list = []
+
+
+def _deferred(weight: torch.Tensor):
+    """The sink a weight gradient of ``weight`` goes to, or None (computed now)."""
+    if not WGRAD_SINK or not (weight.is_leaf and weight.requires_grad):
+        return None
+    if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return None
+    return WGRAD_SINK[-1]
+
+
+def _add_grad(weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """``weight.grad += x^T @ dy`` (rows folded), as autograd's accumulation would leave it."""
+    with torch.no_grad():
+        g = (_flat(x).t() @ _flat(dy)).to(weight.dtype)
+        if weight.grad is None:
+            weight.grad = g
+        else:
+            weight.grad.add_(g)
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     """``y_i = all_gather(a, d) @ b_i`` for every weight ``b_i``.
 
@@ -80,17 +109,24 @@ class _AllGatherMatmul(torch.autograd.Function):
 
 
 def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.Tensor], douts, gd: int, sizes,
-                               keep: bool, need_a: bool, need_b: Sequence[bool]):
+                               keep: bool, need_a: bool, need_b: Sequence[bool], defer: bool = True):
     """The gradients ``(da or None, [db_i or None])`` of :func:`commfuse.all_gather_matmul` (see
-    :class:`_AllGatherMatmul`): ``x`` is the gathered input when ``keep``, else this rank's shard."""
+    :class:`_AllGatherMatmul`): ``x`` is the gathered input when ``keep``, else this rank's shard. ``defer``
+    False: no weight gradient goes to :data:`WGRAD_SINK` (a custom op's backward must return them all)."""
     pairs = [(b, d) for b, d in zip(bs, douts) if d is not None]
-    dbs = [torch.zeros_like(b) if need and d is not None else None for b, d, need in zip(bs, douts, need_b)]
+    sinks = [_deferred(b) if defer and keep and need and d is not None else None
+             for b, d, need in zip(bs, douts, need_b)]
+    dbs = [torch.zeros_like(b) if need and d is not None and sink is None else None
+           for b, d, need, sink in zip(bs, douts, need_b, sinks)]
     k = bs[0].shape[0]
 
     def wgrad(x_rows, spans_rows_of_dy):
-        for db, d in zip(dbs, douts):
+        for b, db, d, sink in zip(bs, dbs, douts, sinks):
             if db is not None:
                 db.add_(_flat(x_rows).t() @ _flat(spans_rows_of_dy(d)))
+            elif sink is not None:
+                dy_rows = spans_rows_of_dy(d)
+                sink(lambda b=b, x_rows=x_rows, dy_rows=dy_rows: _add_grad(b, x_rows, dy_rows))
 
     da = None
     full = list(x.shape) if keep else list(x.shape[:gd]) + [sum(sizes)] + list(x.shape[gd + 1:])
@@ -112,7 +148,7 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
         full[-1] = k
         da = scatter_spans(call, full, gd, x.dtype, produce, label="all_gather_matmul.dgrad",
                            meta=lambda: [dtype_code(x.dtype), gd, *full])
-    elif keep and any(db is not None for db in dbs):
+    elif keep and any(db is not None or sink is not None for db, sink in zip(dbs, sinks)):
         wgrad(x, lambda d: d)
     return da, dbs
 
@@ -159,13 +195,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 
 def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor, dz: torch.Tensor, sd: int,
-                                   avg: bool, need_a: bool, need_b: bool):
+                                   avg: bool, need_a: bool, need_b: bool, defer: bool = True):
     """The gradients ``(da or None, db or None)`` of :func:`commfuse.matmul_reduce_scatter` (see
-    :class:`_MatmulReduceScatter`)."""
+    :class:`_MatmulReduceScatter`; ``defer`` as for :func:`all_gather_matmul_backward`)."""
     if avg:
         dz = dz / call.world_size
     da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
-    db = torch.zeros_like(b) if need_b else None
+    sink = _deferred(b) if defer and need_b else None
+    db = torch.zeros_like(b) if need_b and sink is None else None
     sizes = split_sizes(a.shape[sd], call.world_size)
     bt = b.t()
 
@@ -175,10 +212,14 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
             matmul_rows(da, spans, sd, piece, bt)
         if db is not None:
             db.add_(_flat(rows_of(a, spans, sd)).t() @ _flat(piece))
+        elif sink is not None:
+            a_rows = rows_of(a, spans, sd)
+            sink(lambda: _add_grad(b, a_rows, piece))
 
     if need_a or need_b:
+        # a deferred weight gradient keeps the pieces that arrived until it runs
         gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
-                     meta=gather_matmul_meta(dz, [bt], sd, a.shape[sd]))
+                     meta=gather_matmul_meta(dz, [bt], sd, a.shape[sd]), keep=sink is not None)
     return da, db
 
 

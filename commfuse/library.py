@@ -200,7 +200,8 @@ def _all_gather_matmul_backward(a: torch.Tensor, gathered: torch.Tensor, bs: lis
     if run.call is None:  # world size 1: the gathered input is the input
         da, dbs = _local_agmm_backward(gathered, bs, douts, need_a, need_b)
     else:
-        da, dbs = all_gather_matmul_backward(run.call, gathered, bs, douts, run.gd, run.sizes, True, need_a, need_b)
+        da, dbs = all_gather_matmul_backward(run.call, gathered, bs, douts, run.gd, run.sizes, True, need_a, need_b,
+                                             defer=False)
     return _grad_like(da, a), [_grad_like(d, b) for d, b in zip(dbs, bs)]
 
 
@@ -297,7 +298,8 @@ def _matmul_reduce_scatter_backward(a: torch.Tensor, b: torch.Tensor, dz: torch.
         db = a.reshape(-1, a.shape[-1]).t() @ dz.reshape(-1, dz.shape[-1]) if need_b else None
     else:
         sd = scatter_dim % (a.ndim)
-        da, db = matmul_reduce_scatter_backward(run.call, a, b, dz, sd, reduce_op == "avg", need_a, need_b)
+        da, db = matmul_reduce_scatter_backward(run.call, a, b, dz, sd, reduce_op == "avg", need_a, need_b,
+                                               defer=False)
     return _grad_like(da, a), _grad_like(db, b)
 
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from commfuse.errors import CommfuseTypeError, CommfuseValueError, MismatchError
+from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError, MismatchError
 from commfuse.sim import _strands as planning
 
-__all__ = ["Stage", "order", "run"]
+__all__ = ["Stage", "order", "profile", "run"]
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,29 @@ def _check_agreed(schedule: list, group) -> None:
 
 
 def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, plan: str = "auto",
-        slowdown: float = 0.0, group=None) -> list[torch.Tensor]:
+        slowdown: float = 0.0, group=None, defer_weight_grads: bool | None = None) -> list[torch.Tensor]:
     """Forward and backward of ``micro_batches`` through ``stages`` as two strands (see the module docstring);
     returns each micro-batch's loss (detached). A micro-batch is a tuple ``(inputs, target)``: ``inputs`` (a
     tensor or a tuple of them) go to the first stage, and ``loss_fn(outputs, target)`` turns the last stage's
     outputs into a scalar loss. Parameters' gradients accumulate in ``.grad`` as sequential micro-batches'
-    ``loss.backward()`` would leave them. ``group``: the ranks that must agree on the order (checked once per
-    call; default the world, nothing without a process group).
+    ``loss.backward()`` would leave them. ``group``: the process group the stages' commfuse ops run on, whose
+    ranks must agree on the order (checked once per call; default the world, nothing without a process group).
 
-    Where the plan puts a stage with transfers beside one without (by their figures), the one without runs
-    inside the other's first commfuse op, after its transfers are posted and before it waits for them
-    (``commfuse.runtime.loop.FILLERS``): it computes while they travel. A stage given ``comm=0`` must call no
-    commfuse op (one op per group at a time)."""
+    While one stage's op waits for its transfers, work that needs no transfer runs (``commfuse.runtime.loop
+    .FILLERS``), so that it computes while they travel:
+
+    - a stage without transfers that the plan puts beside one with transfers (by their figures);
+    - weight gradients, deferred (``defer_weight_grads``, default: for every plan but ``"sequential"``): the
+      backward of ``all_gather_matmul`` and ``matmul_reduce_scatter`` leaves each weight-gradient GEMM for a
+      later wait, of either strand; whatever is left runs before ``run`` returns. Only leaf weights without
+      gradient hooks are deferred (``commfuse.autograd.WGRAD_SINK``): a weight under DDP's or FSDP's hooks
+      gets its gradient in the ring as always.
+
+    A stage given ``comm=0`` must call no commfuse op (one op per group at a time).
+
+    When a stage raises on one rank, every rank raises: the peers waiting in the next call this rank will
+    not make are told which rank failed and why (``PeerFailedError``), the calls it left are announced, and
+    the group stays usable, as for any commfuse op. The weight gradients of a failed call are incomplete."""
     if not stages:
         raise CommfuseValueError("commfuse.strands.run needs at least one stage")
     for s in stages:
@@ -158,86 +169,304 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
             raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
     batches = list(micro_batches)
     slots = _slots(stages, len(batches), plan, slowdown)
-    _check_agreed([e for slot in slots for e in slot], group)
-    n = len(stages)
-    first, second = _profiles(stages) if all(s.compute is not None for s in stages) else (None, None)
-    saved: dict = {}  # (micro-batch, stage) -> (detached inputs, outputs)
-    carry: dict = {}  # micro-batch -> the outputs the next forward stage takes
-    grads: dict = {}  # micro-batch -> the gradients of the outputs of the stage whose backward is next
-    losses: list = [None] * len(batches)
+    from commfuse import autograd
+    from commfuse.runtime import loop
+    from commfuse.runtime.groups import state_of_group
 
-    def forward(i: int, k: int) -> None:
-        stage = stages[k]
+    on = _group(group)
+    if on is not None:  # before the order's check, which a dead group would leave waiting
+        loop.refuse_dead(state_of_group(on), "commfuse.strands.run")
+    _check_agreed([e for slot in slots for e in slot], group)
+    if defer_weight_grads is None:
+        defer_weight_grads = plan != "sequential"
+
+    if loop.FILLERS or autograd.WGRAD_SINK:
+        raise CommfuseValueError("commfuse.strands.run cannot run inside another strands.run (work is already "
+                                 "handed to the ops' waits)")
+    runner = _Runner(stages, batches, loss_fn, slots, on)
+    if defer_weight_grads:
+        autograd.WGRAD_SINK.append(runner.defer)
+    try:
+        runner.walk()
+        try:
+            runner.flush()
+        except BaseException as e:
+            runner.ran = len(runner.sequence)
+            runner._tell_peers(e)
+            raise
+    finally:
+        loop.FILLERS.clear()
+        if defer_weight_grads:
+            autograd.WGRAD_SINK.clear()
+    return [loss.detach() for loss in runner.losses]
+
+
+def _group(group):
+    """The group whose calls the stages make (None: no process group, nothing to count)."""
+    import torch.distributed as dist
+
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+class _Runner:
+    """One :func:`run`: the stages' saved tensors, the gradients between them, the work handed to waits and
+    the errors it raised."""
+
+    def __init__(self, stages: Sequence[Stage], batches: list, loss_fn: Callable, slots: list, group) -> None:
+        self.stages, self.batches, self.loss_fn, self.slots, self.group = stages, batches, loss_fn, slots, group
+        self.n = len(stages)
+        profiled = all(s.compute is not None for s in stages)
+        self.first, self.second = _profiles(stages) if profiled else (None, None)
+        self.saved: dict = {}  # (micro-batch, stage) -> (detached inputs, outputs)
+        self.carry: dict = {}  # micro-batch -> the outputs the next forward stage takes
+        self.grads: dict = {}  # micro-batch -> the gradients of the outputs of the stage whose backward is next
+        self.losses: list = [None] * len(batches)
+        self.failed: list = []  # errors of work run inside another stage's wait, raised once that stage is done
+
+    # -- the two halves of a stage ------------------------------------------------------------------------------
+
+    def forward(self, i: int, k: int) -> None:
+        stage = self.stages[k]
         if k == 0:
-            batch = batches[i]
+            batch = self.batches[i]
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got {type(batch).__name__}")
             inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
         else:
-            inputs = _detached(carry.pop(i))
+            inputs = _detached(self.carry.pop(i))
         with torch.enable_grad():
             outputs = _tuple(stage.fn(*inputs), f"stage {stage.name!r} (micro-batch {i})")
-            if k == n - 1:
-                loss = loss_fn(outputs[0] if len(outputs) == 1 else outputs, batches[i][1])
+            if k == self.n - 1:
+                loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, self.batches[i][1])
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                     raise CommfuseValueError(f"loss_fn must return a scalar tensor, got "
                                              f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}")
-                losses[i] = loss
-        saved[(i, k)] = (inputs, outputs)
-        if k < n - 1:
-            carry[i] = outputs
+                self.losses[i] = loss
+        self.saved[(i, k)] = (inputs, outputs)
+        if k < self.n - 1:
+            self.carry[i] = outputs
 
-    def backward(i: int, k: int) -> None:
-        inputs, outputs = saved.pop((i, k))
-        if k == n - 1:
-            torch.autograd.backward(losses[i])
+    def backward(self, i: int, k: int) -> None:
+        inputs, outputs = self.saved.pop((i, k))
+        if k == self.n - 1:
+            torch.autograd.backward(self.losses[i])
         else:
-            wanted = grads.pop(i)
+            wanted = self.grads.pop(i)
             pairs = [(o, g) for o, g in zip(outputs, wanted) if g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if k > 0:
-            grads[i] = [t.grad if t.requires_grad else None for t in inputs]
+            self.grads[i] = [t.grad if t.requires_grad else None for t in inputs]
 
-    def comm(entry) -> float:
+    def step(self, entry: tuple) -> None:
+        kind, i, k = entry
+        (self.forward if kind == "F" else self.backward)(i, k)
+
+    # -- work handed to waits -----------------------------------------------------------------------------------
+
+    def _captured(self, work: Callable) -> Callable:
+        def fill() -> None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - raised once the op whose wait ran it is complete
+                self.failed.append(e)
+        return fill
+
+    def defer(self, work: Callable) -> None:
+        """``commfuse.autograd.WGRAD_SINK``: a weight gradient, run in a later wait (below any stage handed in)."""
+        from commfuse.runtime import loop
+
+        loop.FILLERS.insert(0, self._captured(work))
+
+    def flush(self) -> None:
+        """Run the deferred weight gradients no wait took."""
+        from commfuse.runtime import loop
+
+        while loop.FILLERS:
+            loop.FILLERS.pop()()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self.failed:
+            error, self.failed = self.failed[0], []
+            raise error
+
+    # -- the walk -----------------------------------------------------------------------------------------------
+
+    def comm(self, entry: tuple) -> float:
         kind, _, k = entry
-        return first[k].comm if kind == "F" else second[n - 1 - k].comm
+        return self.first[k].comm if kind == "F" else self.second[self.n - 1 - k].comm
 
-    step = {"F": forward, "B": backward}
-    for slot in slots:
-        if len(slot) == 2 and first is not None and (comm(slot[0]) > 0) != (comm(slot[1]) > 0):
-            sender, filler = slot if comm(slot[0]) > 0 else slot[::-1]
-            _overlapped(step, sender, filler)
-        else:
-            for kind, i, k in slot:
-                step[kind](i, k)
-    return [loss.detach() for loss in losses]
-
-
-def _overlapped(step: dict, sender: tuple, filler: tuple) -> None:
-    """Run ``sender`` (a stage with transfers) with ``filler`` (one without) handed to its first commfuse op's
-    wait; the filler runs after the sender when no op took it. The filler's error is raised after the sender
-    is done, so the sender's op completes on every rank whatever the filler did."""
-    from commfuse.runtime import loop
-
-    failed: list = []
-
-    def fill() -> None:
+    def walk(self) -> None:
+        """Every slot in order: a stage with transfers beside one without (by their figures) runs with the
+        other handed to its first wait; anything else, one entry after the other."""
+        self.ran = 0  # entries of self.sequence completed
+        self.calls = None  # the counted calls of the entry that ran last
+        self.inside = False  # whether that entry is still running (an error came out of it)
         try:
-            step[filler[0]](filler[1], filler[2])
-        except BaseException as e:  # noqa: BLE001 - raised once the sender's op is complete
-            failed.append(e)
-        finally:
-            ran.append(True)
+            for slot in self.slots:
+                if len(slot) == 2 and self.first is not None and (self.comm(slot[0]) > 0) != (self.comm(slot[1]) > 0):
+                    sender, filler = slot if self.comm(slot[0]) > 0 else slot[::-1]
+                    self._overlapped(sender, filler)
+                else:
+                    for entry in slot:
+                        self._counted(entry)
+                self._raise_failed()
+        except BaseException as e:
+            self._tell_peers(e)
+            raise
 
-    ran: list = []
-    loop.FILLERS.append(fill)
-    try:
-        step[sender[0]](sender[1], sender[2])
-    finally:
-        if not ran:
-            loop.FILLERS.remove(fill)
-    if failed:
-        raise failed[0]
-    if not ran:
-        step[filler[0]](filler[1], filler[2])
+    @property
+    def sequence(self) -> list:
+        """``(entry, handed to a wait)`` in the order :meth:`walk` runs them."""
+        out = []
+        for slot in self.slots:
+            if len(slot) == 2 and self.first is not None and (self.comm(slot[0]) > 0) != (self.comm(slot[1]) > 0):
+                sender, filler = slot if self.comm(slot[0]) > 0 else slot[::-1]
+                out += [(sender, False), (filler, True)]
+            else:
+                out += [(entry, False) for entry in slot]
+        return out
+
+    def _key(self, entry: tuple) -> tuple:
+        kind, _, k = entry
+        stage = self.stages[k]
+        return ("commfuse.strands", stage.name, kind, getattr(stage.fn, "__qualname__", ""))
+
+    def _counted(self, entry: tuple) -> None:
+        """Run ``entry``, its calls on the group counted (``counted_calls``: a rank that leaves it early
+        announces the calls it did not make, once a run of the same stage has taught it how many there are)."""
+        from commfuse.runtime.loop import counted_calls
+
+        kind, i, k = entry
+        label = (f"commfuse.strands: the {'forward' if kind == 'F' else 'backward'} of stage "
+                 f"{self.stages[k].name!r} (micro-batch {i})")
+        self.calls = counted_calls(self.group, label, self._key(entry))
+        self.inside = True
+        with self.calls:
+            self.step(entry)
+        self.inside = False
+        self.ran += 1
+
+    def _overlapped(self, sender: tuple, filler: tuple) -> None:
+        """Run ``sender`` (a stage with transfers) with ``filler`` (one without) handed to its first wait; the
+        filler runs after the sender when no op took it. The filler's error is raised after the sender is
+        done, so the sender's op completes on every rank whatever the filler did."""
+        from commfuse.runtime import loop
+
+        ran: list = []
+        fill = self._captured(lambda: (ran.append(True), self.step(filler)))
+        loop.FILLERS.append(fill)
+        try:
+            self._counted(sender)
+        finally:
+            if not ran and fill in loop.FILLERS:
+                loop.FILLERS.remove(fill)
+        if not ran and not self.failed:
+            self.step(filler)
+        self.ran += 1
+
+    def _tell_peers(self, error: BaseException) -> None:
+        """After ``error`` on this rank, make the peers stop where this rank stopped, told why.
+
+        - An error inside a call reached the peers in that call.
+        - One between two calls of a stage reaches them at the stage's next call: ``counted_calls`` announces
+          the calls this rank left, as many as it learned the stage makes (learned from the stage's earlier
+          runs, so the same on every rank).
+        - Otherwise the peers go on to the next entries. This rank announces the calls of the first entry that
+          makes any, as many as the peers will make of it: they fail in its first call, naming this rank, and
+          announce the rest, so every rank's call numbers stay alike.
+
+        A stage whose calls were never counted (its first run failed) counts one. Past the last entry (a
+        deferred weight gradient failed at the end) one call is announced: the peers hear of it at their
+        next call. Where a guess was wrong, the group's next call is checked and names the ranks whose
+        numbers differ; nothing hangs."""
+        from commfuse.runtime.board import RECOVER, declare_dead
+        from commfuse.runtime.loop import announce_left, counted_calls
+
+        calls = self.calls
+        if calls is None or calls.state is None:
+            return
+        state, learned = calls.state, counted_calls._LEARNED
+        rest = self.sequence[self.ran:]
+        count = 1
+        if self.inside:  # the error came out of rest[0], a counted entry
+            if getattr(error, "_commfuse_settled", None) is not None or isinstance(error, CommfuseError):
+                return
+            made, planned = state.seqs.get(calls.code, 0) - calls.start, learned.get(calls.key)
+            if planned is not None and made < planned:
+                return
+            rest = rest[1:] if planned is not None else []
+        for entry, handed in rest:
+            count = 0 if handed else learned.get(self._key(entry), 1)
+            if count:
+                break
+        for _ in range(count or 1):
+            announce_left(state, f"commfuse.strands (left after {type(error).__name__} on rank {state.rank})", error)
+        # the peers fail in a call whose transfers they posted and this rank never will: they declare the group
+        # dead, and so does this rank, so that no rank's next call waits on a peer that refuses it
+        declare_dead(state, GroupDeadError(
+            f"rank {state.rank}: commfuse.strands.run left the schedule on this rank after {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}; the peers were told in their next call, whose "
+            f"transfers they had posted; the group is dead: {RECOVER}"), None)
+
+
+def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) -> list[Stage]:
+    """``stages`` with their forward figures measured on ``group``, for the plan search: each stage's forward
+    on ``inputs`` (the first stage's: a tensor or a tuple of them; each later stage takes what the one before
+    returned) timed ``repeats`` times under ``commfuse.runtime.measure("compute_only")`` and
+    ``measure("comm_only")``, the medians in seconds as ``compute`` and ``comm``. A stage whose forward makes
+    no commfuse call (none recorded by ``commfuse.runtime.record_events``) gets ``comm=0`` whatever its
+    comm-only run took (that is its compute). The backward figures are left to their defaults.
+
+    Every rank of ``group`` must call it with the same stages, as :func:`run` is called; the figures come from
+    the group's rank 0, so every rank plans alike. Runs under ``torch.no_grad``; the ranks leave together."""
+    import statistics
+    import time
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from commfuse.runtime import measure, record_events
+
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise CommfuseValueError(f"commfuse.strands.profile: repeats must be an int >= 1, got {repeats!r}")
+    for s in stages:
+        if not isinstance(s, Stage):
+            raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
+    values = _tuple(inputs, "commfuse.strands.profile's inputs")
+    device = values[0].device
+    ranks = (group is not None or dist.is_initialized()) and dist.get_world_size(group) > 1
+
+    def together() -> None:  # every rank starts a timed run at once; an accelerator's queue is drained first
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        if ranks:
+            dist.barrier(group=group)
+
+    figures = []
+    with torch.no_grad():
+        for stage in stages:
+            with record_events() as events:  # a normal run first: the outputs the next stage takes, a warm-up
+                outputs = _tuple(stage.fn(*values), f"stage {stage.name!r}")
+            seconds = {}
+            for mode in ("compute_only", "comm_only"):
+                samples = []
+                for _ in range(repeats):
+                    together()
+                    start = time.perf_counter()
+                    with measure(mode):
+                        stage.fn(*values)
+                    if device.type != "cpu":
+                        torch.accelerator.synchronize(device)
+                    samples.append(time.perf_counter() - start)
+                seconds[mode] = statistics.median(samples)
+            figures += [seconds["compute_only"], seconds["comm_only"] if events else 0.0]
+            values = outputs
+    if ranks:  # rank 0's figures on every rank: one plan everywhere
+        shared = torch.tensor(figures, dtype=torch.float64, device=device)
+        dist.broadcast(shared, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        figures = shared.cpu().tolist()
+    return [replace(s, compute=figures[2 * k], comm=figures[2 * k + 1]) for k, s in enumerate(stages)]

@@ -83,6 +83,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse bench --link-rate 2gbit --plot gantt.png --trace trace.json\n"
         "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
         "  commfuse bench -w moe --link-rate 350mbit --plot moe.png   # mixture of experts, 4 experts, top-2\n"
+        "  commfuse bench -w strands --link-rate 700mbit -r 5   # two micro-batches as two strands vs per-op ring\n"
         "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
         "  commfuse bench --fake-pg 8 --device cuda --tokens 8192 --hidden 8192 --ffn 28672   # one GPU, no transfers\n"
         "  commfuse bench --compile                         # mlp, attention, fsdp_linear: eager vs torch.compile\n"
@@ -92,7 +93,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to measure")
     g.add_argument("-w", "--workloads", nargs="+", metavar="W",
                    help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; 'all' leaves out those needing another "
-                   "distribution: torchtitan; default: ag_matmul matmul_rs; with "
+                   "distribution, torchtitan, and strands, which times rows of its own; default: ag_matmul "
+                   "matmul_rs; with "
                    f"--compile: {' '.join(COMPILE_DEFAULT_WORKLOADS)})")
     g.add_argument("-a", "--algorithms", nargs="+", metavar="A",
                    help=f"algorithms to compare (default: {' '.join(ALGORITHMS)}; with --compile: "
@@ -172,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         for w in item.split(","):
             if w == "all":  # with --compile, every workload that compiles; never one that needs another distribution
                 workloads += list(COMPILE_WORKLOADS if compile_backend is not None and not fake else
-                                  [name for name, info in WORKLOADS.items() if info.requires is None])
+                                  [name for name, info in WORKLOADS.items() if info.requires is None and not info.rows])
             elif w:
                 workloads.append(w)
     given = args.algorithms
@@ -333,8 +335,14 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     if result.get("mode") == "compile":
         return _emit_compiled(result, config, args)
     recs = report.records(result, config)
-    text = report.table(recs, config) + "\n\n" + "\n".join(report.targets(recs, config)) + "\n"
-    _write(text, recs, args.json)
+    strands = report.strands_records(result, config)
+    parts = []
+    if recs:
+        parts.append(report.table(recs, config) + "\n\n" + "\n".join(report.targets(recs, config)) + "\n")
+    if strands:
+        parts.append(report.strands_table(strands, config) + "\n\n" + "\n".join(report.strands_targets(
+            strands, config)) + "\n")
+    _write("\n".join(parts), recs + strands, args.json)
     if args.trace:
         from commfuse.bench import trace
 
@@ -349,8 +357,10 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     wrong = [f"{r['workload']} {r['algorithm']}" for r in recs if not r["correct"]]
     if wrong:
         print(f"commfuse bench: results differ from vanilla beyond tolerance: {', '.join(wrong)}", file=sys.stderr)
-        return 1
-    return 0
+    wrong_rows = [f"strands {r['block']} {r['row']}" for r in strands if not r["correct"]]
+    if wrong_rows:
+        print(f"commfuse bench: results differ from ring beyond tolerance: {', '.join(wrong_rows)}", file=sys.stderr)
+    return 1 if wrong or wrong_rows else 0
 
 
 def _emit_compiled(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:

@@ -45,6 +45,18 @@ class WorkloadInfo:
     layer: str | None = None  # the commfuse.nn class it runs, None for a bare op
     backward: bool = False  # runs forward + backward unless --forward-only
     requires: str | None = None  # a distribution commfuse does not install (left out of ``-w all``)
+    #: rows of its own, timed instead of the algorithms (-a does not apply; left out of ``-w all``)
+    rows: tuple[str, ...] = ()
+
+
+#: The ``strands`` workload's rows: name -> (the ops' algorithm, ``commfuse.strands.run``'s plan). ``ring`` is the
+#: reference every other row is checked and compared against.
+STRAND_ROWS = {
+    "vanilla": ("vanilla", "sequential"),
+    "ring": ("ring", "sequential"),
+    "strands naive": ("ring", "alternate"),
+    "strands searched": ("ring", "searched"),
+}
 
 
 WORKLOADS = {
@@ -77,6 +89,11 @@ WORKLOADS = {
                      "the token dispatch (an uneven all-to-all) fused with the experts' gate/up GEMM per arriving "
                      "source, the down GEMM with the combine per destination; checked against moe_reference",
                      "all_to_all", "MoE", True),
+        WorkloadInfo("strands", "two micro-batches of a block (the Llama block at TP N, the MoE block at EP N; "
+                     "commfuse.models) forward + backward through commfuse.strands: vanilla and ring one micro-batch "
+                     "after the other, then two strands (the second forward beside the first backward) paired "
+                     "naively and by the plan search over figures measured on the group; its own rows, no -a",
+                     "mixed", None, True, rows=tuple(STRAND_ROWS)),
     )
 }
 
@@ -212,6 +229,12 @@ class BenchConfig:
                 raise CommfuseValueError(f"{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise CommfuseValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        if self.trace and all(WORKLOADS[w].rows for w in self.workloads):
+            raise CommfuseValueError("--trace and --plot draw one iteration per algorithm; workload strands times rows "
+                                     "of its own and traces none: add a workload such as -w mlp, or drop them")
+        if not self.backward and any(WORKLOADS[w].rows for w in self.workloads):
+            raise CommfuseValueError("workload strands runs forward + backward (a backward beside the next forward "
+                                     "is what it times): drop --forward-only")
         if self.topk > self.experts:
             raise CommfuseValueError(f"topk must be at most experts, got topk={self.topk} with {self.experts} experts")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
@@ -233,9 +256,9 @@ class BenchConfig:
                 needs.append(("ffn", s.ffn))
             else:
                 needs.append(("seq", s.seq))
-            if w in ("mlp", "llama_block"):
+            if w in ("mlp", "llama_block", "strands"):
                 needs.append(("ffn", s.ffn))
-            if w in ("attention", "ulysses", "llama_block"):
+            if w in ("attention", "ulysses", "llama_block", "strands"):
                 needs.append(("heads", s.heads))
                 if s.hidden % s.heads:
                     raise CommfuseValueError(
@@ -244,7 +267,7 @@ class BenchConfig:
                     needs.append(("kv_heads", s.kv_heads))
             if w == "fsdp_linear":
                 needs.append(("ffn (the sharded weight's rows)", s.ffn))
-            if w == "moe":
+            if w in ("moe", "strands"):
                 needs.append(("experts (--experts)", self.experts))
             for what, size in needs:
                 if size % n:
@@ -260,6 +283,6 @@ def describe_rate(rate: str | None) -> str:
 
 __all__ = [
     "ALGORITHMS", "COMPILE_BACKENDS", "MOE_EXPERTS", "MOE_TOPK", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
-    "PRESETS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
+    "PRESETS", "STRAND_ROWS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
     "scaled", "describe_rate",
 ]

@@ -44,7 +44,7 @@ import statistics
 
 from commfuse.schedule import hidden_fraction  # noqa: F401 - the bench's figure, defined once there
 from commfuse.schedule import parse_algorithm
-from commfuse.bench.config import BenchConfig, describe_rate
+from commfuse.bench.config import STRAND_ROWS, BenchConfig, describe_rate
 
 SCHEMA_KEYS = (
     "workload", "algorithm", "taken", "world_size", "backend", "device", "dtype", "shape", "link_rate", "repeats",
@@ -76,6 +76,8 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
     out = []
     n = run["world_size"]
     for res in run["results"]:
+        if res.get("kind") == "strands":  # rows of its own: strands_records
+            continue
         wall = res["wall_s"]  # [repeat][algorithm][mode]
         algs = res["algorithms"]
         single_op = res["workload"] in ("ag_matmul", "matmul_rs")
@@ -492,3 +494,176 @@ def compile_table(recs: list[dict], config: BenchConfig) -> str:
                  "result: compiled equals eager within the")
     lines.append("dtype's tolerance (docs/benchmarks.md).")
     return "\n".join(lines)
+
+
+
+# -- -w strands: two micro-batches as two strands ------------------------------------------------------------------
+
+#: The strands targets (printed, never asserted), each judged where ring's comm-only / compute-only of the whole
+#: step is within STRANDS_REGIME_WITHIN (a share of it) of its regime: at about 1.5, strands searched at least this much faster
+#: than ring and within this factor of the limit max(compute, comm); at about 0.5, no slower than ring; and at any
+#: ratio, each strands row's peak memory at most this many times ring's.
+STRANDS_HIGH, STRANDS_LOW, STRANDS_REGIME_WITHIN = 1.5, 0.5, 0.2
+STRANDS_VS_RING_AT_LEAST = 1.2
+STRANDS_VS_LIMIT_AT_MOST = 1.1
+STRANDS_LOW_VS_RING_AT_LEAST = 1.0
+STRANDS_MEMORY_AT_MOST = 1.15
+
+
+def strands_records(run: dict, config: BenchConfig) -> list[dict]:
+    """One record per (block, row) of the ``strands`` workload (rank 0's result); a block that did not run: one
+    record with ``skipped`` saying why."""
+    out = []
+    for res in run["results"]:
+        if res.get("kind") != "strands":
+            continue
+        base = {"mode": "strands", "workload": "strands", "block": res["block"], "what": res["what"],
+                "world_size": run["world_size"], "backend": run["backend"], "device": run["device"],
+                "dtype": config.dtype, "link_rate": config.link_rate, "load": run.get("load"),
+                "cpus": run.get("cpus")}
+        if res.get("skipped"):
+            out.append({**base, "row": None, "skipped": res["skipped"], "correct": True})
+            continue
+        items = [tuple(item) for item in res["items"]]
+
+        def times(row: str, mode: str | None = None) -> list[float]:
+            k = items.index((row, mode))
+            return _finite_ms(rep[k] for rep in res["wall_s"])
+
+        compute, comm = statistics.median(times("ring", "compute_only")), statistics.median(times("ring", "comm_only"))
+        limit = max(compute, comm)
+        predicted = res["predicted_s"]
+        ring_ms = statistics.median(times("ring"))
+        ring_peak = res["peak_bytes"][res["rows"].index("ring")]
+        for k, row in enumerate(res["rows"]):
+            ms = times(row)
+            med = statistics.median(ms)
+            p25, p75 = _quartiles(ms)
+            peak = res["peak_bytes"][k]
+            algorithm, plan = STRAND_ROWS[row]
+            out.append({
+                **base,
+                "row": row,
+                "algorithm": algorithm,
+                "plan": plan,
+                "repeats": len(ms),
+                "median_ms": _r(med),
+                "p25_ms": _r(p25),
+                "p75_ms": _r(p75),
+                "speedup_vs_ring": _r(ring_ms / med, 4) if med > 0 else None,
+                "vs_limit": _r(med / limit, 4) if limit > 0 else None,
+                "predicted_ms": _r(1e3 * predicted[row]),
+                "peak_mib": None if peak is None else _r(peak / 2 ** 20, 2),
+                "peak_vs_ring": _r(peak / ring_peak, 4) if peak is not None and ring_peak else None,
+                "peak_how": res["peak_how"],
+                "correct": bool(res["correct"][k]),
+                "max_rel_error": float(f"{res['max_rel_error'][k]:.3g}"),
+                "ring_compute_only_ms": _r(compute),
+                "ring_comm_only_ms": _r(comm),
+                "comm_vs_compute": _r(comm / compute, 4) if compute > 0 else None,
+                "limit_ms": _r(limit),
+                "predicted_limit_ms": _r(1e3 * predicted["limit"]),
+                "figures_ms": {name: [_r(1e3 * c), _r(1e3 * m)] for name, (c, m) in res["figures"].items()},
+                "searched_plan": res["searched_plan"],
+                "searched_order": res["searched_order"],
+            })
+    return out
+
+
+def _by_block(recs: list[dict]) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for r in recs:
+        by.setdefault(r["block"], []).append(r)
+    return by
+
+
+def strands_table(recs: list[dict], config: BenchConfig) -> str:
+    """The ``strands`` table, one part per block."""
+    lines = []
+    for block, rows in _by_block(recs).items():
+        r0 = rows[0]
+        if r0.get("skipped"):
+            lines += [f"strands, {block}: not run: {r0['skipped']}", ""]
+            continue
+        lines.append(f"strands, {block}: {r0['what']}, {r0['world_size']} ranks, {r0['backend']} on {r0['device']}, "
+                     f"{r0['dtype']}, {describe_rate(config.link_rate)}; two micro-batches forward + backward; "
+                     f"{r0['repeats']} interleaved repeats, each the slowest rank's time")
+        lines.append("  stage figures (forward, measured on the group, rank 0's; compute-only / comm-only ms): "
+                     + ", ".join(f"{name} {c:.2f}/{m:.2f}" for name, (c, m) in r0["figures_ms"].items()))
+        header = ("row", "median ms (p25-p75)", "predicted ms", "vs ring", "vs limit", "peak memory", "vs ring",
+                  "result")
+        body = []
+        for r in rows:
+            body.append((
+                r["row"],
+                f"{r['median_ms']:.2f} ({r['p25_ms']:.2f}-{r['p75_ms']:.2f})",
+                _fmt(r["predicted_ms"]),
+                _fmt(r["speedup_vs_ring"], ".2f") + "x",
+                _fmt(r["vs_limit"], ".2f") + "x",
+                "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f} MiB",
+                "n/a" if r["peak_vs_ring"] is None else f"{r['peak_vs_ring']:.2f}x",
+                ("ok" if r["correct"] else "WRONG") + (" (ref)" if r["row"] == "ring" else ""),
+            ))
+        lines.extend(aligned(header, body))
+        lines.append(f"  regime: ring's comm-only {r0['ring_comm_only_ms']:.2f} ms / compute-only "
+                     f"{r0['ring_compute_only_ms']:.2f} ms = {_fmt(r0['comm_vs_compute'])}; limit max(compute, comm) "
+                     f"{r0['limit_ms']:.2f} ms (predicted {r0['predicted_limit_ms']:.2f} ms)")
+        lines.append("  searched plan (second micro-batch's forward | first one's backward, predicted):")
+        lines.extend("  " + line for line in r0["searched_plan"])
+        lines.append("")
+    load = run_load(recs)
+    if load:
+        lines.append(load)
+    lines.append("vanilla, ring: one micro-batch after the other (each op its library collective, or commfuse's ring); "
+                 "strands: the second")
+    lines.append("micro-batch's forward stages beside the first's backward stages, paired stage by stage (naive) or "
+                 "by the plan search over the")
+    lines.append("measured figures (searched). vs ring: ring's median / this one; vs limit: this median / max(ring's "
+                 "compute-only, comm-only).")
+    lines.append("predicted: the simulator's plan over the stages' forward figures (backward: twice the compute, the "
+                 "same comm). peak memory:")
+    how = next((r["peak_how"] for r in recs if r.get("peak_how")), "n/a")
+    lines.append(f"above what was resident before the run, the largest over the ranks ({how}); "
+                 "result: losses and every gradient equal ring's")
+    lines.append("within the dtype's tolerance (docs/strands.md).")
+    return "\n".join(lines)
+
+
+def strands_targets(recs: list[dict], config: BenchConfig | None = None) -> list[str]:
+    """The strands targets against this run's figures: printed, never asserted; each judged only where the regime
+    it assumes holds."""
+    preset = config.preset if config is not None else None
+    smoke = f"--preset {TINY_PRESET} is a smoke test (latency-bound hops)" if preset == TINY_PRESET else None
+    lines = ["the strands targets (printed, never asserted), each judged only where ring's comm-only / compute-only "
+             "is about what it assumes:"]
+    for block, rows in _by_block(recs).items():
+        by = {r["row"]: r for r in rows}
+        if None in by:
+            continue
+        searched, rho = by["strands searched"], by["ring"]["comm_vs_compute"]
+        lines.append(f"strands, {block}: ring's comm-only / compute-only {_fmt(rho)}")
+
+        def outside(centre: float) -> str | None:
+            if smoke:
+                return smoke
+            if rho is None or abs(rho - centre) > STRANDS_REGIME_WITHIN * centre:
+                return (f"the target is for comm-only / compute-only {centre} +- {STRANDS_REGIME_WITHIN * centre:.1f}, "
+                        f"here {_fmt(rho)}: set --link-rate")
+            return None
+
+        s, x = searched["speedup_vs_ring"], searched["vs_limit"]
+        high, low = outside(STRANDS_HIGH), outside(STRANDS_LOW)
+        lines.append(f"  at about {STRANDS_HIGH}: strands searched vs ring {_fmt(s)}x (target >= "
+                     f"{STRANDS_VS_RING_AT_LEAST}x): {_verdict(s is not None and s >= STRANDS_VS_RING_AT_LEAST, high)}")
+        lines.append(f"  at about {STRANDS_HIGH}: strands searched vs the limit {_fmt(x)}x (target <= "
+                     f"{STRANDS_VS_LIMIT_AT_MOST}x): {_verdict(x is not None and x <= STRANDS_VS_LIMIT_AT_MOST, high)}")
+        lines.append(f"  at about {STRANDS_LOW}: strands searched vs ring {_fmt(s)}x (target >= "
+                     f"{STRANDS_LOW_VS_RING_AT_LEAST:.2f}x, no slower): "
+                     f"{_verdict(s is not None and s >= STRANDS_LOW_VS_RING_AT_LEAST, low)}")
+        for row in ("strands naive", "strands searched"):
+            m = by[row]["peak_vs_ring"]
+            why = smoke or ("peak memory was not measured here" if m is None else None)
+            lines.append(f"  {row} peak memory {_fmt(m)}x ring's (target <= {STRANDS_MEMORY_AT_MOST}x): "
+                         f"{_verdict(m is not None and m <= STRANDS_MEMORY_AT_MOST, why)}")
+    return lines
+

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commfuse.bench.config import BenchConfig, applies
+from commfuse.bench.config import WORKLOADS, BenchConfig, applies
 from commfuse.bench.progress import Progress
 from commfuse.bench.shared import fingerprint_exchange, gather_objects, load_average, run_info
 from commfuse.bench.workloads import compare, make
@@ -57,6 +57,12 @@ def units(config: BenchConfig) -> int:
     """Progress units of a whole run: one per timed or checked iteration."""
     total = 0
     for w in config.workloads:
+        if WORKLOADS[w].rows:  # rows of its own (strands)
+            from commfuse.bench import strands
+            from commfuse.bench.workloads import STRAND_BLOCKS
+
+            total += strands.units(config, len(STRAND_BLOCKS))
+            continue
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (1 + len(MODES) * (config.warmup + config.repeats) + (1 if config.trace else 0)) + 1
     return total
@@ -109,6 +115,13 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
     bar = Progress(units(config), enabled=progress and rank == 0)
     results = []
     for name in config.workloads:
+        if WORKLOADS[name].rows:  # rows of its own instead of the algorithms
+            from commfuse.bench import strands
+
+            workload = make(name, config, rank, world_size, dev)
+            results += strands.run_workload(workload, config, dev, bar, sync)
+            del workload
+            continue
         algs = [a for a in config.algorithms if applies(name, a)]
         bar.note(f"commfuse bench: {name} on {world_size} ranks, {len(algs)} algorithms, "
                  f"{config.repeats} repeats x {len(MODES)} modes")

@@ -15,7 +15,9 @@ runs that instead, on the same inputs and parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -426,13 +428,103 @@ class MixtureOfExperts(Workload):
         return per_expert.view(self.n, -1).sum(dim=1).tolist()
 
 
+@dataclasses.dataclass
+class StrandBlock:
+    """One block the ``strands`` workload runs as stages (``commfuse.models``): this rank's parameters
+    (requiring grad), ``stages(algorithm, figures)`` building the block's :class:`commfuse.strands.Stage` list
+    (``figures``: stage name -> (compute, comm) seconds of the forward, or None) and two micro-batches
+    ``(inputs, target)``. ``skipped``: why the block is not run here (its builder is missing), else empty."""
+
+    name: str
+    what: str
+    params: dict = dataclasses.field(default_factory=dict)
+    stages: Callable | None = None
+    batches: list = dataclasses.field(default_factory=list)
+    skipped: str = ""
+
+
+def _llama_tp(w: "TwoStrands") -> StrandBlock:
+    """The Llama block at TP N with sequence parallelism (``commfuse.models.stages.llama_tp_stages``)."""
+    from commfuse.models.stages import llama_tp_params, llama_tp_stages
+
+    s = w.config.shape
+    params = {k: v.to(w.device).requires_grad_() for k, v in
+              llama_tp_params(w.rank, w.n, hidden=s.hidden, ffn=s.ffn, seed=w.config.seed, dtype=w.dtype).items()}
+
+    def stages(algorithm: str, figures: dict | None = None) -> list:
+        return llama_tp_stages(params, heads=s.heads, algorithm=algorithm, figures=figures)
+
+    return StrandBlock(f"llama block, TP {w.n}", f"b={s.batch} s={s.seq} h={s.hidden} ffn={s.ffn} heads={s.heads}",
+                       params, stages, w.micro_batches())
+
+
+def _moe_ep(w: "TwoStrands") -> StrandBlock:
+    """The MoE block at EP N (``commfuse.models.moe_stages.moe_ep_stages``)."""
+    import importlib.util
+
+    s, c = w.config.shape, w.config
+    name = f"moe block, EP {w.n}"
+    what = f"b={s.batch} s={s.seq} h={s.hidden} expert ffn={s.ffn} experts={c.experts} top-{c.topk} heads={s.heads}"
+    if importlib.util.find_spec("commfuse.models.moe_stages") is None:
+        return StrandBlock(name, what, skipped="commfuse.models.moe_stages is not in this installation")
+    from commfuse.models.moe_stages import moe_ep_params, moe_ep_stages
+
+    params = {k: v.to(w.device).requires_grad_() for k, v in
+              moe_ep_params(w.rank, w.n, hidden=s.hidden, ffn=s.ffn, experts=c.experts, seed=c.seed,
+                            dtype=w.dtype).items()}
+
+    def stages(algorithm: str, figures: dict | None = None) -> list:
+        return moe_ep_stages(params, heads=s.heads, topk=c.topk, algorithm=algorithm, figures=figures)
+
+    return StrandBlock(name, what, params, stages, w.micro_batches())
+
+
+#: The blocks the ``strands`` workload times, in order: a block more is one entry more.
+STRAND_BLOCKS = {"llama": _llama_tp, "moe": _moe_ep}
+
+
+def strand_loss(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The micro-batches' loss: the mean squared distance of the block's output to the target."""
+    return (y - target).square().mean()
+
+
+class TwoStrands(Workload):
+    """``strands``: each of :data:`STRAND_BLOCKS` at N ranks, two micro-batches forward + backward through
+    ``commfuse.strands.run``, one row of ``config.STRAND_ROWS`` per :meth:`step` (``commfuse.bench.strands``
+    times them). Parameters are cut from full weights drawn from the seed; each micro-batch is this rank's
+    (b, s/N, h) of the inputs and of the target."""
+
+    name = "strands"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.blocks = [build(self) for build in STRAND_BLOCKS.values()]
+
+    def micro_batches(self) -> list:
+        s = self.config.shape
+        return [(self.randn(s.batch, s.seq // self.n, s.hidden), self.randn(s.batch, s.seq // self.n, s.hidden))
+                for _ in range(2)]
+
+    def step(self, block: StrandBlock, stages: list, plan: str) -> list[torch.Tensor]:
+        """One row's run: the losses, then every parameter's gradient (what the rows are checked on)."""
+        from commfuse.strands import run
+
+        for p in block.params.values():
+            p.grad = None
+        losses = run(stages, block.batches, strand_loss, plan=plan)
+        return [torch.stack(losses)] + [p.grad for p in block.params.values()]
+
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        raise CommfuseValueError("workload strands times rows of its own (commfuse.bench.strands), not algorithms")
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's piece of a DTensor gradient (the blocks' parameters are DTensors); a tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear,
-                               LlamaBlock, TorchtitanBlock, MixtureOfExperts)}
+                               LlamaBlock, TorchtitanBlock, MixtureOfExperts, TwoStrands)}
 
 
 def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:

@@ -20,6 +20,14 @@ ranks, each arriving source runs the down-projection's dgrad and wgrad and the
 activation's backward; the input gradient of each source is produced (gate/up
 dgrad and wgrad) and sent back while the next is computed.
 
+The two halves are public as well, each differentiable on its own with a
+backward that is itself an overlapped exchange, for callers that run other
+work between them (``commfuse.models.moe_stages`` cuts a block into
+``commfuse.strands`` stages there): :func:`dispatch_experts` (dispatch, gate/up
+GEMM, SwiGLU; backward: SwiGLU', gate/up dgrad and wgrad, sent back while the
+next is made) and :func:`experts_combine` (down GEMM, combine; backward: the
+output gradient dispatched, down dgrad and wgrad as each source arrives).
+
 Sizes are known only after routing, so each layer call first exchanges the
 per-expert row counts (one small all-to-all, which also checks that every rank
 built the same layer). That exchange reads the counts on the host: on a GPU
@@ -75,7 +83,8 @@ from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective, site_algorithm
 
-__all__ = ["GROUPED_MM", "MoE", "grouped_mm", "grouped_mm_kind", "moe_reference", "route"]
+__all__ = ["GROUPED_MM", "MoE", "dispatch_experts", "experts_combine", "grouped_mm", "grouped_mm_kind",
+           "moe_reference", "route", "sort_by_expert"]
 
 GATINGS = ("softmax", "sigmoid")
 
@@ -208,8 +217,11 @@ def _limit_groups(scores: torch.Tensor, groups: int, limited: int) -> torch.Tens
     return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
-def _sort_by_expert(experts: torch.Tensor, n_experts: int):
-    """The (token, k) slots sorted by expert (stable): their order, each slot's token, rows per expert."""
+def sort_by_expert(experts: torch.Tensor, n_experts: int):
+    """The (token, k) slots of ``experts`` (tokens, k), :func:`route`'s choice, sorted by expert (stable):
+    ``(order, token, counts)``, the slots' order, each sorted slot's token, and the rows per expert
+    (``n_experts``,) int64. ``x.index_select(0, token)`` are the rows :func:`dispatch_experts` takes, and
+    ``counts.view(world size, -1)`` its ``send_counts``."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # scatter_add, not bincount: a shape fixed by n_experts (torch.compile traces it)
@@ -250,7 +262,7 @@ def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: 
     weights, experts = route(xt, router, topk, gating, normalize, bias=router_bias, expert_bias=expert_bias,
                              route_scale=route_scale, num_expert_groups=num_expert_groups,
                              num_limited_groups=num_limited_groups)
-    order, token, counts = _sort_by_expert(experts, w13.shape[0])
+    order, token, counts = sort_by_expert(experts, w13.shape[0])
     xs = xt.index_select(0, token)
     parts, at = [], 0
     for e, c in enumerate(counts.tolist()):
@@ -313,10 +325,13 @@ class _Experts:
     Each exchange hands over a block in slices (one for ``ring`` and
     ``vanilla``, several for ``ring:m`` and ``sliced:c``): every slice is
     computed on its own, as it arrives or before it leaves, with the experts'
-    rows it holds.
+    rows it holds. The dispatch half (:meth:`up`, :meth:`up_backward`) needs
+    only ``w13``, the combine half (:meth:`down`, :meth:`down_backward`) only
+    ``w2`` and the activations (:meth:`hold`).
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, recv_counts: list[list[int]], scale: float = 1.0) -> None:
+    def __init__(self, w13: torch.Tensor | None, w2: torch.Tensor | None, recv_counts: list[list[int]],
+                 scale: float = 1.0) -> None:
         self.w13, self.w2, self.recv = w13, w2, recv_counts
         self.scale = scale  # of the weight gradients: 1 / the group size (the mean of the ranks' losses)
         self.rows = [sum(c) for c in recv_counts]
@@ -324,6 +339,10 @@ class _Experts:
         self.x: list = [None] * n  # each source's rows, as they arrived
         self.h13: list = [None] * n  # their gate/up projection (the activation's backward reads it)
         self.act: list = [None] * n
+        # the whole layer runs the activation's backward as each output gradient arrives (into dh13); the
+        # dispatch half, which alone holds h13, runs it on the combine half's d_act before its gate/up dgrad
+        self.whole = w13 is not None and w2 is not None
+        self.d_act: list = [None] * n
         self.dh13: list = [None] * n
 
     def _keep(self, table: list, q: int, start: int, t: torch.Tensor) -> None:
@@ -335,6 +354,15 @@ class _Experts:
             table[q] = t.new_empty(total, *t.shape[1:])
         table[q].narrow(0, start, t.shape[0]).copy_(t)
 
+    def hold(self, table: list, t: torch.Tensor) -> None:
+        """``table`` (:attr:`act` or :attr:`d_act`) from ``t``, every source's rows one after the other."""
+        table[:] = t.split(self.rows)
+
+    def joined(self, table: list, like: torch.Tensor, width: int) -> torch.Tensor:
+        """``table``'s rows, every source's one after the other: (sum of :attr:`rows`, width)."""
+        parts = [like.new_empty(0, width) if t is None else t for t in table]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     # forward
     def up(self, xq: torch.Tensor, q: int, start: int) -> None:
         h13 = grouped_mm(xq, self.w13, _counts_in(self.recv[q], start, xq.shape[0]))
@@ -345,7 +373,7 @@ class _Experts:
     def up_stand_in(self, xq: torch.Tensor, q: int, start: int) -> None:  # comm_only: the shapes, no work
         self._keep(self.x, q, start, xq)
         self._keep(self.h13, q, start, xq.new_empty(xq.shape[0], self.w13.shape[-1]))
-        self._keep(self.act, q, start, xq.new_empty(xq.shape[0], self.w2.shape[1]))
+        self._keep(self.act, q, start, xq.new_empty(xq.shape[0], self.w13.shape[-1] // 2))
 
     def down(self, q: int, start: int, rows: int) -> torch.Tensor:
         return grouped_mm(self.act[q].narrow(0, start, rows), self.w2, _counts_in(self.recv[q], start, rows))
@@ -356,11 +384,23 @@ class _Experts:
         counts = _counts_in(self.recv[q], start, rows)
         d_act = grouped_mm(dyq, self.w2.transpose(1, 2), counts)
         grouped_wgrad_add_(dw2, self.act[q].narrow(0, start, rows), dyq, counts, self.scale)
-        self._keep(self.dh13, q, start, _swiglu_backward(self.h13[q].narrow(0, start, rows), d_act))
+        if self.whole:
+            self._keep(self.dh13, q, start, _swiglu_backward(self.h13[q].narrow(0, start, rows), d_act))
+        else:
+            self._keep(self.d_act, q, start, d_act)
+
+    def down_backward_stand_in(self, dyq: torch.Tensor, q: int, start: int) -> None:  # comm_only: the shapes
+        if self.whole:
+            self._keep(self.dh13, q, start, dyq.new_empty(dyq.shape[0], self.w13.shape[-1]))
+        else:
+            self._keep(self.d_act, q, start, dyq.new_empty(dyq.shape[0], self.w2.shape[1]))
 
     def up_backward(self, q: int, start: int, rows: int, dw13: torch.Tensor) -> torch.Tensor:
         counts = _counts_in(self.recv[q], start, rows)
-        dh13 = self.dh13[q].narrow(0, start, rows)
+        if self.whole:
+            dh13 = self.dh13[q].narrow(0, start, rows)
+        else:
+            dh13 = _swiglu_backward(self.h13[q].narrow(0, start, rows), self.d_act[q].narrow(0, start, rows))
         dx = grouped_mm(dh13, self.w13.transpose(1, 2), counts)
         grouped_wgrad_add_(dw13, self.x[q].narrow(0, start, rows), dh13, counts, self.scale)
         return dx
@@ -420,6 +460,93 @@ class _Shared:
         return pipelined.StandIn(consume, stand)
 
 
+# The four exchanges of one call, each with its half of the local experts' work. :class:`_ExpertParallel` runs
+# all four; :class:`_DispatchExperts` the first and, in its backward, the last; :class:`_ExpertsCombine` the
+# second and, in its backward, the third. ``call`` None (one process): the work, no exchange.
+
+
+def _sizes(call, send_counts: torch.Tensor, meta: list[int], label: str) -> tuple[list[int], list[list[int]]]:
+    """The rows this rank sends each rank, and the rows per local expert each rank sends here (one small
+    all-to-all)."""
+    send_rows = send_counts.sum(dim=1).tolist()
+    if call is None:
+        return send_rows, send_counts.tolist()
+    return send_rows, pipelined.exchange_sizes(call, send_counts, label=label, meta=meta).tolist()
+
+
+def _up_dispatch(call, work: _Experts, xs: torch.Tensor, send_rows: list[int], shared: _Shared | None = None) -> None:
+    """Forward dispatch: each arriving slice of ``xs``'s blocks through the gate/up GEMM and SwiGLU while the next
+    flies; the shared experts' forward in the first compute step."""
+    if call is None:
+        if shared is not None:
+            shared.forward()
+        work.up(xs, 0, 0)
+        return
+    up = pipelined.StandIn(work.up, work.up_stand_in)
+    if shared is not None:
+        up = shared.first(shared.forward, shared.forward_stand_in, up)
+    pipelined.all_to_all_consume_core(
+        call, list(xs.split(send_rows)), up, 0, recv_sizes=work.rows, label="moe.dispatch", by_slice=True)
+    if shared is not None:
+        shared.forward()  # no slice came (nothing is run twice)
+
+
+def _down_combine(call, work: _Experts, send_rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Forward combine: each source's down projection made and sent back while the next is made; the rows back
+    in the dispatched order, in ``like``'s dtype."""
+    if call is None:
+        return work.down(0, 0, work.rows[0])
+    ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=work.rows,
+                                           label="moe.combine", like=like.new_empty(0, work.w2.shape[-1]),
+                                           by_slice=True)
+    return torch.cat(ys) if len(ys) > 1 else ys[0]
+
+
+def _down_backward_dispatch(call, work: _Experts, dys: torch.Tensor, send_rows: list[int], dw2: torch.Tensor,
+                            shared: _Shared | None = None) -> None:
+    """Backward dispatch: the output gradient's blocks to the expert ranks, each arriving slice through the
+    down projection's dgrad and wgrad (into ``dw2``) and, for the whole layer, the activation's backward; the
+    shared experts' backward in the first compute step."""
+    if call is None:
+        if shared is not None:
+            shared.backward()
+        work.down_backward(dys, 0, 0, dw2)
+        return
+
+    def down_backward(dyq, q, start):
+        work.down_backward(dyq, q, start, dw2)
+
+    down = pipelined.StandIn(down_backward, work.down_backward_stand_in)
+    if shared is not None:
+        down = shared.first(shared.backward, shared.backward_stand_in, down)
+    pipelined.all_to_all_consume_core(
+        call, list(dys.split(send_rows)), down, 0, recv_sizes=work.rows, label="moe.dispatch.backward",
+        by_slice=True)
+    if shared is not None:
+        shared.backward()  # no slice came (nothing is run twice)
+
+
+def _up_backward_combine(call, work: _Experts, send_rows: list[int], dw13: torch.Tensor,
+                         like: torch.Tensor) -> torch.Tensor:
+    """Backward combine: each source's input gradient made (the dispatch half's SwiGLU' first, then gate/up
+    dgrad, and wgrad into ``dw13``) and sent back while the next is made; the rows back in the dispatched
+    order."""
+    def up_backward(q, start, rows):
+        return work.up_backward(q, start, rows, dw13)
+
+    if call is None:
+        return up_backward(0, 0, work.rows[0])
+    dxs = pipelined.produce_all_to_all_core(call, up_backward, 0, recv_sizes=send_rows, send_sizes=work.rows,
+                                            label="moe.combine.backward", like=like.new_empty(0, work.w13.shape[1]),
+                                            by_slice=True)
+    return torch.cat(dxs) if len(dxs) > 1 else dxs[0]
+
+
+def _calls(call, label: str, planned: int) -> op_calls:
+    """:class:`op_calls` for ``call``'s group (nothing for one process)."""
+    return op_calls(None if call is None else call.be, label, planned)
+
+
 class _ExpertParallel(torch.autograd.Function):
     """Rows sorted by expert (``send_counts[d]`` per expert of rank d) through the experts of their ranks and
     back, in the same order: dispatch fused with the gate/up GEMM, the down GEMM fused with combine.
@@ -448,80 +575,114 @@ class _ExpertParallel(torch.autograd.Function):
     ========== ========================================================== ======================================
 
     The experts' weight gradients are divided by N (in the GEMMs that accumulate them): the layer's gradients
-    are those of the mean of its ranks' losses, as :class:`MoE` says."""
+    are those of the mean of its ranks' losses, as :class:`MoE` says. :class:`_DispatchExperts` followed by
+    :class:`_ExpertsCombine` compute the same, as two Functions."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
                 meta: list[int], xt: torch.Tensor | None = None, sw13: torch.Tensor | None = None,
                 sw2: torch.Tensor | None = None):
         shared = None if xt is None else _Shared(xt, sw13, sw2)
-        if call is None:
-            work = _Experts(w13, w2, send_counts.tolist())
-            if shared is not None:
-                shared.forward()
-            work.up(xs, 0, 0)
-            ys = work.down(0, 0, xs.shape[0])
-            ctx.state = (call, work, [xs.shape[0]], [xs.shape[0]], shared)
-            return ys if shared is None else (ys, shared.out)
-        recv_counts = pipelined.exchange_sizes(call, send_counts, label="moe.sizes", meta=meta).tolist()
-        send_rows = send_counts.sum(dim=1).tolist()
-        recv_rows = [sum(c) for c in recv_counts]
+        send_rows, recv_counts = _sizes(call, send_counts, meta, "moe.sizes")
         work = _Experts(w13, w2, recv_counts, 1.0 / len(recv_counts))
-        up = pipelined.StandIn(work.up, work.up_stand_in)
-        if shared is not None:
-            up = shared.first(shared.forward, shared.forward_stand_in, up)
-        pipelined.all_to_all_consume_core(
-            call, list(xs.split(send_rows)), up, 0, recv_sizes=recv_rows, label="moe.dispatch", by_slice=True)
-        if shared is not None:
-            shared.forward()  # no slice came (nothing is run twice)
-        like = xs.new_empty(0, w2.shape[-1])
-        ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=recv_rows,
-                                               label="moe.combine", like=like, by_slice=True)
-        ctx.state = (call, work, send_rows, recv_rows, shared)
-        ys = torch.cat(ys) if len(ys) > 1 else ys[0]
+        _up_dispatch(call, work, xs, send_rows, shared)
+        ys = _down_combine(call, work, send_rows, xs)
+        ctx.state = (call, work, send_rows, shared)
         return ys if shared is None else (ys, shared.out)
 
     @staticmethod
     def backward(ctx, dys: torch.Tensor, dshared: torch.Tensor | None = None):
-        call, work, send_rows, recv_rows, shared = ctx.state
+        call, work, send_rows, shared = ctx.state
         ctx.state = None
         dys = dys.contiguous()
         dw13 = torch.zeros_like(work.w13)
         dw2 = torch.zeros_like(work.w2)
         if shared is not None:
             shared.dy = dshared.contiguous()
-        if call is None:
-            if shared is not None:
-                shared.backward()
-            work.down_backward(dys, 0, 0, dw2)
-            dxs = work.up_backward(0, 0, dys.shape[0], dw13)
-        else:
-            with op_calls(call.be, "MoE.backward (its dispatch and combine)", 2):
-                dxs = _ExpertParallel._backward(dys, call, work, send_rows, recv_rows, dw13, dw2, shared)
+        with _calls(call, "MoE.backward (its dispatch and combine)", 2):
+            _down_backward_dispatch(call, work, dys, send_rows, dw2, shared)
+            dxs = _up_backward_combine(call, work, send_rows, dw13, dys)
         dx, dsw13, dsw2 = (None, None, None) if shared is None else shared.grads
         return dxs, dw13, dw2, None, None, None, dx, dsw13, dsw2
 
+
+class _DispatchExperts(torch.autograd.Function):
+    """The first half of :class:`_ExpertParallel`: rows sorted by expert (``send_counts[d]`` per expert of rank
+    d) dispatched to their experts' ranks, each source's rows through the gate/up GEMM and SwiGLU as they
+    arrive. Outputs the activations, every source's rows one after the other, and the rows per local expert
+    each source sent (an int tensor, no gradient).
+
+    ========== =============================== =================================== ================================
+    pass       this rank's                     per source rank q                   local experts' weights
+    ========== =============================== =================================== ================================
+    forward    xs (rows, h) -> acts (arrived,  x_q (rows_q, h) @ w13 -> SwiGLU     w13 (E/N, h, 2f)
+               f), recv_counts (N, E/N)        -> act_q (rows_q, f), as it arrives
+    dgrad      dacts (arrived, f) -> dxs       dact_q -> SwiGLU' -> @ w13^T, made  (the same)
+               (rows, h)                       and sent back while the next is
+    wgrad      (none)                          x_q^T @ dh13_q                      dw13: every source's rows,
+                                                                                   summed, divided by N
+    ========== =============================== =================================== ================================
+    """
+
     @staticmethod
-    def _backward(dys, call, work, send_rows, recv_rows, dw13, dw2, shared):
-        def down_backward(dyq, q, start):
-            work.down_backward(dyq, q, start, dw2)
+    def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, call, send_counts: torch.Tensor, meta: list[int]):
+        send_rows, recv_counts = _sizes(call, send_counts, meta, "moe.experts.sizes")
+        work = _Experts(w13, None, recv_counts, 1.0 / len(recv_counts))
+        _up_dispatch(call, work, xs, send_rows)
+        acts = work.joined(work.act, xs, w13.shape[-1] // 2)
+        work.act = []  # the combine half holds them (acts); the backward reads x and h13
+        ctx.state = (call, work, send_rows)
+        recv = torch.tensor(recv_counts, dtype=torch.int64, device=send_counts.device)
+        ctx.mark_non_differentiable(recv)
+        return acts, recv
 
-        def down_stand_in(dyq, q, start):  # comm_only: what the input gradient's slices are made of
-            work._keep(work.dh13, q, start, dyq.new_empty(dyq.shape[0], work.w13.shape[-1]))
+    @staticmethod
+    def backward(ctx, dacts: torch.Tensor, _):
+        call, work, send_rows = ctx.state
+        ctx.state = None
+        dacts = dacts.contiguous()
+        work.hold(work.d_act, dacts)
+        dw13 = torch.zeros_like(work.w13)
+        with _calls(call, "dispatch_experts.backward", 1):
+            dxs = _up_backward_combine(call, work, send_rows, dw13, dacts)
+        return dxs, dw13, None, None, None
 
-        down = pipelined.StandIn(down_backward, down_stand_in)
-        if shared is not None:
-            down = shared.first(shared.backward, shared.backward_stand_in, down)
-        pipelined.all_to_all_consume_core(
-            call, list(dys.split(send_rows)), down, 0, recv_sizes=recv_rows, label="moe.dispatch.backward",
-            by_slice=True)
-        if shared is not None:
-            shared.backward()  # no slice came (nothing is run twice)
-        like = dys.new_empty(0, work.w13.shape[1])
-        dxs = pipelined.produce_all_to_all_core(call, lambda q, start, rows: work.up_backward(q, start, rows, dw13), 0,
-                                                recv_sizes=send_rows, send_sizes=recv_rows,
-                                                label="moe.combine.backward", like=like, by_slice=True)
-        return torch.cat(dxs) if len(dxs) > 1 else dxs[0]
+
+class _ExpertsCombine(torch.autograd.Function):
+    """The second half of :class:`_ExpertParallel`: the activations of every source (``recv_counts[q]`` rows
+    per local expert from rank q, one source after the other) through the down GEMM, each source's made and
+    sent back while the next is made; the rows back in the order they were dispatched in.
+
+    ========== =============================== =================================== ================================
+    pass       this rank's                     per source rank q                   local experts' weights
+    ========== =============================== =================================== ================================
+    forward    acts (arrived, f) -> ys (rows,  act_q (rows_q, f) @ w2, made and    w2 (E/N, f, h)
+               h)                              sent back while the next is
+    dgrad      dys (rows, h) -> dacts          dy_q (rows_q, h) @ w2^T, as it      (the same)
+               (arrived, f)                    arrives
+    wgrad      (none)                          act_q^T @ dy_q                      dw2: every source's rows,
+                                                                                   summed, divided by N
+    ========== =============================== =================================== ================================
+    """
+
+    @staticmethod
+    def forward(ctx, acts: torch.Tensor, w2: torch.Tensor, call, recv_counts: list[list[int]],
+                send_rows: list[int]):
+        work = _Experts(None, w2, recv_counts, 1.0 / len(recv_counts))
+        work.hold(work.act, acts)
+        ys = _down_combine(call, work, send_rows, acts)
+        ctx.state = (call, work, send_rows)
+        return ys
+
+    @staticmethod
+    def backward(ctx, dys: torch.Tensor):
+        call, work, send_rows = ctx.state
+        ctx.state = None
+        dys = dys.contiguous()
+        dw2 = torch.zeros_like(work.w2)
+        with _calls(call, "experts_combine.backward", 1):
+            _down_backward_dispatch(call, work, dys, send_rows, dw2)
+        return work.joined(work.d_act, dys, work.w2.shape[1]), dw2, None, None, None
 
 
 def _not_traced() -> None:
@@ -543,7 +704,104 @@ def _expert_parallel(xs, w13, w2, call, send_counts, meta, shared=None):
     return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta, xt, sw13, sw2)
 
 
-eager_only(_expert_parallel)
+# -- the two halves, for a caller that runs something between them (commfuse.strands' stages) -------------------
+
+
+def _half_group(group, device: torch.device):
+    """The group of :func:`dispatch_experts` / :func:`experts_combine`: ``(group, rank, world size,
+    backend)``, the backend None for one process."""
+    group = resolve_group(group)
+    rank, n = world(group)
+    return group, rank, n, None if n == 1 else backends.resolve(None, group, device)
+
+
+def _half_call(algorithm: str, group, be, device: torch.device, rows: int, row_bytes: int):
+    """The exchanges' resolved options (None for one process). ``auto`` decides on a balanced block of this
+    rank's ``rows`` (MoE._call's rule, so both halves decide alike), which every rank must share."""
+    if be is None:
+        return None
+    return resolve_call(Collective.ALL_TO_ALL, algorithm, group=group, backend=be, device=device,
+                        slice_bytes=rows // be.world_size * row_bytes, halves=True)
+
+
+def _check_counts(where: str, rank: int, n: int, name: str, counts: torch.Tensor, local_experts: int) -> None:
+    if counts.is_floating_point() or counts.is_complex() or tuple(counts.shape) != (n, local_experts):
+        raise CommfuseValueError(
+            f"{where}: rank {rank}: {name} must be integer rows per local expert of each rank, (world size {n}, "
+            f"local experts {local_experts}), got {counts.dtype} {list(counts.shape)}")
+
+
+def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Tensor, *, group=None,
+                     algorithm: str = "ring") -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of an expert-parallel MoE layer: rows sorted by expert dispatched to their experts' ranks,
+    each source's rows through this rank's experts' gate/up GEMM and SwiGLU as they arrive.
+
+    ``xs`` (rows, hidden): this rank's rows, sorted by global expert; ``send_counts`` (world size, local
+    experts), integer: the rows for each expert of each rank, in ``xs``'s order (:func:`sort_by_expert`'s
+    counts viewed so); ``w13`` (local experts, hidden, 2 * ffn): this rank's experts, the gate projection's
+    columns then the up projection's. Returns ``(acts, recv_counts)``: ``acts`` (rows arrived, ffn), source
+    rank 0's rows first, each source's by expert; ``recv_counts`` (world size, local experts), int64, the rows
+    per local expert from each source. :func:`experts_combine` takes both.
+
+    One small all-to-all of the counts first (read on the host), then the dispatch (``algorithm`` as
+    :class:`MoE`'s; ``auto`` decides on this rank's row count, so give every rank the same, or name it). The
+    backward makes each source's input gradient (SwiGLU', gate/up dgrad and wgrad) and sends it back while
+    the next is made. ``w13``'s gradient is the sum over every source's rows divided by the world size, as
+    :class:`MoE` gives it (that of the mean of the ranks' losses).
+    """
+    _not_traced()
+    group, rank, n, be = _half_group(group, xs.device)
+    with op_calls(be, "dispatch_experts", 2):  # the counts, the dispatch: peers hear of a rank that leaves
+        if xs.ndim != 2 or w13.ndim != 3 or xs.shape[1] != w13.shape[1] or w13.shape[2] % 2:
+            raise CommfuseValueError(
+                f"dispatch_experts: rank {rank}: xs must be (rows, hidden) and w13 (local experts, hidden, "
+                f"2 * ffn), got {list(xs.shape)} and {list(w13.shape)}")
+        if xs.dtype != w13.dtype:
+            raise CommfuseTypeError(f"dispatch_experts: rank {rank}: xs is {xs.dtype} and w13 is {w13.dtype}; "
+                                    "cast one")
+        _check_counts("dispatch_experts", rank, n, "send_counts", send_counts, w13.shape[0])
+        rows = int(send_counts.sum())
+        if rows != xs.shape[0]:
+            raise CommfuseValueError(f"dispatch_experts: rank {rank}: send_counts sum to {rows} rows, xs has "
+                                     f"{xs.shape[0]}")
+        call = _half_call(algorithm, group, be, xs.device, rows, xs.shape[1] * xs.element_size())
+        return _DispatchExperts.apply(xs, w13, call, send_counts, [w13.shape[1], w13.shape[2] // 2])
+
+
+def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, *,
+                    group=None, algorithm: str = "ring") -> torch.Tensor:
+    """The second half of an expert-parallel MoE layer: :func:`dispatch_experts`'s activations through this
+    rank's experts' down GEMM, each source's made and sent back while the next is made; returns (rows, hidden),
+    the rows in the order :func:`dispatch_experts` took them (``xs``'s), not yet weighted by the gate.
+
+    ``acts`` and ``recv_counts``: :func:`dispatch_experts`'s outputs; ``send_counts``: what it was given;
+    ``w2`` (local experts, ffn, hidden); ``group`` and ``algorithm``: the same as there. The backward sends the
+    output gradient to the expert ranks, each arriving source through the down projection's dgrad and wgrad.
+    ``w2``'s gradient is the sum over every source's rows divided by the world size, as :class:`MoE` gives it.
+    """
+    _not_traced()
+    group, rank, n, be = _half_group(group, acts.device)
+    with op_calls(be, "experts_combine", 1):  # peers hear of a rank that leaves
+        if acts.ndim != 2 or w2.ndim != 3 or acts.shape[1] != w2.shape[1]:
+            raise CommfuseValueError(
+                f"experts_combine: rank {rank}: acts must be (rows arrived, ffn) and w2 (local experts, ffn, "
+                f"hidden), got {list(acts.shape)} and {list(w2.shape)}")
+        if acts.dtype != w2.dtype:
+            raise CommfuseTypeError(f"experts_combine: rank {rank}: acts is {acts.dtype} and w2 is {w2.dtype}; "
+                                    "cast one")
+        _check_counts("experts_combine", rank, n, "send_counts", send_counts, w2.shape[0])
+        _check_counts("experts_combine", rank, n, "recv_counts", recv_counts, w2.shape[0])
+        recv, send_rows = recv_counts.tolist(), send_counts.sum(dim=1).tolist()
+        arrived = sum(map(sum, recv))
+        if arrived != acts.shape[0]:
+            raise CommfuseValueError(
+                f"experts_combine: rank {rank}: recv_counts sum to {arrived} rows, acts has {acts.shape[0]}; pass "
+                "dispatch_experts' outputs")
+        call = _half_call(algorithm, group, be, acts.device, sum(send_rows), w2.shape[2] * acts.element_size())
+        return _ExpertsCombine.apply(acts, w2, call, recv, send_rows)
+
+
+eager_only(_expert_parallel, dispatch_experts, experts_combine)
 
 
 # -- the layer ---------------------------------------------------------------------------------------------------
@@ -943,7 +1201,7 @@ class MoE(nn.Module):
                                     expert_bias=self.expert_bias, route_scale=self.route_scale,
                                     num_expert_groups=self.num_expert_groups,
                                     num_limited_groups=self.num_limited_groups)
-            order, token, counts = _sort_by_expert(chosen, self.experts)
+            order, token, counts = sort_by_expert(chosen, self.experts)
             if self.tokens_per_expert is not None and self.training:
                 with torch.no_grad():  # on the device: read on the host only by update_expert_bias's all-reduce
                     self.tokens_per_expert.add_(counts)
@@ -1033,6 +1291,7 @@ def _describe_sizes(v):
 
 
 register_format("moe.sizes", _describe_sizes)
+register_format("moe.experts.sizes", lambda v: f"{v[0]} local experts' counts per rank, hidden {v[1]}, ffn {v[2]}")
 register_format("moe.tokens", lambda v: "the token count auto decides on (one per rank)")
 for _label in ("moe.tokens_per_expert.reduce", "moe.tokens_per_expert.gather"):
     register_format(_label, lambda v: "the tokens per expert of the load balancing's update")

@@ -173,6 +173,10 @@ class _Handle:
         sends, recvs = transfers
         return sorted({t.peer for t, _ in sends} | {t.peer for t, _ in recvs})
 
+    def done(self) -> bool:
+        """Whether every transfer of the step has completed (a poll; never blocks)."""
+        return all(work.is_completed() for work in self.works)
+
     def wait(self, timeout: float) -> list[torch.Tensor]:
         backend = self.backend
         if backend is None or backend._instant:
@@ -296,6 +300,11 @@ class _StreamHandle(_Handle):
     """
 
     __slots__ = ("what", "call")
+
+    def done(self) -> bool:
+        """Always: the host never waits on a stream-ordered step, so work handed to its wait
+        (``commfuse.runtime.loop.FILLERS``) is queued one item per step, between the step's own kernels."""
+        return True
 
     def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str | None) -> None:
         super().__init__(works, outputs, inflight, backend)

@@ -301,6 +301,12 @@ class counted_calls(op_calls):
         return learned.get(self.key, 0)
 
 
+def refuse_dead(state: GroupState, label: str) -> None:
+    """Raise, naming ``label``, what a call on a group commfuse declared dead raises (nothing if it is not)."""
+    if state.error is not None:
+        raise _dead_again(label, state)
+
+
 def _dead_again(label: str, state: GroupState) -> BaseException:
     """What a call on a group declared dead raises: the error that ended it, of the same class, saying which
     call it refused (the error itself names the call that found it)."""
@@ -593,7 +599,7 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
     except Exception as e:
         raise posting_error(plan, st, call, e) from e
     if FILLERS:
-        run_filler()
+        run_filler(handle)
     try:
         handle.wait(plan.timeout)
     except BaseException as e:
@@ -725,7 +731,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
                     held[s] = made
             if handle is not None:
                 if FILLERS:
-                    run_filler()
+                    run_filler(handle)
                 try:
                     got = handle.wait(plan.timeout)
                 except BaseException as e:
@@ -758,7 +764,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
 def _land_ring(plan: Plan, st: CompiledStep, handle, recvs, landing: list) -> None:
     """Wait for a ring step's transfers and put what arrived in ``landing``, by slot."""
     if FILLERS:
-        run_filler()
+        run_filler(handle)
     try:
         got = handle.wait(plan.timeout)
     except BaseException as e:
@@ -958,7 +964,7 @@ def _post_collectives(plan: Plan, st: CompiledStep, program: Program, run_collec
 
 def _wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> None:
     if FILLERS and pending:
-        run_filler()
+        run_filler(pending[0][0])
     for i, (handle, finish, what) in enumerate(pending):
         try:
             got = handle.wait(timeout)
@@ -972,17 +978,22 @@ def _wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> No
             finish(got)
 
 
-#: Work another strand handed this thread (``commfuse.strands``): the next op that posts transfers runs it once,
-#: after posting and before its first wait, so that it computes while those transfers travel. Each entry is a
-#: callable that takes no argument and raises nothing (the strand keeps its own error). Empty: one truth test
-#: per wait.
+#: Work another strand handed this thread (``commfuse.strands``): a stage, or a deferred weight gradient. An op
+#: that has posted a step's transfers runs it before waiting for them, so that it computes while they travel.
+#: Each entry is a callable that takes no argument and raises nothing (the strand keeps its own error). Empty:
+#: one truth test per wait.
 FILLERS: list = []
 
 
-def run_filler() -> None:
-    """Run the work :data:`FILLERS` holds (the last handed in), if any."""
+def run_filler(handle=None) -> None:
+    """Before waiting on ``handle``: run the last entry of :data:`FILLERS`, then more while the step's transfers
+    are still in flight (``handle.done()``, a poll; a handle without it takes one entry per wait)."""
     if FILLERS:
         FILLERS.pop()()
+    done = getattr(handle, "done", None)
+    if done is not None:
+        while FILLERS and not done():
+            FILLERS.pop()()
 
 
 def _drain(pending, timeout: float) -> None:

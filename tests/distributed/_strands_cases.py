@@ -6,58 +6,63 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-import commfuse.ops as ops
 from commfuse import strands
-from commfuse.fused.attention import attend
+from commfuse.models.stages import llama_tp_params, llama_tp_stages
 
 HIDDEN, HEADS, FFN, SEQ, BATCH = 32, 4, 64, 16, 2
 
 
 def _params(rank: int, n: int) -> dict:
     """This rank's shards of the block's weights, cut from full weights drawn from one seed."""
-    g = torch.Generator().manual_seed(7)
-    full = {"wqkv": torch.randn(HIDDEN, 3 * HIDDEN, generator=g) / HIDDEN ** 0.5,
-            "wo": torch.randn(HIDDEN, HIDDEN, generator=g) / HIDDEN ** 0.5,
-            "w1": torch.randn(HIDDEN, FFN, generator=g) / HIDDEN ** 0.5,
-            "w3": torch.randn(HIDDEN, FFN, generator=g) / HIDDEN ** 0.5,
-            "w2": torch.randn(FFN, HIDDEN, generator=g) / FFN ** 0.5}
-    q, k, v = full["wqkv"].chunk(3, dim=1)
-    return {"wqkv": torch.cat([t.chunk(n, dim=1)[rank] for t in (q, k, v)], dim=1),
-            "wo": full["wo"].chunk(n, dim=0)[rank], "w1": full["w1"].chunk(n, dim=1)[rank],
-            "w3": full["w3"].chunk(n, dim=1)[rank], "w2": full["w2"].chunk(n, dim=0)[rank]}
+    return llama_tp_params(rank, n, hidden=HIDDEN, ffn=FFN)
 
 
-def _stages(p: dict, algorithm: str, profiled: bool, fail_rank: int | None = None) -> list:
-    d = HIDDEN // HEADS
+# a made-up profile (seconds) for the searched plan: the core has no transfers, the gathers' are long
+FIGURES = {"gather + QKV": (1.0, 3.0), "attention core": (4.0, 0.0), "out-proj + reduce-scatter": (1.0, 3.0),
+           "gather + w1/w3": (2.0, 3.0), "w2 + reduce-scatter": (2.0, 3.0)}
 
-    def qkv(x):
-        return ops.all_gather_matmul(x, p["wqkv"], gather_dim=1, algorithm=algorithm), x
 
-    def core(qkv, x):
-        b, s = qkv.shape[:2]
-        q, k, v = (t.reshape(b, s, -1, d) for t in qkv.chunk(3, dim=-1))
-        return attend(q, k, v, causal=True).reshape(b, s, -1), x
+def _stages(p: dict, algorithm: str, profiled: bool, fail: tuple | None = None) -> list:
+    """The block's stages; ``fail`` = (rank, stage name, kind): that rank's stage raises ``ZeroDivisionError``
+    after its ops, in its forward (``"F"``), its backward (``"B"``), or as work handed to a wait (``"W"``:
+    the stage's first deferred weight gradient)."""
+    stages = llama_tp_stages(p, heads=HEADS, algorithm=algorithm, figures=FIGURES if profiled else None)
+    if fail is None or dist.get_rank() != fail[0]:
+        return stages
+    rank, name, kind = fail
+    out = []
+    for s in stages:
+        if s.name == name and kind == "F":
+            def fn(*args, _fn=s.fn):
+                _fn(*args)
+                raise ZeroDivisionError(f"injected on rank {rank} in the forward of {name!r}")
+            s = strands.Stage(s.name, fn, s.compute, s.comm)
+        elif s.name == name and kind == "B":
+            s = strands.Stage(s.name, _raising_backward(s.fn, f"injected on rank {rank} in the backward of "
+                                                        f"{name!r}"), s.compute, s.comm)
+        out.append(s)
+    return out
 
-    def out(o, x):
-        return (x + ops.matmul_reduce_scatter(o, p["wo"], scatter_dim=1, algorithm=algorithm),)
 
-    def up(h):
-        a, b = ops.all_gather_matmul(h, [p["w1"], p["w3"]], gather_dim=1, algorithm=algorithm)
-        if fail_rank is not None and dist.get_rank() == fail_rank:
-            raise ZeroDivisionError(f"injected on rank {fail_rank}")
-        return F.silu(a) * b, h
+def _raising_backward(fn, message: str):
+    """``fn`` whose outputs' backward raises ``ZeroDivisionError(message)`` before reaching ``fn``'s graph."""
 
-    def down(u, h):
-        return h + ops.matmul_reduce_scatter(u, p["w2"], scatter_dim=1, algorithm=algorithm)
+    class Raise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
 
-    # a made-up profile (seconds) for the searched plan: the core has no transfers, the gathers' are long
-    figures = {"gather + QKV": (1.0, 3.0), "attention core": (4.0, 0.0), "out-proj + reduce-scatter": (1.0, 3.0),
-               "gather + w1/w3": (2.0, 3.0), "w2 + reduce-scatter": (2.0, 3.0)}
-    fns = {"gather + QKV": qkv, "attention core": core, "out-proj + reduce-scatter": out, "gather + w1/w3": up,
-           "w2 + reduce-scatter": down}
-    return [strands.Stage(name, fn, *(figures[name] if profiled else (None, 0.0))) for name, fn in fns.items()]
+        @staticmethod
+        def backward(ctx, g):
+            raise ZeroDivisionError(message)
+
+    def wrapped(*args):
+        out = fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return tuple(Raise.apply(t) if t.requires_grad else t for t in out)
+
+    return wrapped
 
 
 def _loss(y, target):
@@ -95,9 +100,10 @@ def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm
 
     real, fills = loop.run_filler, []
 
-    def counted():  # a stage without transfers run inside another stage's op, while its transfers travel
-        fills.append(len(loop.FILLERS))
-        real()
+    def counted(handle=None):  # work without transfers run inside another stage's op, while its transfers travel
+        before = len(loop.FILLERS)
+        real(handle)
+        fills.append(before - len(loop.FILLERS))
 
     for step in range(3):
         batches = _batches(rank, n, count, step)
@@ -123,12 +129,16 @@ def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm
         opt_o.zero_grad(), opt_t.zero_grad()
     for name in ours:
         _close(f"parameter {name} after 3 steps", ours[name].detach(), theirs[name].detach(), problems)
-    # the searched plan puts the attention core (no transfers) beside a backward stage with transfers, once
-    # per pair of micro-batches; without figures nothing is known to be free of transfers, nothing is filled
-    want = 3 * (count - 1) if plan == "searched" else 0
-    if len(fills) < want or (want == 0 and fills) or loop.FILLERS:
-        problems.append(f"{len(fills)} stages filled another's transfers, expected {'at least ' if want else ''}"
-                        f"{want}; left over: {loop.FILLERS}")
+    # two strands hand each deferred weight gradient to a later wait (4 GEMMs' worth per backward, 5 weights),
+    # and the searched plan the attention core (no transfers) beside a backward stage with transfers, once per
+    # pair of micro-batches; the sequential plan defers nothing and hands nothing
+    taken = sum(fills)
+    if plan == "sequential" and taken:
+        problems.append(f"the sequential plan ran {taken} pieces of work inside waits")
+    if plan != "sequential" and taken < 3 * (count - 1) + 3:
+        problems.append(f"only {taken} pieces of work ran inside waits over 3 steps of {count} micro-batches")
+    if loop.FILLERS:
+        problems.append(f"work left over for later ops: {loop.FILLERS}")
     return problems
 
 
@@ -141,3 +151,36 @@ def ranks_disagree_on_the_plan(rank: int, n: int) -> tuple:
     except Exception as e:  # noqa: BLE001 - reported by name
         return type(e).__name__, str(e)
     return "ok", ""
+
+
+def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
+    """``where`` = (stage name, kind) raises on rank 1 only (kind ``"F"`` after the stage's forward ops,
+    ``"B"`` before its backward ops, ``"W"`` in the first deferred weight gradient): every rank must raise,
+    promptly, naming rank 1; then a second run must be refused at once, by name, on every rank (the peers
+    abandoned transfers they had posted: the group is dead), never left waiting."""
+    import time
+
+    from commfuse import autograd
+
+    torch.set_num_threads(1)
+    name, kind = where
+    p = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    batches = _batches(rank, n, 2, 0)
+    real = autograd._add_grad
+    if kind == "W" and rank == 1:
+        def raising(weight, x, dy):
+            autograd._add_grad = real
+            raise ZeroDivisionError("injected on rank 1 in a deferred weight gradient")
+        autograd._add_grad = raising
+    stages = _stages(p, "ring", plan == "searched", fail=None if kind == "W" else (1, name, kind))
+    out = {}
+    for what, run_stages in (("outcome", stages), ("after", _stages(p, "ring", plan == "searched"))):
+        t0 = time.perf_counter()
+        try:
+            strands.run(run_stages, batches, _loss, plan=plan)
+            out[what] = ("ok", "", 0.0)
+        except Exception as e:  # noqa: BLE001 - reported by name
+            out[what] = (type(e).__name__, str(e), time.perf_counter() - t0)
+        finally:
+            autograd._add_grad = real
+    return out

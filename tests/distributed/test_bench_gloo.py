@@ -225,3 +225,32 @@ def test_compile_every_workload_aot_eager_json_to_stdout(capsys):
     assert {r["workload"] for r in recs if r["backward"]} == {"mlp", "attention", "fsdp_linear"}
     assert "ag_matmul (all_gather_matmul in a compiled function, forward)" in printed.err
     assert "compiled / eager" in printed.err
+
+
+def test_strands_workload_times_its_rows_checked_against_ring(tmp_path, capsys):
+    """`-w strands`: two micro-batches of the Llama block at TP 2 (and the MoE block at EP 2 where it is installed)
+    as vanilla, ring, strands naive and strands searched, each checked against ring, with the simulator's
+    prediction, the regime, the limit and the peak memory beside; the stage without transfers profiled as such."""
+    from commfuse.bench.config import STRAND_ROWS
+
+    out = tmp_path / "records.json"
+    rc = main(["bench", *TINY, "--repeats", "1", "-w", "strands", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    for row in STRAND_ROWS:
+        assert f"\n  {row} " in printed.out, row
+    assert "ok (ref)" in printed.out and "WRONG" not in printed.out
+    assert "ring's comm-only / compute-only" in printed.out and "the strands targets" in printed.out
+    recs = [r for r in json.loads(out.read_text()) if r["row"] is not None]
+    assert {r["block"] for r in recs} >= {"llama block, TP 2"}
+    for block in {r["block"] for r in recs}:
+        assert [r["row"] for r in recs if r["block"] == block] == list(STRAND_ROWS)
+    for r in recs:
+        assert r["mode"] == "strands" and r["correct"] is True and r["world_size"] == 2, r
+        assert r["median_ms"] > 0 and r["predicted_ms"] > 0 and r["limit_ms"] > 0, r
+        assert r["peak_mib"] is None or r["peak_mib"] >= 0
+    llama = next(r for r in recs if r["block"] == "llama block, TP 2")
+    figures = llama["figures_ms"]
+    assert figures["attention core"][1] == 0 and all(m > 0 for name, (_, m) in figures.items()
+                                                     if name != "attention core"), figures
+    assert llama["searched_order"][0] == "F0.0" and len(llama["searched_order"]) == 4 * len(figures)

@@ -33,3 +33,26 @@ def test_ranks_holding_different_plans_are_all_told_before_a_stage_runs():
     for rank, (kind, message) in enumerate(results):
         assert kind == "MismatchError", (rank, kind, message)
         assert f"rank {rank}" in message and "different stage orders" in message
+
+
+@pytest.mark.parametrize(("where", "plan"), [
+    (("gather + w1/w3", "F"), "alternate"),        # after its op, in micro-batch 0's forward (never counted)
+    (("out-proj + reduce-scatter", "B"), "alternate"),  # before its backward's ring
+    (("attention core", "F"), "searched"),         # a stage handed to another's wait
+    (("attention core", "B"), "searched"),
+    (("", "W"), "alternate"),                      # a deferred weight gradient
+])
+def test_a_stage_failing_on_one_rank_stops_every_rank_by_name(where, plan):
+    results = launch(_strands_cases.one_rank_fails, 2, where, plan, timeout=120)
+    for rank, res in enumerate(results):
+        kind, message, seconds = res["outcome"]
+        if rank == 1:
+            assert kind == "ZeroDivisionError", (rank, res)
+        else:
+            # told of rank 1's failure in its next call, or of the group rank 1 declared dead for it
+            assert kind in ("PeerFailedError", "GroupDeadError"), (rank, res)
+            assert "rank 1" in message and "injected on rank 1" in message, (rank, res)
+        assert seconds < 30, (rank, res)
+        kind, message, seconds = res["after"]
+        assert kind == "GroupDeadError" and f"rank {rank}" in message and "declared dead" in message, (rank, res)
+        assert seconds < 5, (rank, res)

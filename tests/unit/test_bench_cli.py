@@ -49,6 +49,23 @@ def test_all_workloads():
                              "moe")
 
 
+def test_strands_workload_times_rows_of_its_own():
+    """`-w strands`: left out of `-w all`, its sizes checked against the world size (the Llama block's and the MoE
+    block's), and refused with --forward-only (a backward beside the next forward is what it times)."""
+    from commfuse.bench.config import STRAND_ROWS, WORKLOADS
+
+    cfg = command.config_from_args(_args("-w", "strands", "--preset", "tiny"))
+    assert cfg.workloads == ("strands",) and WORKLOADS["strands"].rows == tuple(STRAND_ROWS)
+    assert list(STRAND_ROWS) == ["vanilla", "ring", "strands naive", "strands searched"]
+    cfg.check_world(2)
+    with pytest.raises(CommfuseValueError, match="workload strands: seq = 32 does not divide over world size 3"):
+        cfg.check_world(3)
+    with pytest.raises(CommfuseValueError, match="workload strands runs forward \\+ backward"):
+        command.config_from_args(_args("-w", "strands", "--forward-only"))
+    with pytest.raises(CommfuseValueError, match="traces none"):
+        command.config_from_args(_args("-w", "strands", "--trace", "t.json"))
+
+
 def test_moe_workload_is_accepted_with_its_sizes():
     """`-w moe`: the mixture-of-experts layer, every algorithm that applies to an all-to-all (not bidirectional);
     --experts and --topk reach the config (defaults 4 and 2), travel through to_argv and are checked."""

@@ -1,0 +1,185 @@
+"""Rank bodies of the MoE two-strand tests: an MoE block under expert parallelism cut into five stages
+(``commfuse.models.moe_stages``: the dispatch and the combine each their own differentiable, overlapped
+exchange), run by ``commfuse.strands.run`` against the same stages as one function per micro-batch, and
+against ``commfuse.nn.moe.moe_reference`` on one process holding every expert and every rank's tokens."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from commfuse import strands
+from commfuse.models.moe_stages import MOE_STAGES, REPLICATED, moe_ep_params, moe_ep_stages
+from commfuse.nn import moe
+from commfuse.runtime import loop
+
+HIDDEN, FFN, HEADS, TOPK, SEQ, BATCH = 32, 32, 4, 2, 16, 2
+
+# a made-up profile (seconds) for the searched plan: only the dispatch and the combine have transfers
+FIGURES = {"attention": (2.0, 0.0), "router": (0.5, 0.0), "dispatch + experts": (1.0, 3.0), "combine": (1.0, 3.0),
+           "shared experts": (2.0, 0.0)}
+
+
+def _params(rank: int, n: int) -> dict:
+    return {k: v.requires_grad_() for k, v in moe_ep_params(rank, n, hidden=HIDDEN, ffn=FFN, experts=2 * n).items()}
+
+
+def _loss(y, target):
+    return (y - target).square().mean()
+
+
+def _whole_batch(n: int, i: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's tokens and targets of micro-batch ``i``: rank r's are batch rows r*BATCH .. (r+1)*BATCH."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * i)
+    return torch.randn(n * BATCH, SEQ, HIDDEN, generator=g), torch.randn(n * BATCH, SEQ, HIDDEN, generator=g)
+
+
+def _batches(rank: int, n: int, count: int, step: int) -> list:
+    return [tuple(t.chunk(n)[rank].clone() for t in _whole_batch(n, i, step)) for i in range(count)]
+
+
+def _average_replicated(params: dict, n: int) -> None:
+    """The replicated weights' gradients averaged over the ranks, as DDP does (the experts' are already)."""
+    if n == 1:
+        return
+    for name in REPLICATED:
+        dist.all_reduce(params[name].grad)
+        params[name].grad.div_(n)
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor, problems: list) -> None:
+    if got is None or want is None or got.shape != want.shape:
+        problems.append(f"{what}: got {None if got is None else list(got.shape)}, "
+                        f"want {None if want is None else list(want.shape)}")
+    elif not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        problems.append(f"{what}: max |diff| {(got - want).abs().max().item():.3g}")
+
+
+def _match(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
+    problems: list[str] = []
+    ours, theirs = _params(rank, n), _params(rank, n)
+    stages_ours = moe_ep_stages(ours, heads=HEADS, topk=TOPK, algorithm=algorithm,
+                                figures=FIGURES if plan == "searched" else None)
+    stages_theirs = moe_ep_stages(theirs, heads=HEADS, topk=TOPK, algorithm=algorithm)
+    if [s.name for s in stages_ours] != list(MOE_STAGES):
+        problems.append(f"stages {[s.name for s in stages_ours]}, expected {list(MOE_STAGES)}")
+    opt_o, opt_t = torch.optim.AdamW(ours.values(), lr=1e-2), torch.optim.AdamW(theirs.values(), lr=1e-2)
+    real, fills = loop.run_filler, []
+
+    def counted(*args):  # a stage without transfers run inside another stage's op, while its transfers travel
+        fills.append(len(loop.FILLERS))
+        real(*args)
+
+    for step in range(3):
+        batches = _batches(rank, n, count, step)
+        loop.run_filler = counted
+        try:
+            losses = strands.run(stages_ours, batches, _loss, plan=plan)
+        finally:
+            loop.run_filler = real
+        want = []
+        for x, t in batches:  # the reference: the stages as one function, one micro-batch after the other
+            h = (x,)
+            for stage in stages_theirs:
+                h = stage.fn(*h)
+                h = h if isinstance(h, tuple) else (h,)
+            loss = _loss(h[0], t)
+            loss.backward()
+            want.append(loss.detach())
+        for i, (got, ref) in enumerate(zip(losses, want)):
+            _close(f"{plan} step {step} micro-batch {i} loss", got, ref, problems)
+        for name in ours:
+            _close(f"{plan} step {step} gradient of {name}", ours[name].grad, theirs[name].grad, problems)
+        _average_replicated(ours, n), _average_replicated(theirs, n)
+        opt_o.step(), opt_t.step()
+        opt_o.zero_grad(), opt_t.zero_grad()
+    for name in ours:
+        _close(f"{plan}: parameter {name} after 3 steps", ours[name].detach(), theirs[name].detach(), problems)
+    # searched: attention, router, router, attention (no transfers) each beside a stage with transfers, per pair
+    # of micro-batches; without figures nothing is known to be free of transfers, nothing is filled
+    expected = 3 * 4 * (count - 1) if plan == "searched" else 0
+    if len(fills) != expected or loop.FILLERS:
+        problems.append(f"{plan}: {len(fills)} stages filled another's transfers, expected {expected}; "
+                        f"left over: {loop.FILLERS}")
+    return problems
+
+
+def strands_match_sequential(rank: int, n: int, plans: list[str], count: int, algorithm: str) -> list[str]:
+    """For each plan, three AdamW steps of ``count`` micro-batches: two strands against sequential
+    micro-batches; losses and gradients each step, parameters after."""
+    torch.set_num_threads(1)
+    return [p for plan in plans for p in _match(rank, n, plan, count, algorithm)]
+
+
+def _reference_block(x: torch.Tensor, w: dict) -> torch.Tensor:
+    """The block on one process with every expert: attention by torch's SDPA, the MoE by ``moe_reference``."""
+    b, s, _ = x.shape
+    q, k, v = ((x @ w["wqkv"]).chunk(3, dim=-1))
+    q, k, v = (t.reshape(b, s, HEADS, HIDDEN // HEADS).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, HIDDEN)
+    h = x + o @ w["wo"]
+    return h + moe.moe_reference(h, w["router"], w["w13"], w["w2"], TOPK, shared_w13=w["shared_w13"],
+                                 shared_w2=w["shared_w2"])
+
+
+def against_reference(rank: int, n: int, algorithm: str, plan: str) -> list[str]:
+    """Two micro-batches through the stages as two strands against ``moe_reference`` on one process: outputs,
+    losses, input gradients and every weight gradient (the replicated ones averaged over the ranks); the
+    problems found. ``n`` 1: a single process without torch.distributed."""
+    problems: list[str] = []
+    count = 2
+    ours = _params(rank, n)
+    stages = moe_ep_stages(ours, heads=HEADS, topk=TOPK, algorithm=algorithm,
+                           figures=FIGURES if plan == "searched" else None)
+    batches = [(x.requires_grad_(), t) for x, t in _batches(rank, n, count, 0)]
+    outputs = []
+
+    def loss_fn(y, t):
+        outputs.append(y.detach())
+        return _loss(y, t)
+
+    losses = strands.run(stages, batches, loss_fn, plan=plan)
+    _average_replicated(ours, n)
+    # one process: every expert, every rank's tokens; the loss the mean of the ranks' (each its tokens' mean)
+    whole = {k: v.requires_grad_() for k, v in moe_ep_params(0, 1, hidden=HIDDEN, ffn=FFN, experts=2 * n).items()}
+    local = 2  # experts per rank
+    for i in range(count):
+        x, t = _whole_batch(n, i, 0)
+        x.requires_grad_()
+        y = _reference_block(x, whole)
+        _close(f"micro-batch {i}: output", outputs[i], y.detach().chunk(n)[rank], problems)
+        _close(f"micro-batch {i}: loss", losses[i], _loss(y.chunk(n)[rank], t.chunk(n)[rank]).detach(), problems)
+        _loss(y, t).backward()
+        # this rank's loss is 1/n of the mean's: its input gradient n times the mean's
+        _close(f"micro-batch {i}: input gradient", batches[i][0].grad, n * x.grad.chunk(n)[rank], problems)
+    for name in REPLICATED:
+        _close(f"gradient of {name}", ours[name].grad, whole[name].grad, problems)
+    for name in ("w13", "w2"):
+        _close(f"gradient of {name}", ours[name].grad, whole[name].grad[rank * local:(rank + 1) * local], problems)
+    return problems
+
+
+def matches_reference(rank: int, n: int, algorithm: str, plan: str) -> list[str]:
+    """:func:`against_reference` on a rank of one thread."""
+    torch.set_num_threads(1)
+    return against_reference(rank, n, algorithm, plan)
+
+
+def wrong_dispatch_backward_is_caught(rank: int, n: int, mutant: str) -> list[str]:
+    """The reference comparison with the dispatch half's backward made wrong on purpose: ``dgrad`` (its input
+    gradient 1% too large) or ``wgrad`` (``w13``'s gradient not divided by the world size): its problems."""
+    torch.set_num_threads(1)
+    real = moe._DispatchExperts.backward
+
+    def wrong(ctx, dacts, dcounts):
+        dxs, dw13, *rest = real(ctx, dacts, dcounts)
+        if mutant == "dgrad":
+            return (dxs * 1.01, dw13, *rest)
+        return (dxs, dw13 * n, *rest)
+
+    moe._DispatchExperts.backward = staticmethod(wrong)
+    try:
+        return against_reference(rank, n, "ring", "alternate")
+    finally:
+        moe._DispatchExperts.backward = staticmethod(real)
