@@ -307,9 +307,9 @@ class _Runner:
         self.inside = False  # whether that entry is still running (an error came out of it)
         try:
             for slot in self.slots:
-                if len(slot) == 2 and self.first is not None and (self.comm(slot[0]) > 0) != (self.comm(slot[1]) > 0):
-                    sender, filler = slot if self.comm(slot[0]) > 0 else slot[::-1]
-                    self._overlapped(sender, filler)
+                paired = self.paired(slot)
+                if paired is not None:
+                    self._overlapped(*paired)
                 else:
                     for entry in slot:
                         self._counted(entry)
@@ -323,12 +323,16 @@ class _Runner:
         """``(entry, handed to a wait)`` in the order :meth:`walk` runs them."""
         out = []
         for slot in self.slots:
-            if len(slot) == 2 and self.first is not None and (self.comm(slot[0]) > 0) != (self.comm(slot[1]) > 0):
-                sender, filler = slot if self.comm(slot[0]) > 0 else slot[::-1]
-                out += [(sender, False), (filler, True)]
-            else:
-                out += [(entry, False) for entry in slot]
+            paired = self.paired(slot)
+            out += [(paired[0], False), (paired[1], True)] if paired is not None else [(e, False) for e in slot]
         return out
+
+    def paired(self, slot: tuple) -> tuple | None:
+        """``(sender, filler)`` where the slot holds a stage with transfers and one without (by their figures),
+        the second to run in the first's wait; else None."""
+        if len(slot) != 2 or self.first is None or (self.comm(slot[0]) > 0) == (self.comm(slot[1]) > 0):
+            return None
+        return slot if self.comm(slot[0]) > 0 else slot[::-1]
 
     def _key(self, entry: tuple) -> tuple:
         kind, _, k = entry

@@ -79,8 +79,57 @@ def _batches(rank: int, n: int, count: int, step: int) -> list:
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, problems: list) -> None:
-    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+    if got is None or want is None or got.shape != want.shape:
+        problems.append(f"{what}: got {None if got is None else list(got.shape)}, "
+                        f"want {None if want is None else list(want.shape)}")
+    elif not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
         problems.append(f"{what}: max |diff| {(got - want).abs().max().item():.3g}")
+
+
+def against_sequential(ours: dict, theirs: dict, stages_ours: list, stages_theirs: list, batches_of, loss_fn,
+                       plan: str, problems: list, *, label: str = "", after_backward=None) -> list[int]:
+    """Three AdamW steps on ``ours`` through ``strands.run(stages_ours, ...)`` and on ``theirs`` through
+    ``stages_theirs`` as one function, ``loss.backward()`` per micro-batch in turn (``batches_of(step)``
+    gives a step's micro-batches); losses and gradients compared each step, parameters after, into
+    ``problems``. ``after_backward(params)`` runs on both before each optimizer step. Returns, for each wait
+    that was handed work, how many pieces it ran."""
+    from commfuse.runtime import loop
+
+    opt_o, opt_t = torch.optim.AdamW(ours.values(), lr=1e-2), torch.optim.AdamW(theirs.values(), lr=1e-2)
+    real, fills = loop.run_filler, []
+
+    def counted(handle=None):  # work without transfers run inside another stage's op, while its transfers travel
+        before = len(loop.FILLERS)
+        real(handle)
+        fills.append(before - len(loop.FILLERS))
+
+    for step in range(3):
+        batches = batches_of(step)
+        loop.run_filler = counted
+        try:
+            losses = strands.run(stages_ours, batches, loss_fn, plan=plan)
+        finally:
+            loop.run_filler = real
+        want = []
+        for x, t in batches:  # the reference: the stages as one function, one micro-batch after the other
+            h = (x,)
+            for stage in stages_theirs:
+                h = stage.fn(*h)
+                h = h if isinstance(h, tuple) else (h,)
+            loss = loss_fn(h[0], t)
+            loss.backward()
+            want.append(loss.detach())
+        for i, (got, ref) in enumerate(zip(losses, want)):
+            _close(f"{label}step {step} micro-batch {i} loss", got, ref, problems)
+        for name in ours:
+            _close(f"{label}step {step} gradient of {name}", ours[name].grad, theirs[name].grad, problems)
+        if after_backward is not None:
+            after_backward(ours), after_backward(theirs)
+        opt_o.step(), opt_t.step()
+        opt_o.zero_grad(), opt_t.zero_grad()
+    for name in ours:
+        _close(f"{label}parameter {name} after 3 steps", ours[name].detach(), theirs[name].detach(), problems)
+    return fills
 
 
 def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
@@ -92,43 +141,13 @@ def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm
     theirs = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
     stages_ours = _stages(ours, algorithm, plan == "searched")
     stages_theirs = _stages(theirs, algorithm, False)
-    opt_o, opt_t = torch.optim.AdamW(ours.values(), lr=1e-2), torch.optim.AdamW(theirs.values(), lr=1e-2)
     schedule = strands.order(stages_ours, micro_batches=count, plan=plan)
     if plan != "sequential" and count > 1 and [k for k, _, _ in schedule[: 2 * len(stages_ours)]].count("B") == 0:
         problems.append(f"the order never interleaves a backward with the next forward: {schedule}")
     from commfuse.runtime import loop
 
-    real, fills = loop.run_filler, []
-
-    def counted(handle=None):  # work without transfers run inside another stage's op, while its transfers travel
-        before = len(loop.FILLERS)
-        real(handle)
-        fills.append(before - len(loop.FILLERS))
-
-    for step in range(3):
-        batches = _batches(rank, n, count, step)
-        loop.run_filler = counted
-        try:
-            losses = strands.run(stages_ours, batches, _loss, plan=plan)
-        finally:
-            loop.run_filler = real
-        want = []
-        for x, t in batches:  # the reference: the stages as one function, one micro-batch after the other
-            h = (x,)
-            for stage in stages_theirs:
-                h = stage.fn(*h)
-                h = h if isinstance(h, tuple) else (h,)
-            loss = _loss(h[0], t)
-            loss.backward()
-            want.append(loss.detach())
-        for i, (got, ref) in enumerate(zip(losses, want)):
-            _close(f"step {step} micro-batch {i} loss", got, ref, problems)
-        for name in ours:
-            _close(f"step {step} gradient of {name}", ours[name].grad, theirs[name].grad, problems)
-        opt_o.step(), opt_t.step()
-        opt_o.zero_grad(), opt_t.zero_grad()
-    for name in ours:
-        _close(f"parameter {name} after 3 steps", ours[name].detach(), theirs[name].detach(), problems)
+    fills = against_sequential(ours, theirs, stages_ours, stages_theirs, lambda step: _batches(rank, n, count, step),
+                               _loss, plan, problems)
     # two strands hand each deferred weight gradient to a later wait (4 GEMMs' worth per backward, 5 weights),
     # and the searched plan the attention core (no transfers) beside a backward stage with transfers, once per
     # pair of micro-batches; the sequential plan defers nothing and hands nothing

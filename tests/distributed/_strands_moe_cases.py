@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _strands_cases import _close, against_sequential  # the stages-against-sequential loop, shared
 
 from commfuse import strands
 from commfuse.models.moe_stages import MOE_STAGES, REPLICATED, moe_ep_params, moe_ep_stages
@@ -48,14 +49,6 @@ def _average_replicated(params: dict, n: int) -> None:
         params[name].grad.div_(n)
 
 
-def _close(what: str, got: torch.Tensor, want: torch.Tensor, problems: list) -> None:
-    if got is None or want is None or got.shape != want.shape:
-        problems.append(f"{what}: got {None if got is None else list(got.shape)}, "
-                        f"want {None if want is None else list(want.shape)}")
-    elif not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-        problems.append(f"{what}: max |diff| {(got - want).abs().max().item():.3g}")
-
-
 def _match(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
     problems: list[str] = []
     ours, theirs = _params(rank, n), _params(rank, n)
@@ -64,38 +57,9 @@ def _match(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str
     stages_theirs = moe_ep_stages(theirs, heads=HEADS, topk=TOPK, algorithm=algorithm)
     if [s.name for s in stages_ours] != list(MOE_STAGES):
         problems.append(f"stages {[s.name for s in stages_ours]}, expected {list(MOE_STAGES)}")
-    opt_o, opt_t = torch.optim.AdamW(ours.values(), lr=1e-2), torch.optim.AdamW(theirs.values(), lr=1e-2)
-    real, fills = loop.run_filler, []
-
-    def counted(*args):  # a stage without transfers run inside another stage's op, while its transfers travel
-        fills.append(len(loop.FILLERS))
-        real(*args)
-
-    for step in range(3):
-        batches = _batches(rank, n, count, step)
-        loop.run_filler = counted
-        try:
-            losses = strands.run(stages_ours, batches, _loss, plan=plan)
-        finally:
-            loop.run_filler = real
-        want = []
-        for x, t in batches:  # the reference: the stages as one function, one micro-batch after the other
-            h = (x,)
-            for stage in stages_theirs:
-                h = stage.fn(*h)
-                h = h if isinstance(h, tuple) else (h,)
-            loss = _loss(h[0], t)
-            loss.backward()
-            want.append(loss.detach())
-        for i, (got, ref) in enumerate(zip(losses, want)):
-            _close(f"{plan} step {step} micro-batch {i} loss", got, ref, problems)
-        for name in ours:
-            _close(f"{plan} step {step} gradient of {name}", ours[name].grad, theirs[name].grad, problems)
-        _average_replicated(ours, n), _average_replicated(theirs, n)
-        opt_o.step(), opt_t.step()
-        opt_o.zero_grad(), opt_t.zero_grad()
-    for name in ours:
-        _close(f"{plan}: parameter {name} after 3 steps", ours[name].detach(), theirs[name].detach(), problems)
+    fills = against_sequential(ours, theirs, stages_ours, stages_theirs, lambda step: _batches(rank, n, count, step),
+                               _loss, plan, problems, label=f"{plan} ",
+                               after_backward=lambda params: _average_replicated(params, n))
     # searched: attention, router, router, attention (no transfers) each beside a stage with transfers, per pair
     # of micro-batches; without figures nothing is known to be free of transfers, nothing is filled
     expected = 3 * 4 * (count - 1) if plan == "searched" else 0
