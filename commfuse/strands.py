@@ -15,6 +15,9 @@ micro-batches through them:
 - the losses come back, and the parameters' gradients are what sequential micro-batches leave
   (``loss_i.backward()`` for each i in turn, accumulated), up to the order of the additions.
 
+:func:`forward` runs forwards only (inference, evaluation): micro-batches in pairs, one's forward stages
+beside the other's.
+
 The two strands run on one thread. Where the plan puts a stage with transfers beside one without (by the
 stages' figures), the one without runs inside the other's first commfuse op, after its transfers are posted
 and before its first wait. Finer units (one strand's GEMM slices filling the other's ring hops) are still to
@@ -36,7 +39,7 @@ import torch
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError, MismatchError
 from commfuse.sim import _strands as planning
 
-__all__ = ["Stage", "order", "profile", "run"]
+__all__ = ["Stage", "forward", "order", "profile", "run"]
 
 
 @dataclass(frozen=True)
@@ -56,21 +59,12 @@ class Stage:
 def _slots(stages: Sequence[Stage], micro_batches: int, plan: str, slowdown: float) -> list[tuple]:
     """:func:`order`'s entries grouped into slots: a slot of two entries is a forward stage and a backward
     stage the plan runs together."""
-    if plan not in ("auto", "sequential", "alternate", "searched"):
-        raise CommfuseValueError(f"plan must be auto, sequential, alternate or searched, got {plan!r}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
-        raise CommfuseValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    plan = _plan_name(stages, micro_batches, plan)
     n = len(stages)
     forward = [("F", k) for k in range(n)]
     backward = [("B", k) for k in reversed(range(n))]
     if plan == "sequential":
         return [((kind, i, k),) for i in range(micro_batches) for kind, k in forward + backward]
-    profiled = all(s.compute is not None for s in stages)
-    if plan == "searched" and not profiled:
-        missing = [s.name for s in stages if s.compute is None]
-        raise CommfuseValueError(f"plan 'searched' needs every stage's compute figure; missing for {missing}")
-    if plan == "auto":
-        plan = "searched" if profiled else "alternate"
     if plan == "searched":
         first, second = _profiles(stages)
         slots = planning.plan(first, second, slowdown=slowdown).slots
@@ -86,6 +80,21 @@ def _slots(stages: Sequence[Stage], micro_batches: int, plan: str, slowdown: flo
     return out
 
 
+def _plan_name(stages: Sequence[Stage], micro_batches: int, plan: str) -> str:
+    """``plan`` checked, ``"auto"`` resolved: searched where every stage has a compute figure."""
+    if plan not in ("auto", "sequential", "alternate", "searched"):
+        raise CommfuseValueError(f"plan must be auto, sequential, alternate or searched, got {plan!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise CommfuseValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    profiled = all(s.compute is not None for s in stages)
+    if plan == "searched" and not profiled:
+        missing = [s.name for s in stages if s.compute is None]
+        raise CommfuseValueError(f"plan 'searched' needs every stage's compute figure; missing for {missing}")
+    if plan == "auto":
+        return "searched" if profiled else "alternate"
+    return plan
+
+
 def _profiles(stages: Sequence[Stage]) -> tuple[list, list]:
     """The stages' figures as the plan search's two strands: the forward, and the backward in its order."""
     first = [planning.Stage(s.name, s.compute, s.comm) for s in stages]
@@ -95,13 +104,39 @@ def _profiles(stages: Sequence[Stage]) -> tuple[list, list]:
     return first, second
 
 
-def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", slowdown: float = 0.0) -> list:
+def _forward_slots(stages: Sequence[Stage], micro_batches: int, plan: str, slowdown: float) -> list[tuple]:
+    """:func:`forward`'s slots: micro-batches in pairs (2p, 2p + 1), the second's forward stages beside the
+    first's; an odd last micro-batch runs alone."""
+    plan = _plan_name(stages, micro_batches, plan)
+    n = len(stages)
+    if plan == "sequential":
+        return [(("F", i, k),) for i in range(micro_batches) for k in range(n)]
+    if plan == "searched":
+        first, _ = _profiles(stages)
+        pairs = [(s.a, s.b) for s in planning.plan(first, first, slowdown=slowdown).slots]
+    else:  # the naive skew: stage k of the first beside stage k - 1 of the second
+        pairs = [(0, None)] + [(k, k - 1) for k in range(1, n)] + [(None, n - 1)]
+    out = []
+    for i in range(0, micro_batches - 1, 2):
+        for a, b in pairs:
+            out.append(tuple(e for e in (None if a is None else ("F", i, a), None if b is None else ("F", i + 1, b))
+                             if e is not None))
+    if micro_batches % 2:
+        out += [(("F", micro_batches - 1, k),) for k in range(n)]
+    return out
+
+
+def order(stages: Sequence[Stage], *, micro_batches: int, plan: str = "auto", slowdown: float = 0.0,
+          forward_only: bool = False) -> list:
     """The order :func:`run` runs the stages in: ``(kind, micro-batch, stage index)`` with kind ``"F"``
     (forward) or ``"B"`` (backward; stage indices count down). ``plan``: ``"sequential"`` (every micro-batch's
     forward then its backward), ``"alternate"`` (forward stage k of micro-batch i + 1, then backward stage k
     of micro-batch i), ``"searched"`` (the dynamic program over the stages' profiles) or ``"auto"`` (searched
-    where every stage has a ``compute`` figure, else alternate)."""
-    return [entry for slot in _slots(stages, micro_batches, plan, slowdown) for entry in slot]
+    where every stage has a ``compute`` figure, else alternate). ``forward_only``: the order of
+    :func:`forward` (micro-batches in pairs; ``"alternate"`` runs the second's stage k - 1 beside the first's
+    stage k)."""
+    slots = (_forward_slots if forward_only else _slots)(stages, micro_batches, plan, slowdown)
+    return [entry for slot in slots for entry in slot]
 
 
 def _tuple(value, who: str) -> tuple:
@@ -160,30 +195,22 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     A stage given ``comm=0`` must call no commfuse op (one op per group at a time).
 
     When a stage raises on one rank, every rank raises: the peers waiting in the next call this rank will
-    not make are told which rank failed and why (``PeerFailedError``), the calls it left are announced, and
-    the group stays usable, as for any commfuse op. The weight gradients of a failed call are incomplete."""
-    if not stages:
-        raise CommfuseValueError("commfuse.strands.run needs at least one stage")
-    for s in stages:
-        if not isinstance(s, Stage):
-            raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
-    batches = list(micro_batches)
-    slots = _slots(stages, len(batches), plan, slowdown)
+    not make are told which rank failed and why (``PeerFailedError``), and the calls it left are announced.
+    An error inside a commfuse op's compute leaves the group usable, as for any op; one in a stage's own code
+    ends it on every rank (declared dead, the next call refused by name: the peers had posted transfers this
+    rank will never match; docs/strands.md). The weight gradients of a failed call are incomplete."""
     from commfuse import autograd
     from commfuse.runtime import loop
-    from commfuse.runtime.groups import state_of_group
 
-    on = _group(group)
-    if on is not None:  # before the order's check, which a dead group would leave waiting
-        loop.refuse_dead(state_of_group(on), "commfuse.strands.run")
-    _check_agreed([e for slot in slots for e in slot], group)
+    batches = list(micro_batches)
+    _check_stages(stages, "run")
+    if not callable(loss_fn):
+        raise CommfuseTypeError(f"commfuse.strands.run needs a loss_fn (outputs, target) -> scalar, got "
+                                f"{type(loss_fn).__name__}; commfuse.strands.forward runs forwards only")
+    slots = _slots(stages, len(batches), plan, slowdown)
     if defer_weight_grads is None:
         defer_weight_grads = plan != "sequential"
-
-    if loop.FILLERS or autograd.WGRAD_SINK:
-        raise CommfuseValueError("commfuse.strands.run cannot run inside another strands.run (work is already "
-                                 "handed to the ops' waits)")
-    runner = _Runner(stages, batches, loss_fn, slots, on)
+    runner = _Runner(stages, batches, loss_fn, slots, _start(slots, group, "run"))
     if defer_weight_grads:
         autograd.WGRAD_SINK.append(runner.defer)
     try:
@@ -199,6 +226,53 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
         if defer_weight_grads:
             autograd.WGRAD_SINK.clear()
     return [loss.detach() for loss in runner.losses]
+
+
+def forward(stages: Sequence[Stage], micro_batches: Sequence, *, plan: str = "auto", slowdown: float = 0.0,
+            group=None) -> list:
+    """Forward only (inference, evaluation) of ``micro_batches`` through ``stages`` as two strands: the
+    micro-batches in pairs, the second's forward stages beside the first's (:func:`order` with
+    ``forward_only=True``), a stage without transfers run inside the paired stage's first wait, as in
+    :func:`run`. A micro-batch is what the first stage takes (a tensor or a tuple of them); returns each
+    micro-batch's last-stage outputs (a tensor where the stage returns one). Runs under the caller's grad mode
+    (``torch.no_grad()`` or ``torch.inference_mode()`` for inference). A stage failing on one rank stops every
+    rank by name, as in :func:`run`."""
+    from commfuse.runtime import loop
+
+    batches = list(micro_batches)
+    _check_stages(stages, "forward")
+    slots = _forward_slots(stages, len(batches), plan, slowdown)
+    runner = _Runner(stages, batches, None, slots, _start(slots, group, "forward"))
+    try:
+        runner.walk()
+    finally:
+        loop.FILLERS.clear()
+    return [out[0] if len(out) == 1 else out for out in runner.outputs]
+
+
+def _check_stages(stages: Sequence[Stage], who: str) -> None:
+    if not stages:
+        raise CommfuseValueError(f"commfuse.strands.{who} needs at least one stage")
+    for s in stages:
+        if not isinstance(s, Stage):
+            raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
+
+
+def _start(slots: list, group, who: str):
+    """Before the first stage: refuse a dead group and another strands call in flight on this thread, check
+    that every rank holds the same order; return the group the stages' calls are counted on."""
+    from commfuse import autograd
+    from commfuse.runtime import loop
+    from commfuse.runtime.groups import state_of_group
+
+    on = _group(group)
+    if on is not None:  # before the order's check, which a dead group would leave waiting
+        loop.refuse_dead(state_of_group(on), f"commfuse.strands.{who}")
+    if loop.FILLERS or autograd.WGRAD_SINK:
+        raise CommfuseValueError(f"commfuse.strands.{who} cannot run inside another strands call (work is already "
+                                 "handed to the ops' waits)")
+    _check_agreed([e for slot in slots for e in slot], group)
+    return on
 
 
 def _group(group):
@@ -222,7 +296,9 @@ class _Runner:
         self.saved: dict = {}  # (micro-batch, stage) -> (detached inputs, outputs)
         self.carry: dict = {}  # micro-batch -> the outputs the next forward stage takes
         self.grads: dict = {}  # micro-batch -> the gradients of the outputs of the stage whose backward is next
+        self.training = loss_fn is not None  # else forward only
         self.losses: list = [None] * len(batches)
+        self.outputs: list = [None] * len(batches)  # forward only: each micro-batch's last outputs
         self.failed: list = []  # errors of work run inside another stage's wait, raised once that stage is done
 
     # -- the two halves of a stage ------------------------------------------------------------------------------
@@ -231,11 +307,21 @@ class _Runner:
         stage = self.stages[k]
         if k == 0:
             batch = self.batches[i]
-            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            if not self.training:
+                inputs = _tuple(batch, f"micro-batch {i}")
+            elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+                inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
+            else:
                 raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got {type(batch).__name__}")
-            inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
         else:
-            inputs = _detached(self.carry.pop(i))
+            inputs = _detached(self.carry.pop(i)) if self.training else self.carry.pop(i)
+        if not self.training:
+            outputs = _tuple(stage.fn(*inputs), f"stage {stage.name!r} (micro-batch {i})")
+            if k < self.n - 1:
+                self.carry[i] = outputs
+            else:
+                self.outputs[i] = outputs
+            return
         with torch.enable_grad():
             outputs = _tuple(stage.fn(*inputs), f"stage {stage.name!r} (micro-batch {i})")
             if k == self.n - 1:

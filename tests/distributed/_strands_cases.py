@@ -203,3 +203,77 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
         finally:
             autograd._add_grad = real
     return out
+
+
+def forwards_against_sequential(stages: list, inputs: list, plan: str, problems: list, *, label: str = "") -> int:
+    """``strands.forward(stages, inputs)`` under ``torch.no_grad()`` against the stages as one function, one
+    micro-batch after the other: every micro-batch's output equal, none missing; returns how many stages ran
+    inside another's wait."""
+    from commfuse.runtime import loop
+
+    real, fills = loop.run_filler, []
+
+    def counted(handle=None):
+        before = len(loop.FILLERS)
+        real(handle)
+        fills.append(before - len(loop.FILLERS))
+
+    with torch.no_grad():
+        loop.run_filler = counted
+        try:
+            got = strands.forward(stages, inputs, plan=plan)
+        finally:
+            loop.run_filler = real
+        for i, x in enumerate(inputs):
+            h = (x,)
+            for stage in stages:
+                h = stage.fn(*h)
+                h = h if isinstance(h, tuple) else (h,)
+            want = h[0] if len(h) == 1 else h
+            mine = got[i] if i < len(got) else None
+            if isinstance(want, tuple):
+                if not isinstance(mine, tuple) or len(mine) != len(want):
+                    problems.append(f"{label}micro-batch {i}: got {type(mine).__name__}, want {len(want)} outputs")
+                    continue
+                for j, (a, b) in enumerate(zip(mine, want)):
+                    _close(f"{label}micro-batch {i} output {j}", a, b, problems)
+            else:
+                _close(f"{label}micro-batch {i} output", mine if isinstance(mine, torch.Tensor) else None, want,
+                       problems)
+    if len(got) != len(inputs):
+        problems.append(f"{label}{len(got)} outputs for {len(inputs)} micro-batches")
+    if loop.FILLERS:
+        problems.append(f"{label}work left over for later ops: {loop.FILLERS}")
+    return sum(fills)
+
+
+def forward_only_matches_sequential(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
+    """Two forwards beside each other (``strands.forward``) give every micro-batch's sequential output; the
+    searched plan runs the attention core (no transfers) inside a gather's or a reduce-scatter's wait."""
+    torch.set_num_threads(1)
+    problems: list[str] = []
+    p = _params(rank, n)
+    stages = _stages(p, algorithm, plan == "searched")
+    taken = forwards_against_sequential(stages, [x for x, _ in _batches(rank, n, count, 0)], plan, problems)
+    if plan == "searched" and taken < 2 * (count // 2):
+        problems.append(f"the searched plan ran {taken} stages inside waits over {count // 2} pairs, expected 2 "
+                        "per pair (each micro-batch's attention core)")
+    if plan == "sequential" and taken:
+        problems.append(f"the sequential plan ran {taken} stages inside waits")
+    return problems
+
+
+def one_rank_fails_forward_only(rank: int, n: int) -> tuple:
+    """The attention core raises on rank 1 in ``strands.forward`` (the searched plan runs it inside the other
+    micro-batch's gather): every rank must raise, promptly, naming rank 1."""
+    import time
+
+    torch.set_num_threads(1)
+    stages = _stages(_params(rank, n), "ring", True, fail=(1, "attention core", "F"))
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            strands.forward(stages, [x for x, _ in _batches(rank, n, 2, 0)], plan="searched")
+    except Exception as e:  # noqa: BLE001 - reported by name
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return "ok", "", time.perf_counter() - t0

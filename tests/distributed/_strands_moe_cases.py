@@ -147,3 +147,18 @@ def wrong_dispatch_backward_is_caught(rank: int, n: int, mutant: str) -> list[st
         return against_reference(rank, n, "ring", "alternate")
     finally:
         moe._DispatchExperts.backward = staticmethod(real)
+
+
+def forward_only_matches_sequential(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
+    """The MoE block's forwards as two strands (``strands.forward``) give every micro-batch's sequential
+    output; the searched plan runs stages without transfers inside the dispatch's and combine's waits."""
+    from _strands_cases import forwards_against_sequential
+
+    torch.set_num_threads(1)
+    problems: list[str] = []
+    stages = moe_ep_stages(_params(rank, n), heads=HEADS, topk=TOPK, algorithm=algorithm,
+                           figures=FIGURES if plan == "searched" else None)
+    taken = forwards_against_sequential(stages, [x for x, _ in _batches(rank, n, count, 0)], plan, problems)
+    if plan == "searched" and taken < 2 * (count // 2):
+        problems.append(f"the searched plan ran {taken} stages inside waits over {count // 2} pairs")
+    return problems

@@ -28,6 +28,14 @@ def test_two_strands_match_sequential_micro_batches(n, plan, count, algorithm):
     assert not problems, "\n".join(problems[:12])
 
 
+@pytest.mark.parametrize(("n", "plan", "count"), [(2, "searched", 2), (2, "alternate", 3), (4, "searched", 3),
+                                                (4, "sequential", 2)])
+def test_two_forwards_beside_each_other_match_sequential_forwards(n, plan, count):
+    results = launch(_strands_cases.forward_only_matches_sequential, n, plan, count, "ring", timeout=300)
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res]
+    assert not problems, "\n".join(problems[:12])
+
+
 def test_ranks_holding_different_plans_are_all_told_before_a_stage_runs():
     results = launch(_strands_cases.ranks_disagree_on_the_plan, 3, timeout=300)
     for rank, (kind, message) in enumerate(results):
@@ -56,3 +64,14 @@ def test_a_stage_failing_on_one_rank_stops_every_rank_by_name(where, plan):
         kind, message, seconds = res["after"]
         assert kind == "GroupDeadError" and f"rank {rank}" in message and "declared dead" in message, (rank, res)
         assert seconds < 5, (rank, res)
+
+
+def test_a_forward_stage_failing_on_one_rank_stops_every_rank_by_name():
+    results = launch(_strands_cases.one_rank_fails_forward_only, 2, timeout=120)
+    for rank, (kind, message, seconds) in enumerate(results):
+        if rank == 1:
+            assert kind == "ZeroDivisionError", (rank, kind, message)
+        else:
+            assert kind in ("PeerFailedError", "GroupDeadError"), (rank, kind, message)
+            assert "rank 1" in message and "injected on rank 1" in message, (rank, message)
+        assert seconds < 30, (rank, seconds)

@@ -60,3 +60,9 @@ def test_counts_of_the_wrong_shape_are_named():
     assert acts.shape == (6, 8) and recv.tolist() == [[4, 2]]
     with pytest.raises(CommfuseValueError, match="rank 0: recv_counts sum to 5 rows, acts has 6"):
         experts_combine(acts, w2, torch.tensor([[3, 2]]), torch.tensor([[4, 2]]))
+
+
+@pytest.mark.parametrize(("n", "plan"), [(2, "searched"), (4, "alternate")])
+def test_moe_forwards_as_two_strands_match_sequential_forwards(n, plan):
+    problems = _problems(launch(_strands_moe_cases.forward_only_matches_sequential, n, plan, 3, "ring", timeout=300))
+    assert not problems, "\n".join(problems[:12])

@@ -156,3 +156,31 @@ def test_the_run_order_of_two_strands():
         run_strands.order(stages, micro_batches=2, plan="searched")
     with pytest.raises(CommfuseValueError, match="plan must be"):
         run_strands.order(stages, micro_batches=2, plan="zigzag")
+
+
+def test_the_order_of_two_forwards():
+    from commfuse import strands as run_strands
+
+    stages = [run_strands.Stage(name, lambda x: x) for name in ("a", "b", "c")]
+    assert run_strands.order(stages, micro_batches=2, plan="sequential", forward_only=True) == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 1, 0), ("F", 1, 1), ("F", 1, 2)]
+    # the naive skew: the second micro-batch one stage behind the first; an odd last micro-batch alone
+    assert run_strands.order(stages, micro_batches=3, plan="alternate", forward_only=True) == [
+        ("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 0, 2), ("F", 1, 1), ("F", 1, 2), ("F", 2, 0), ("F", 2, 1),
+        ("F", 2, 2)]
+    # searched: each micro-batch's transfer-heavy stage beside the other's compute-only one, never two senders
+    profiled = [run_strands.Stage("send", lambda x: x, compute=1.0, comm=8.0),
+                run_strands.Stage("core", lambda x: x, compute=8.0),
+                run_strands.Stage("send again", lambda x: x, compute=1.0, comm=8.0)]
+    got = run_strands.order(profiled, micro_batches=4, plan="searched", forward_only=True)
+    assert sorted(got) == sorted(run_strands.order(profiled, micro_batches=4, plan="sequential", forward_only=True))
+    for i in (0, 2):  # each pair: micro-batches i and i + 1, each in its stage order
+        for mb in (i, i + 1):
+            mine = [k for kind, j, k in got if j == mb]
+            assert mine == [0, 1, 2], (mb, got)
+    slots = run_strands._forward_slots(profiled, 2, "searched", 0.0)
+    for slot in slots:
+        assert not (len(slot) == 2 and all(profiled[k].comm > 0 for _, _, k in slot)), slots
+    assert any(len(slot) == 2 for slot in slots), slots
+    with pytest.raises(CommfuseValueError, match="missing for"):
+        run_strands.order(stages, micro_batches=2, plan="searched", forward_only=True)
