@@ -198,18 +198,18 @@ def aligned(header, body) -> list[str]:
     return lines
 
 
-def _by_workload(recs: list[dict]) -> dict[str, list[dict]]:
-    """The records grouped by workload, in the order the workloads first appear."""
+def _grouped(recs: list[dict], key: str = "workload") -> dict[str, list[dict]]:
+    """The records grouped by ``key`` (a workload, a strands block), in the order its values first appear."""
     by: dict[str, list[dict]] = {}
     for r in recs:
-        by.setdefault(r["workload"], []).append(r)
+        by.setdefault(r[key], []).append(r)
     return by
 
 
 def table(recs: list[dict], config: BenchConfig) -> str:
     """The human-readable table, one block per workload."""
     lines = []
-    for workload, rows in _by_workload(recs).items():
+    for workload, rows in _grouped(recs).items():
         r0 = rows[0]
         what = config.shape.text()
         if workload == "moe":
@@ -452,7 +452,7 @@ def compile_records(run: dict, config: BenchConfig) -> list[dict]:
 def compile_table(recs: list[dict], config: BenchConfig) -> str:
     """The ``--compile`` table, one block per workload."""
     lines = []
-    for workload, rows in _by_workload(recs).items():
+    for workload, rows in _grouped(recs).items():
         r0 = rows[0]
         step = "forward + backward" if r0["backward"] else "forward"
         lines.append(
@@ -570,17 +570,10 @@ def strands_records(run: dict, config: BenchConfig) -> list[dict]:
     return out
 
 
-def _by_block(recs: list[dict]) -> dict[str, list[dict]]:
-    by: dict[str, list[dict]] = {}
-    for r in recs:
-        by.setdefault(r["block"], []).append(r)
-    return by
-
-
 def strands_table(recs: list[dict], config: BenchConfig) -> str:
     """The ``strands`` table, one part per block."""
     lines = []
-    for block, rows in _by_block(recs).items():
+    for block, rows in _grouped(recs, "block").items():
         r0 = rows[0]
         if r0.get("skipped"):
             lines += [f"strands, {block}: not run: {r0['skipped']}", ""]
@@ -636,7 +629,7 @@ def strands_targets(recs: list[dict], config: BenchConfig | None = None) -> list
     smoke = f"--preset {TINY_PRESET} is a smoke test (latency-bound hops)" if preset == TINY_PRESET else None
     lines = ["the strands targets (printed, never asserted), each judged only where ring's comm-only / compute-only "
              "is about what it assumes:"]
-    for block, rows in _by_block(recs).items():
+    for block, rows in _grouped(recs, "block").items():
         by = {r["row"]: r for r in rows}
         if None in by:
             continue

@@ -731,6 +731,16 @@ def _check_counts(where: str, rank: int, n: int, name: str, counts: torch.Tensor
             f"local experts {local_experts}), got {counts.dtype} {list(counts.shape)}")
 
 
+def _check_operands(op: str, rank: int, data: tuple, weight: tuple, shapes_ok: bool, wanted: str) -> None:
+    """A half's activations and weights: ``shapes_ok`` or a ``CommfuseValueError`` saying what was ``wanted``
+    and got, then one dtype (``data``, ``weight``: (name, tensor))."""
+    (a_name, a), (w_name, w) = data, weight
+    if not shapes_ok:
+        raise CommfuseValueError(f"{op}: rank {rank}: {wanted}, got {list(a.shape)} and {list(w.shape)}")
+    if a.dtype != w.dtype:
+        raise CommfuseTypeError(f"{op}: rank {rank}: {a_name} is {a.dtype} and {w_name} is {w.dtype}; cast one")
+
+
 def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Tensor, *, group=None,
                      algorithm: str = "ring") -> tuple[torch.Tensor, torch.Tensor]:
     """The first half of an expert-parallel MoE layer: rows sorted by expert dispatched to their experts' ranks,
@@ -752,13 +762,9 @@ def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Ten
     _not_traced()
     group, rank, n, be = _half_group(group, xs.device)
     with op_calls(be, "dispatch_experts", 2):  # the counts, the dispatch: peers hear of a rank that leaves
-        if xs.ndim != 2 or w13.ndim != 3 or xs.shape[1] != w13.shape[1] or w13.shape[2] % 2:
-            raise CommfuseValueError(
-                f"dispatch_experts: rank {rank}: xs must be (rows, hidden) and w13 (local experts, hidden, "
-                f"2 * ffn), got {list(xs.shape)} and {list(w13.shape)}")
-        if xs.dtype != w13.dtype:
-            raise CommfuseTypeError(f"dispatch_experts: rank {rank}: xs is {xs.dtype} and w13 is {w13.dtype}; "
-                                    "cast one")
+        _check_operands("dispatch_experts", rank, ("xs", xs), ("w13", w13),
+                        xs.ndim == 2 and w13.ndim == 3 and xs.shape[1] == w13.shape[1] and not w13.shape[2] % 2,
+                        "xs must be (rows, hidden) and w13 (local experts, hidden, 2 * ffn)")
         _check_counts("dispatch_experts", rank, n, "send_counts", send_counts, w13.shape[0])
         rows = int(send_counts.sum())
         if rows != xs.shape[0]:
@@ -782,13 +788,9 @@ def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Ten
     _not_traced()
     group, rank, n, be = _half_group(group, acts.device)
     with op_calls(be, "experts_combine", 1):  # peers hear of a rank that leaves
-        if acts.ndim != 2 or w2.ndim != 3 or acts.shape[1] != w2.shape[1]:
-            raise CommfuseValueError(
-                f"experts_combine: rank {rank}: acts must be (rows arrived, ffn) and w2 (local experts, ffn, "
-                f"hidden), got {list(acts.shape)} and {list(w2.shape)}")
-        if acts.dtype != w2.dtype:
-            raise CommfuseTypeError(f"experts_combine: rank {rank}: acts is {acts.dtype} and w2 is {w2.dtype}; "
-                                    "cast one")
+        _check_operands("experts_combine", rank, ("acts", acts), ("w2", w2),
+                        acts.ndim == 2 and w2.ndim == 3 and acts.shape[1] == w2.shape[1],
+                        "acts must be (rows arrived, ffn) and w2 (local experts, ffn, hidden)")
         _check_counts("experts_combine", rank, n, "send_counts", send_counts, w2.shape[0])
         _check_counts("experts_combine", rank, n, "recv_counts", recv_counts, w2.shape[0])
         recv, send_rows = recv_counts.tolist(), send_counts.sum(dim=1).tolist()
