@@ -163,8 +163,11 @@ def _check_agreed(schedule: list, group) -> None:
     if n == 1:
         return
     digest = zlib.crc32(repr(schedule).encode())
-    mine = torch.tensor([digest], dtype=torch.int64)
-    every = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    # on the group's own device: a group with no CPU transport (a plain "nccl" group) refuses CPU tensors
+    backend = str(dist.get_backend(group))
+    device = "cpu" if "gloo" in backend or "cpu" in backend else torch.accelerator.current_accelerator()
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(every, mine, group=group)
     digests = [int(t.item()) for t in every]
     if len(set(digests)) > 1:
@@ -196,9 +199,11 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
 
     When a stage raises on one rank, every rank raises: the peers waiting in the next call this rank will
     not make are told which rank failed and why (``PeerFailedError``), and the calls it left are announced.
-    An error inside a commfuse op's compute leaves the group usable, as for any op; one in a stage's own code
-    ends it on every rank (declared dead, the next call refused by name: the peers had posted transfers this
-    rank will never match; docs/strands.md). The weight gradients of a failed call are incomplete."""
+    An error inside a commfuse op's compute leaves the group usable, as for any op. So does one in a stage's
+    own code on a gloo group: the failing rank completes the transfers its peers posted in the call they wait
+    in (``commfuse.runtime.drain``). Where that cannot be done (a peer waits in a whole collective, or a
+    stream-ordered group) the group is declared dead on every rank and the next call is refused by name
+    (docs/strands.md). The weight gradients of a failed call are incomplete."""
     from commfuse import autograd
     from commfuse.runtime import loop
 
@@ -428,12 +433,12 @@ class _Runner:
     def _counted(self, entry: tuple) -> None:
         """Run ``entry``, its calls on the group counted (``counted_calls``: a rank that leaves it early
         announces the calls it did not make, once a run of the same stage has taught it how many there are)."""
-        from commfuse.runtime.loop import counted_calls
+        from commfuse.runtime.loop import autograd_lane, counted_calls
 
         kind, i, k = entry
         label = (f"commfuse.strands: the {'forward' if kind == 'F' else 'backward'} of stage "
                  f"{self.stages[k].name!r} (micro-batch {i})")
-        self.calls = counted_calls(self.group, label, self._key(entry))
+        self.calls = counted_calls(self.group, label, self._key(entry), autograd_lane() if kind == "B" else None)
         self.inside = True
         with self.calls:
             self.step(entry)
@@ -473,8 +478,7 @@ class _Runner:
         deferred weight gradient failed at the end) one call is announced: the peers hear of it at their
         next call. Where a guess was wrong, the group's next call is checked and names the ranks whose
         numbers differ; nothing hangs."""
-        from commfuse.runtime.board import RECOVER, declare_dead
-        from commfuse.runtime.loop import announce_left, counted_calls
+        from commfuse.runtime.loop import autograd_lane, counted_calls, leave_calls
 
         calls = self.calls
         if calls is None or calls.state is None:
@@ -488,19 +492,23 @@ class _Runner:
             made, planned = state.seqs.get(calls.code, 0) - calls.start, learned.get(calls.key)
             if planned is not None and made < planned:
                 return
-            rest = rest[1:] if planned is not None else []
+            # never counted (its first run): the peers wait in its next call, in its lane; one is guessed
+            rest = rest[1:] if planned is not None else [(rest[0][0], False)]
+        which = None
         for entry, handed in rest:
             count = 0 if handed else learned.get(self._key(entry), 1)
             if count:
+                which = autograd_lane() if entry[0] == "B" else None  # a backward's calls are autograd's
                 break
-        for _ in range(count or 1):
-            announce_left(state, f"commfuse.strands (left after {type(error).__name__} on rank {state.rank})", error)
-        # the peers fail in a call whose transfers they posted and this rank never will: they declare the group
-        # dead, and so does this rank, so that no rank's next call waits on a peer that refuses it
-        declare_dead(state, GroupDeadError(
-            f"rank {state.rank}: commfuse.strands.run left the schedule on this rank after {type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}; the peers were told in their next call, whose "
-            f"transfers they had posted; the group is dead: {RECOVER}"), None)
+        # the peers fail in the first of these calls, whose transfers they posted: this rank serves it (every
+        # message they posted gets its other end), so the group stays usable; where it cannot, it is declared
+        # dead on every rank, by name
+        leave_calls(state, f"commfuse.strands (left after {type(error).__name__} on rank {state.rank})", error,
+                    count or 1, which)
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"commfuse: rank {state.rank} left the strands' schedule after this error; the peers "
+                           "were told in their next call, whose transfers this rank completed: the group stays "
+                           "usable")
 
 
 def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) -> list[Stage]:

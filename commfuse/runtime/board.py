@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 from commfuse.errors import CommfuseTimeoutError, CommfuseValueError, GroupDeadError, MismatchError, PeerFailedError
 
-__all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declare_dead", "grace", "heard"]
+__all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declare_dead", "drain_key", "grace", "heard"]
 
 #: A wait that lasts longer than this (seconds) reads the board; ``COMMFUSE_GRACE_S`` sets it. A failure on
 #: one rank reaches its peers within about this plus two :data:`POLL_S`.
@@ -216,6 +216,24 @@ def heard(note: dict, rank: int, where: str) -> BaseException:
                + root)
 
 
+def drain_key(lane: int, seq: int, rank: int) -> str:
+    """Where ``rank`` publishes its account of call #seq (thread lane ``lane``) when the call is drained
+    (``commfuse.runtime.drain``)."""
+    return f"commfuse/drain/{lane}/{seq}/{rank}"
+
+
+def _unservable(state, me: dict) -> None:
+    """Tell the ranks draining call ``me['seq']`` that this rank's wait in it cannot be drained (so they
+    declare the group dead at once instead of waiting for an account that never comes)."""
+    board = board_of(state)
+    if board is not None:
+        try:
+            board.store.set(drain_key(me["lane"], me["seq"], state.rank),
+                            json.dumps({"counts": [], "last": [], "whole": True}))
+        except Exception:  # noqa: BLE001 - a mute board: the peers time out, naming this rank
+            pass
+
+
 def _fail_text(note: dict) -> str:
     step = note.get("step")
     where = f"in step {step}" if step is not None else "before taking part"
@@ -235,8 +253,12 @@ class Stall:
     """
 
     def __init__(self, state, position: dict, describe: Callable[[list], str],
-                 poison: Callable[[], None] | None) -> None:
+                 poison: Callable[[], None] | None, drain: Callable[[dict, dict], BaseException] | None = None) -> None:
         self.state, self.position, self.describe, self.poison = state, position, describe, poison
+        #: ``drain(note, position)``: complete this wait's call with a peer that left it and serves it
+        #: (``commfuse.runtime.drain``), returning the error to raise; None where the wait cannot (a
+        #: stream-ordered backend's)
+        self.drain = drain
         self.board = board_of(state)
         self.rank = state.rank
         self.suspects: dict[int, tuple] = {}  # rank -> what was seen of it last poll (a mismatch must persist)
@@ -325,6 +347,10 @@ class Stall:
                     self.state.told = note
                     self.board.ack(me["lane"], me["seq"])
                 return
+            if note.get("serves"):  # it completes the call's transfers with every rank that waits in it
+                if self.drain is not None:
+                    raise self.drain(note, me)
+                _unservable(self.state, me)
             raise declare_dead(self.state, PeerFailedError(
                 f"rank {self.rank}, waiting in {me['what']} of call #{me['seq']} ({me['label']}): "
                 f"{_fail_text(note)}. The transfers it never posted cannot complete, so the group is dead: "

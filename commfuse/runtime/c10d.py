@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from commfuse.errors import (
     BackendUnavailableError,
+    CommfuseError,
     CommfuseTimeoutError,
     CommunicationError,
     GroupDeadError,
@@ -57,6 +58,7 @@ from commfuse.errors import (
 )
 from commfuse.runtime.board import RECOVER, Stall, board_of, declare_dead, heard
 from commfuse.runtime.compiled import describe_stall, stall_position
+from commfuse.runtime.drain import account, drain_call
 from commfuse.runtime.groups import (
     DEFAULT_TIMEOUT_S,
     MIN_TIMEOUT_S,
@@ -186,6 +188,8 @@ class _Handle:
         self.span = timeout + BACKSTOP_S
         try:
             wait_blocking(self._block, timeout, self)
+        except CommfuseError:  # a verdict of the board (a drained call's PeerFailedError among them)
+            raise
         except RuntimeError as e:
             raise self._failed(e) from e
         self.inflight = None
@@ -203,7 +207,43 @@ class _Handle:
         state = group_state(self.backend)
         if found is None or board_of(state) is None:
             return None
-        return Stall(state, found[0], describe_fingerprint, self.backend.poison)
+        return Stall(state, found[0], describe_fingerprint, self.backend.poison, self._drain)
+
+    def _drain(self, note: dict, position: dict) -> BaseException:
+        """A peer left the call this wait is in and serves it (``note``): account for what this rank posted in
+        the call, complete every message that has no other end (``commfuse.runtime.drain``), and return the
+        :class:`PeerFailedError` to raise, the group still usable. A wait in a whole collective cannot be
+        drained: it says so, and the group is declared dead on every rank."""
+        backend = self.backend
+        state = group_state(backend)
+        seq, lane = position["seq"], position["lane"]
+        if isinstance(self.transfers, tuple):
+            counts: dict = {}
+            for sends, recvs, base in backend._call_posts:
+                for kind, messages in (("s", sends), ("r", recvs)):
+                    for t, _ in messages:
+                        key = (kind, t.peer, t.channel + base)
+                        counts[key] = counts.get(key, 0) + 1
+            last = []
+            if backend._call_posts:
+                sends, recvs, base = backend._call_posts[-1]
+                last = [(kind, t.peer, t.channel + base, x.numel(), str(x.dtype).removeprefix("torch."))
+                        for kind, messages in (("s", sends), ("r", recvs)) for t, x in messages]
+            mine = account(counts, last)
+        else:
+            mine = account({}, [], whole=True)
+        where = position.get("what", "a wait")
+        drain_call(state, backend.group, lane, seq, mine, self.plan.timeout if self.plan is not None else
+                   self.checking.timeout, f"draining {where} of call #{seq}, which rank {note.get('rank')} left",
+                   self.works, backend.device)
+        error = PeerFailedError(
+            f"rank {backend.rank}, waiting in {where} of call #{seq} ({position.get('label')}): rank "
+            f"{note.get('rank')} left the call: {note.get('exc')}: {note.get('message')}. The call's transfers "
+            "were drained (every message given its other end), so the group stays usable; this call's result "
+            "is discarded")
+        error._commfuse_drained = True
+        state.dirty = True
+        return error
 
     def timeout_text(self, timeout: float) -> str:
         found = stall_position(self.plan, self.checking, self.seq, self.post_no, self.peers)
@@ -486,6 +526,10 @@ class C10dBackend:
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._tag_base = 0
+        #: the point-to-point messages posted on gloo since the call (or its check) began, one (sends, recvs,
+        #: tag base) per post: what this rank accounts for when a call it waits in is drained
+        #: (``commfuse.runtime.drain``)
+        self._call_posts: list = []
         self._seq = None
         self._plan = None
         self._checking = None  # the plan whose call check (fingerprint ring all-gather) is being posted
@@ -505,6 +549,7 @@ class C10dBackend:
         and the plan of the call (its steps are what a stalled post's watchdog message names; the check's
         posts are not its steps)."""
         self._posts = 0
+        self._call_posts = []
         if seq is None:
             self._seq, self._plan, self._checking, self._tag_base = None, None, plan, 0
         else:
@@ -605,6 +650,7 @@ class C10dBackend:
                     buffers.append(x)
             except RuntimeError as e:  # the connections are closed: what the board says of why, if anything
                 raise _Handle(works, [], None, self, (sends, recvs))._failed(e) from e
+            self._call_posts.append((sends, recvs, base))
             return _Handle(works, buffers, sends, self, (sends, recvs))
         buffers = [x for _, x in recvs]
         # A device group (NCCL, HCCL) must see a step's sends and receives as one group, or a ring deadlocks.

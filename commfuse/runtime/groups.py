@@ -283,9 +283,11 @@ def _unpad_fingerprint(values: list[int]) -> list[int]:
     return values
 
 
-def left_call(state: GroupState, seq: int, label: str, step, error: BaseException, which=None) -> None:
+def left_call(state: GroupState, seq: int, label: str, step, error: BaseException, which=None,
+              serves: bool = False) -> None:
     """Note that this rank left call #seq without completing its transfers (``step`` None: before posting
-    any), and mark the group for a check."""
+    any), and mark the group for a check. ``serves``: this rank will complete the call's transfers with the
+    peers that wait in it (``commfuse.runtime.drain``)."""
     state.dirty = True
     if state.world_size <= 1:
         return
@@ -293,7 +295,7 @@ def left_call(state: GroupState, seq: int, label: str, step, error: BaseExceptio
     if board is not None:
         name, code = which or state.lane
         board.log("fail", seq=seq, lane=code, thread=name, label=label, step=step, exc=type(error).__name__,
-                  message=first_line(error), continuing=False)
+                  message=first_line(error), continuing=False, serves=serves)
 
 
 def first_line(error: BaseException) -> str:

@@ -62,6 +62,7 @@ from commfuse.errors import (
     PeerFailedError,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
+from commfuse.runtime.drain import account, drain_call
 from commfuse.runtime.compiled import (
     CompiledStep,
     Plan,
@@ -77,6 +78,7 @@ from commfuse.runtime.groups import (
     first_line,
     group_state,
     left_call,
+    resolve_timeout,
     state_of_group,
 )
 from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, profiler_on
@@ -242,6 +244,46 @@ def announce_left(state: GroupState, label: str, error: BaseException) -> None:
     left_call(state, _number(state, which[1]), label, None, error, which)
 
 
+def autograd_lane() -> tuple[str, int]:
+    """The lane of the calls autograd's backward makes (see :func:`lane`), for code that counts or leaves
+    them from outside the backward."""
+    return _AUTOGRAD_LANE
+
+
+def leave_calls(state: GroupState, label: str, error: BaseException, count: int, which=None) -> None:
+    """This rank leaves its next ``count`` calls on the group after ``error``: each is announced as
+    :func:`announce_left` does. When ``error`` is this rank's own (raised between two calls, in code of the
+    caller's), the first of them, the one the peers wait in, is served (``commfuse.runtime.drain``): this rank
+    gives every message they posted in it its other end, and returns once it is drained, the group usable.
+    The peers fail in that call, naming this rank, and leave the rest as this rank does. It raises, the group
+    declared dead, where that cannot be done (a peer waits in a whole collective, or never came). A group
+    other than gloo's, whose waits alone stall on the host and read the board, is only told, as before: its
+    peers declare it dead. An ``error`` that is a commfuse verdict (this rank was told in a call of its own)
+    is only announced: every rank leaves those calls alike, and none waits in them. ``which``: the lane of
+    the calls (default: this thread's)."""
+    if count < 1 or state.world_size <= 1:
+        return
+    which = which or lane()
+    first = state.seqs.get(which[1], 0)
+    serves = not isinstance(error, CommunicationError) and _servable(state)
+    for i in range(count):
+        left_call(state, _number(state, which[1]), label, None, error, which, serves=serves and i == 0)
+    if serves:
+        drain_call(state, state.group, which[1], first, account({}, []), resolve_timeout(None),
+                   f"serving call #{first}, which it left after {type(error).__name__} ({label})")
+
+
+def _servable(state: GroupState) -> bool:
+    """Whether a call this rank leaves on the group can be drained: a gloo group with a board."""
+    group = state.group
+    if group is None or board_of(state) is None:
+        return False
+    try:
+        return str(_c10d.get_backend(group)) == "gloo"
+    except Exception:  # noqa: BLE001 - not a registered group
+        return False
+
+
 class op_calls:
     """A composite op's calls on one group, counted: ``with op_calls(backend, "MoE.forward", 3): ...`` (the op
     makes three calls). When an exception escapes the op before it made all of them (its router raised on
@@ -250,15 +292,17 @@ class op_calls:
     peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
     call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
 
-    __slots__ = ("state", "label", "planned", "start", "code")
+    __slots__ = ("state", "label", "planned", "start", "code", "which")
 
     def __init__(self, backend, label: str, planned: int) -> None:
         self.state = None if backend is None else group_state(backend)
-        self.label, self.planned = label, planned
+        self.label, self.planned, self.which = label, planned, None
 
     def __enter__(self) -> "op_calls":
         if self.state is not None:
-            self.code = lane()[1]
+            if self.which is None:
+                self.which = lane()
+            self.code = self.which[1]
             self.start = self.state.seqs.get(self.code, 0)
         return self
 
@@ -268,9 +312,8 @@ class op_calls:
             return False
         made = state.seqs.get(self.code, 0) - self.start
         planned = self._planned(made, error)
-        if error is not None and state.rank is not None and state.world_size > 1:
-            for _ in range(planned - made):
-                announce_left(state, self.label, error)
+        if error is not None and state.rank is not None and state.world_size > 1 and planned > made:
+            leave_calls(state, self.label, error, planned - made, self.which)
         return False
 
     def _planned(self, made: int, error) -> int:
@@ -287,9 +330,9 @@ class counted_calls(op_calls):
     __slots__ = ("key",)
     _LEARNED: dict = {}
 
-    def __init__(self, group, label: str, key) -> None:
+    def __init__(self, group, label: str, key, which: tuple[str, int] | None = None) -> None:
         self.state = state_of_group(group) if group is not None else None
-        self.label, self.key, self.planned = label, key, 0
+        self.label, self.key, self.planned, self.which = label, key, 0, which
 
     def _planned(self, made: int, error) -> int:
         learned = self._LEARNED
@@ -406,6 +449,9 @@ def _after_failure(plan: Plan, state: GroupState, seq: int, error: BaseException
     (Ctrl-C, an error from the transport, a stream-ordered backend's failed compute) is noted on the board
     and ends the group here: a transfer that was posted cannot be taken back."""
     if getattr(error, "_commfuse_settled", None) == (id(state), seq) or state.error is not None:
+        return
+    if getattr(error, "_commfuse_drained", False):  # a peer left the call and served it: drained, usable
+        state.dirty = True
         return
     if not posted or plan.schedule.world_size <= 1 or plan.traced:
         state.dirty = True

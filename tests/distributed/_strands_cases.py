@@ -175,8 +175,9 @@ def ranks_disagree_on_the_plan(rank: int, n: int) -> tuple:
 def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
     """``where`` = (stage name, kind) raises on rank 1 only (kind ``"F"`` after the stage's forward ops,
     ``"B"`` before its backward ops, ``"W"`` in the first deferred weight gradient): every rank must raise,
-    promptly, naming rank 1; then a second run must be refused at once, by name, on every rank (the peers
-    abandoned transfers they had posted: the group is dead), never left waiting."""
+    promptly, naming rank 1. Then the group must still be usable (rank 1 completed the transfers its peers
+    had posted in the call they waited in): a plain all-reduce on it sums, and three more steps of two
+    strands give sequential micro-batches' losses, gradients and parameters (``"after"``)."""
     import time
 
     from commfuse import autograd
@@ -193,15 +194,30 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
         autograd._add_grad = raising
     stages = _stages(p, "ring", plan == "searched", fail=None if kind == "W" else (1, name, kind))
     out = {}
-    for what, run_stages in (("outcome", stages), ("after", _stages(p, "ring", plan == "searched"))):
-        t0 = time.perf_counter()
-        try:
-            strands.run(run_stages, batches, _loss, plan=plan)
-            out[what] = ("ok", "", 0.0)
-        except Exception as e:  # noqa: BLE001 - reported by name
-            out[what] = (type(e).__name__, str(e), time.perf_counter() - t0)
-        finally:
-            autograd._add_grad = real
+    t0 = time.perf_counter()
+    try:
+        strands.run(stages, batches, _loss, plan=plan)
+        out["outcome"] = ("ok", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    finally:
+        autograd._add_grad = real
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    try:
+        total = torch.tensor([float(rank + 1)])
+        dist.all_reduce(total)
+        if total.item() != n * (n + 1) / 2:
+            problems.append(f"all_reduce after the failure gave {total.item()}, want {n * (n + 1) / 2}")
+        for t in p.values():
+            t.grad = None
+        theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
+        against_sequential(p, theirs, _stages(p, "ring", plan == "searched"), _stages(theirs, "ring", False),
+                           lambda step: _batches(rank, n, 2, 10 + step), _loss, plan, problems,
+                           label="after the failure: ")
+        out["after"] = ("ok" if not problems else "wrong", "; ".join(problems[:6]), time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["after"] = (type(e).__name__, str(e), time.perf_counter() - t0)
     return out
 
 

@@ -50,20 +50,19 @@ def test_ranks_holding_different_plans_are_all_told_before_a_stage_runs():
     (("attention core", "B"), "searched"),
     (("", "W"), "alternate"),                      # a deferred weight gradient
 ])
-def test_a_stage_failing_on_one_rank_stops_every_rank_by_name(where, plan):
-    results = launch(_strands_cases.one_rank_fails, 2, where, plan, timeout=120)
+def test_a_stage_failing_on_one_rank_stops_every_rank_by_name_and_leaves_the_group_usable(where, plan):
+    results = launch(_strands_cases.one_rank_fails, 2, where, plan, timeout=180)
     for rank, res in enumerate(results):
         kind, message, seconds = res["outcome"]
         if rank == 1:
             assert kind == "ZeroDivisionError", (rank, res)
         else:
-            # told of rank 1's failure in its next call, or of the group rank 1 declared dead for it
-            assert kind in ("PeerFailedError", "GroupDeadError"), (rank, res)
-            assert "rank 1" in message and "injected on rank 1" in message, (rank, res)
+            # told of rank 1's failure in the call it waited in, which rank 1 then served
+            assert kind == "PeerFailedError", (rank, res)
+            assert "rank 1" in message and "injected on rank 1" in message and "drained" in message, (rank, res)
         assert seconds < 30, (rank, res)
         kind, message, seconds = res["after"]
-        assert kind == "GroupDeadError" and f"rank {rank}" in message and "declared dead" in message, (rank, res)
-        assert seconds < 5, (rank, res)
+        assert kind == "ok", (rank, res["after"])
 
 
 def test_a_forward_stage_failing_on_one_rank_stops_every_rank_by_name():
