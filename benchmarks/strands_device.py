@@ -448,8 +448,8 @@ def one_rank_fails(ctx: Context) -> tuple[list, str]:
         named = "rank 1" in str(error)
         if ctx.rank == 1:  # its own error must have come out of strands.run first
             ok = bool(outcome) and outcome[0] == "ZeroDivisionError"
-        else:
-            ok = named and took < 30 and (not outcome or outcome[0] != "ok")
+        else:  # a stream-ordered rank's host may have run ahead (its run returned): the watchdog names rank 1
+            ok = named and took < 30
         ctx.results.append(("one rank fails", ok, "ended by commfuse's watchdog"))
         _say(ctx, f"{'PASS' if ok else 'FAIL'} one rank fails: ended by commfuse's watchdog {took:.1f} s after "
                   f"the run began (outcome so far: {outcome[0] if outcome else 'none'}; the error names rank 1: "

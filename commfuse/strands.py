@@ -503,9 +503,9 @@ class _Runner:
         # the peers fail in the first of these calls, whose transfers they posted: this rank serves it (every
         # message they posted gets its other end), so the group stays usable; where it cannot, it is declared
         # dead on every rank, by name
-        leave_calls(state, f"commfuse.strands (left after {type(error).__name__} on rank {state.rank})", error,
+        drained = leave_calls(state, f"commfuse.strands (left after {type(error).__name__} on rank {state.rank})", error,
                     count or 1, which)
-        if hasattr(error, "add_note"):  # Python 3.11+
+        if drained and hasattr(error, "add_note"):  # Python 3.11+
             error.add_note(f"commfuse: rank {state.rank} left the strands' schedule after this error; the peers "
                            "were told in their next call, whose transfers this rank completed: the group stays "
                            "usable")

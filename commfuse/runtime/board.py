@@ -21,6 +21,8 @@ from the same thread):
 * ``at/<rank>``: where a stalled rank waits (call number, thread, signature
   digest and fingerprint, step, the ranks it waits for), deleted when its
   wait ends;
+* ``drain/<lane>/<seq>/<rank>``: what a rank posted in call #seq, published when a rank that left the
+  call serves it (``commfuse.runtime.drain``), so that every message gets its other end;
 * ``knows/<lane>/<seq>/<rank>``: a rank acknowledges that it knows call #seq
   failed somewhere; a rank that failed sends the rest of the call's
   transfers to a peer only once that peer knows, so no rank ever computes on
@@ -32,7 +34,8 @@ waits for (following their waits), and comes to a verdict: a peer of this
 call failed and completes its transfers (this rank now *knows*: it
 acknowledges and keeps waiting, then stops computing and raises
 :class:`~commfuse.errors.PeerFailedError` once the call's transfers are
-done); a peer failed without taking part, declared the group dead, or is at
+done); a peer left the call and serves it (the call is drained, then
+:class:`~commfuse.errors.PeerFailedError`, the group usable); a peer failed without taking part, declared the group dead, or is at
 another call, thread or signature (the transfers can never pair: the group
 is declared dead on this rank, which closes its connections so that its
 peers hear of it at once, and a named error is raised); or nothing yet (a
@@ -253,11 +256,12 @@ class Stall:
     """
 
     def __init__(self, state, position: dict, describe: Callable[[list], str],
-                 poison: Callable[[], None] | None, drain: Callable[[dict, dict], BaseException] | None = None) -> None:
+                 poison: Callable[[], None] | None,
+                 drain: Callable[[dict, dict], BaseException | None] | None = None) -> None:
         self.state, self.position, self.describe, self.poison = state, position, describe, poison
         #: ``drain(note, position)``: complete this wait's call with a peer that left it and serves it
-        #: (``commfuse.runtime.drain``), returning the error to raise; None where the wait cannot (a
-        #: stream-ordered backend's)
+        #: (``commfuse.runtime.drain``), returning the error to raise, or None where this wait cannot be
+        #: drained (a whole collective); None where no wait of the backend can (a stream-ordered one)
         self.drain = drain
         self.board = board_of(state)
         self.rank = state.rank
@@ -348,9 +352,10 @@ class Stall:
                     self.board.ack(me["lane"], me["seq"])
                 return
             if note.get("serves"):  # it completes the call's transfers with every rank that waits in it
-                if self.drain is not None:
-                    raise self.drain(note, me)
-                _unservable(self.state, me)
+                drained = self.drain(note, me) if self.drain is not None else None
+                if drained is not None:
+                    raise drained
+                _unservable(self.state, me)  # a whole collective: every rank declares the group dead
             raise declare_dead(self.state, PeerFailedError(
                 f"rank {self.rank}, waiting in {me['what']} of call #{me['seq']} ({me['label']}): "
                 f"{_fail_text(note)}. The transfers it never posted cannot complete, so the group is dead: "

@@ -209,33 +209,32 @@ class _Handle:
             return None
         return Stall(state, found[0], describe_fingerprint, self.backend.poison, self._drain)
 
-    def _drain(self, note: dict, position: dict) -> BaseException:
+    def _drain(self, note: dict, position: dict) -> BaseException | None:
         """A peer left the call this wait is in and serves it (``note``): account for what this rank posted in
         the call, complete every message that has no other end (``commfuse.runtime.drain``), and return the
-        :class:`PeerFailedError` to raise, the group still usable. A wait in a whole collective cannot be
-        drained: it says so, and the group is declared dead on every rank."""
+        :class:`PeerFailedError` to raise, the group still usable. None for a wait in a whole collective,
+        which cannot be drained (the stall says so, and the group is declared dead on every rank)."""
+        if not isinstance(self.transfers, tuple):
+            return None
         backend = self.backend
         state = group_state(backend)
         seq, lane = position["seq"], position["lane"]
-        if isinstance(self.transfers, tuple):
-            counts: dict = {}
-            for sends, recvs, base in backend._call_posts:
-                for kind, messages in (("s", sends), ("r", recvs)):
-                    for t, _ in messages:
-                        key = (kind, t.peer, t.channel + base)
-                        counts[key] = counts.get(key, 0) + 1
-            last = []
-            if backend._call_posts:
-                sends, recvs, base = backend._call_posts[-1]
-                last = [(kind, t.peer, t.channel + base, x.numel(), str(x.dtype).removeprefix("torch."))
-                        for kind, messages in (("s", sends), ("r", recvs)) for t, x in messages]
-            mine = account(counts, last)
-        else:
-            mine = account({}, [], whole=True)
+        counts: dict = {}
+        for sends, recvs, base in backend._call_posts:
+            for kind, messages in (("s", sends), ("r", recvs)):
+                for t, _ in messages:
+                    key = (kind, t.peer, t.channel + base)
+                    counts[key] = counts.get(key, 0) + 1
+        last = []
+        if backend._call_posts:
+            sends, recvs, base = backend._call_posts[-1]
+            last = [(kind, t.peer, t.channel + base, x.numel(), str(x.dtype).removeprefix("torch."))
+                    for kind, messages in (("s", sends), ("r", recvs)) for t, x in messages]
         where = position.get("what", "a wait")
-        drain_call(state, backend.group, lane, seq, mine, self.plan.timeout if self.plan is not None else
-                   self.checking.timeout, f"draining {where} of call #{seq}, which rank {note.get('rank')} left",
-                   self.works, backend.device)
+        drain_call(state, backend.group, lane, seq, account(counts, last),
+                   self.plan.timeout if self.plan is not None else self.checking.timeout,
+                   f"draining {where} of call #{seq}, which rank {note.get('rank')} left after {note.get('exc')}: "
+                   f"{note.get('message')}", self.works, backend.device)
         error = PeerFailedError(
             f"rank {backend.rank}, waiting in {where} of call #{seq} ({position.get('label')}): rank "
             f"{note.get('rank')} left the call: {note.get('exc')}: {note.get('message')}. The call's transfers "

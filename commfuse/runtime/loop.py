@@ -250,27 +250,35 @@ def autograd_lane() -> tuple[str, int]:
     return _AUTOGRAD_LANE
 
 
-def leave_calls(state: GroupState, label: str, error: BaseException, count: int, which=None) -> None:
+def leave_calls(state: GroupState, label: str, error: BaseException, count: int, which=None) -> bool:
     """This rank leaves its next ``count`` calls on the group after ``error``: each is announced as
     :func:`announce_left` does. When ``error`` is this rank's own (raised between two calls, in code of the
     caller's), the first of them, the one the peers wait in, is served (``commfuse.runtime.drain``): this rank
     gives every message they posted in it its other end, and returns once it is drained, the group usable.
-    The peers fail in that call, naming this rank, and leave the rest as this rank does. It raises, the group
-    declared dead, where that cannot be done (a peer waits in a whole collective, or never came). A group
+    The peers fail in that call, naming this rank, and leave the rest as this rank does. Where that cannot be
+    done (a peer waits in a whole collective, or never came) the group is declared dead and ``error`` gets
+    a note saying so; the caller raises it. A group
     other than gloo's, whose waits alone stall on the host and read the board, is only told, as before: its
     peers declare it dead. An ``error`` that is a commfuse verdict (this rank was told in a call of its own)
     is only announced: every rank leaves those calls alike, and none waits in them. ``which``: the lane of
-    the calls (default: this thread's)."""
+    the calls (default: this thread's). Returns whether the call was drained."""
     if count < 1 or state.world_size <= 1:
-        return
+        return False
     which = which or lane()
     first = state.seqs.get(which[1], 0)
     serves = not isinstance(error, CommunicationError) and _servable(state)
     for i in range(count):
         left_call(state, _number(state, which[1]), label, None, error, which, serves=serves and i == 0)
     if serves:
-        drain_call(state, state.group, which[1], first, account({}, []), resolve_timeout(None),
-                   f"serving call #{first}, which it left after {type(error).__name__} ({label})")
+        try:
+            drain_call(state, state.group, which[1], first, account({}, []), resolve_timeout(None),
+                       f"serving call #{first}, which it left after {type(error).__name__} ({label})")
+        except CommunicationError as dead:  # declared dead (said why); the caller raises its own error
+            _add_note(error, f"commfuse: rank {state.rank} could not serve call #{first}, which it left after "
+                             f"this error: {first_line(dead)}")
+            return False
+        return True
+    return False
 
 
 def _servable(state: GroupState) -> bool:
