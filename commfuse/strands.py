@@ -514,10 +514,11 @@ class _Runner:
 def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) -> list[Stage]:
     """``stages`` with their forward figures measured on ``group``, for the plan search: each stage's forward
     on ``inputs`` (the first stage's: a tensor or a tuple of them; each later stage takes what the one before
-    returned) timed ``repeats`` times under ``commfuse.runtime.measure("compute_only")`` and
-    ``measure("comm_only")``, the medians in seconds as ``compute`` and ``comm``. A stage whose forward makes
-    no commfuse call (none recorded by ``commfuse.runtime.record_events``) gets ``comm=0`` whatever its
-    comm-only run took (that is its compute). The backward figures are left to their defaults.
+    returned) timed ``repeats`` times under ``commfuse.runtime.measure("compute_only")``,
+    ``measure("comm_only")`` and ``measure("outside_only")``: ``compute`` is the compute-only median and
+    ``comm`` the transfers alone, the comm-only median less the outside-only one (the stage's code around its
+    ops, which comm-only runs too), in seconds. A stage whose forward makes no commfuse call (none recorded by
+    ``commfuse.runtime.record_events``) gets ``comm=0`` and is timed compute-only alone. The backward figures are left to their defaults.
 
     Every rank of ``group`` must call it with the same stages, as :func:`run` is called; the figures come from
     the group's rank 0, so every rank plans alike. Runs under ``torch.no_grad``; the ranks leave together."""
@@ -550,7 +551,7 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
             with record_events() as events:  # a normal run first: the outputs the next stage takes, a warm-up
                 outputs = _tuple(stage.fn(*values), f"stage {stage.name!r}")
             seconds = {}
-            for mode in ("compute_only", "comm_only"):
+            for mode in ("compute_only", "comm_only", "outside_only") if events else ("compute_only",):
                 samples = []
                 for _ in range(repeats):
                     together()
@@ -561,7 +562,9 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
                         torch.accelerator.synchronize(device)
                     samples.append(time.perf_counter() - start)
                 seconds[mode] = statistics.median(samples)
-            figures += [seconds["compute_only"], seconds["comm_only"] if events else 0.0]
+            # the transfers alone: comm-only less what runs around the ops (outside-only)
+            figures += [seconds["compute_only"],
+                        max(seconds["comm_only"] - seconds["outside_only"], 0.0) if events else 0.0]
             values = outputs
     if ranks:  # rank 0's figures on every rank: one plan everywhere
         shared = torch.tensor(figures, dtype=torch.float64, device=device)

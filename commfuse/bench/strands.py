@@ -10,8 +10,9 @@ What every rank runs, per block:
 2. every row of ``config.STRAND_ROWS`` once, checked against ``ring`` (the losses and every parameter's
    gradient within the dtype's tolerance, ``workloads.TOLERANCE``);
 3. ``--warmup`` untimed and ``--repeats`` timed repeats, in each of which every row runs once and ``ring``
-   twice more, under ``measure("compute_only")`` and ``measure("comm_only")`` (the regime: its whole
-   comm-only over its compute-only time), in an order shuffled anew every repeat (the same on every rank);
+   three times more, under ``measure("compute_only")``, ``measure("comm_only")`` and
+   ``measure("outside_only")`` (the regime: its transfers alone, comm-only less outside-only, over its
+   compute-only time), in an order shuffled anew every repeat (the same on every rank);
    every run starts behind a barrier, and an iteration's figure is the slowest rank's;
 4. every row once more for its peak memory (:func:`commfuse.bench.memory.peak_memory`), the largest over
    the ranks.
@@ -31,8 +32,10 @@ from commfuse.bench.shared import fingerprint_exchange, gather_objects
 from commfuse.bench.workloads import StrandBlock, TwoStrands, compare
 from commfuse.runtime import measure
 
-#: ``ring`` timed again under these, for the regime (comm-only / compute-only of the whole step)
-REGIME_MODES = ("compute_only", "comm_only")
+#: ``ring`` timed again under these, for the regime: its transfers alone (comm-only less outside-only, the
+#: code around the ops, which comm-only runs too: the attention core, norms, weight-gradient GEMMs) over its
+#: compute (compute-only)
+REGIME_MODES = ("compute_only", "comm_only", "outside_only")
 
 
 def units(config: BenchConfig, blocks: int) -> int:

@@ -906,6 +906,8 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
         post, run_collective, run_into = _done_post, _done_collective, _done_into
     elif mode == "comm_only":
         compute = program.skip
+    elif mode == "outside_only":  # neither: what the caller does around commfuse's ops is all that runs
+        post, run_collective, run_into, compute = _done_post, _done_collective, _done_into, program.skip
     if program.sparse:
         post = skipping_empty(post)
     land = program.land

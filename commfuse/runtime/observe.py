@@ -17,7 +17,7 @@ import torch
 from commfuse.errors import CommfuseValueError
 
 
-MODES = ("compute_only", "comm_only")
+MODES = ("compute_only", "comm_only", "outside_only")
 _local = threading.local()
 #: How many ``measure``/``record_events`` scopes are open in any thread: while none is, a call reads no
 #: thread-local state at all (a one-item list, so that readers bind it once).
@@ -41,14 +41,19 @@ def events_of() -> list | None:
 
 @contextlib.contextmanager
 def measure(mode: str | None):
-    """Run ops with their transfers removed (``"compute_only"``) or their compute removed (``"comm_only"``).
+    """Run ops with their transfers removed (``"compute_only"``), their compute removed (``"comm_only"``), or
+    both (``"outside_only"``).
 
     The benchmark uses it to time the same schedule's two halves apart: with
     ``compute_only`` every post completes at once and receive buffers keep
     whatever they held (results are garbage, timings are those of the
     per-shard compute and the loop); with ``comm_only`` the programs skip
     their compute (reduce-scatter sends uninitialised partials of the right
-    shape). The fingerprint check is skipped in both. ``None`` is normal.
+    shape). With ``outside_only`` the ops do neither (posts complete at once, compute is skipped), so only
+    the caller's code around them runs: a step's time in it is what ``comm_only`` also spent outside the
+    ops (a block's attention core, its norms, a weight-gradient GEMM autograd runs apart from the ring),
+    and ``comm_only`` less ``outside_only`` is the transfers alone. The fingerprint check is skipped in all
+    three. ``None`` is normal.
     """
     if mode is not None and mode not in MODES:
         raise CommfuseValueError(f"measure mode must be one of {MODES} or None, got {mode!r}")

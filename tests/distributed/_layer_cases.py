@@ -282,7 +282,7 @@ def layers(rank, n):
         attention_module.attend = counted
         try:
             for name, layer in layers_.items():
-                for mode in ("comm_only", "compute_only"):
+                for mode in ("comm_only", "compute_only", "outside_only"):
                     for alg in ("ring", "vanilla"):
                         layer.algorithm = alg
                         layer.zero_grad()
@@ -304,7 +304,7 @@ def layers(rank, n):
                                 raise AssertionError(f"{where}: parameter {pname} has grad "
                                                      f"{None if p.grad is None else list(p.grad.shape)}")
                         # (world size 1 runs no fused op: the attention is plain local compute there)
-                        if name == "ulysses" and mode == "comm_only" and calls and n > 1:
+                        if name == "ulysses" and mode in ("comm_only", "outside_only") and calls and n > 1:
                             raise AssertionError(f"{where}: the attention ran {len(calls)} times; it is the "
                                                  "consumer's compute and should have been removed")
                         if name == "ulysses" and mode == "compute_only" and not calls:
