@@ -21,8 +21,15 @@ import threading
 __all__ = ["Site", "at_site", "current", "fallback", "here", "layer_site", "saw", "took"]
 
 log = logging.getLogger("commfuse")
-#: ``here.site``: this thread's current site, when it has one (``at_site`` sets it; :func:`current` reads it)
-here = threading.local()
+class _Here(threading.local):
+    #: None outside a site: a class attribute, so that reading it where nothing was set raises nothing (a
+    #: failed look-up of a thread-local attribute costs microseconds inside a call: the flight recorder reads
+    #: it on every call)
+    site = None
+
+
+#: ``here.site``: this thread's current site, or None (``at_site`` sets it; :func:`current` reads it)
+here = _Here()
 
 #: Signatures (collective, ring hop bytes) kept per site: a model whose sequence length changes every step
 #: would otherwise grow the table without end.
