@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 
-__all__ = ["DEFAULT_SIZE", "FORMAT", "Call", "Recorder", "dump_all", "failed", "install_signal_handlers",
+__all__ = ["DEFAULT_SIZE", "FORMAT", "Call", "Recorder", "dump_all", "failed", "group_name", "install_signal_handlers",
            "recorder_for", "recorders", "size_from_env", "trace_dir"]
 
 #: Calls each group keeps on each rank, unless ``COMMFUSE_RECORDER`` says otherwise (0: off).
@@ -135,7 +135,7 @@ class Recorder:
         calls = [_call_dict(c, wall - mono) for c in self.calls()]
         out = {
             "format": FORMAT,
-            "group": _group_name(state),
+            "group": group_name(state),
             "rank": state.rank,
             "global_rank": _global_rank(),
             "world_size": state.world_size,
@@ -157,7 +157,7 @@ class Recorder:
         if self.state.rank is None:
             return None
         folder = directory or trace_dir()
-        name = f"commfuse-trace-{_safe(_group_name(self.state))}-rank{self.state.rank}.json"
+        name = f"commfuse-trace-{_safe(group_name(self.state))}-rank{self.state.rank}.json"
         path = os.path.join(folder, name)
         try:
             data = self.to_dict(reason, error)
@@ -193,7 +193,8 @@ def _call_dict(c: Call, to_wall: int) -> dict:
                           "bytes_received": received, "post_ns": prev + to_wall, "wait_ns": began + to_wall,
                           "done_ns": None if done is None else done + to_wall})
         if done is None:
-            waiting = {"step": index, "since_ns": began + to_wall, "waits_for": recv_from or send_to}
+            # a wait covers the step's sends too (gloo completes a send once the peer has taken it)
+            waiting = {"step": index, "since_ns": began + to_wall, "waits_for": sorted({*send_to, *recv_from})}
         else:
             prev = done
     if end == 0 and waiting is None and plan is not None and not getattr(plan, "stamps", True):
@@ -231,7 +232,8 @@ def _posted(plan) -> dict | None:
         n += (1 if st.p2p else 0) + len(st.collectives)
         if n >= posts:
             send_to, recv_from = _peers(plan, st)
-            return {"step": st.index, "since_ns": None, "waits_for": recv_from or send_to, "posted_only": True}
+            return {"step": st.index, "since_ns": None, "waits_for": sorted({*send_to, *recv_from}),
+                    "posted_only": True}
     return None
 
 
@@ -254,7 +256,7 @@ def _shown(plan) -> str | None:
                          schedule.chunks).shown
 
 
-def _group_name(state) -> str:
+def group_name(state) -> str:
     group = getattr(state, "group", None)
     name = getattr(group, "group_name", None)
     return str(name) if name else state.name
