@@ -168,7 +168,7 @@ def _fold(rec, m: _Group, group: str, out: dict) -> None:
     sites: dict[str, list] = {}
     newest = m.cursor
     for call in rec.calls():
-        if call.start <= m.cursor or call.end == 0:
+        if call.start <= m.cursor or call.status == "in progress":
             continue
         newest = max(newest, call.start)
         plan, _, _, site = call.head
@@ -179,7 +179,7 @@ def _fold(rec, m: _Group, group: str, out: dict) -> None:
         if entry is None:
             entry = sites[name] = [0, 0, 0, 0.0, {}, True]  # calls, failed, wait ns, planned ns, peers, planned?
         entry[0] += 1
-        entry[1] += call.end < 0
+        entry[1] += call.status == "failed"
         if plan.stamps:
             total, peers = _waits(call, plan)
             entry[2] += total
@@ -212,7 +212,7 @@ def _straggler(rec, m: _Group, group: str, out: dict) -> None:
     board = board_of(state)
     if board is None or state.world_size <= 1:
         return
-    calls = [c for c in rec.calls() if c.end > 0 and c.head[0] is not None and c.head[0].stamps][-WINDOW:]
+    calls = [c for c in rec.calls() if c.head[0] is not None and c.head[0].stamps and c.status == "ok"][-WINDOW:]
     if not calls:
         return
     wait = 0

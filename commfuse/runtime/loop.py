@@ -82,7 +82,7 @@ from commfuse.runtime.groups import (
 )
 from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, profiler_on
 from commfuse.runtime.recorder import failed as _recorded_failure
-from commfuse.runtime.sites import here as _here
+from commfuse.runtime import sites as _sites
 from commfuse.schedule import AlgorithmSpec, Collective
 
 
@@ -372,8 +372,10 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
         begin = plan.begin
         if plan.digest is None:
             plan.learn_signature(program)
-        if rec is not None:
-            call = rec.begin((plan, seq, state.lane, _here.site))
+        if rec is not None:  # the flight recorder's record of this call (runtime.recorder), written in place
+            call = rec.next()
+            call.head = (plan, seq, state.lane, _sites.active)
+            call.start = _clock_ns()
         code = state.lane[1]
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
             signature = plan.signature
@@ -576,7 +578,9 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     rec, record = plan.recorder, None
     try:
         if rec is not None:
-            record = rec.begin((plan, seq, state.lane, _here.site))
+            record = rec.next()
+            record.head = (plan, seq, state.lane, _sites.active)
+            record.start = _clock_ns()
         st, call = plan.whole
         begin = plan.begin
         if begin is not None:
@@ -619,6 +623,7 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
         run_filler(handle)
     if record is not None:
         stamps = record.steps
+        stamps.clear()
         stamps.append(st.index)
         stamps.append(_clock_ns())
     try:
@@ -721,9 +726,13 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
     rec, call, stamp = plan.recorder, None, None
     try:
         if rec is not None:
-            call = rec.begin((plan, seq, state.lane, _here.site))
+            call = rec.next()
+            call.head = (plan, seq, state.lane, _sites.active)
+            call.start = _clock_ns()
             if plan.stamps:
-                stamp = call.steps.append
+                stamp = call.steps
+                stamp.clear()
+                stamp = stamp.append
         begin = plan.begin
         if begin is not None:
             begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
@@ -889,7 +898,9 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
     stamp = sizes = None
     if call is not None:
         if plan.stamps:
-            stamp = call.steps.append
+            stamp = call.steps
+            stamp.clear()
+            stamp = stamp.append
         sizes = plan.sizes
         if sizes is None:
             sizes = plan.sizes = {}
