@@ -100,5 +100,5 @@ def straggler(rank, n, calls, slow_rank, slow_s):
         snap = metrics.snapshot()
         named.append(snap.get("commfuse/0/straggler_rank"))
         last = snap
-    waits = {key: value for key, value in last.items() if "/wait_ms" in key or "straggler" in key}
+    waits = {key: value for key, value in last.items() if "/wait_ms" in key or "straggler" in key or "hidden" in key}
     return named, kept.lines, waits

@@ -92,7 +92,9 @@ def test_a_mismatch_is_named_as_the_first_call_the_ranks_disagree_on(tmp_path):
 
 def test_a_rank_slower_on_every_call_is_named_the_straggler_and_no_other_is(tmp_path):
     calls = 20
-    out = launch(cases.straggler, 3, calls, 1, 0.05, timeout=120, env={"COMMFUSE_TRACE_DIR": str(tmp_path)})
+    # a profile gives the planned comm time the hidden fraction is measured against (any shipped one will do)
+    out = launch(cases.straggler, 3, calls, 1, 0.05, timeout=120,
+                 env={"COMMFUSE_TRACE_DIR": str(tmp_path), "COMMFUSE_PROFILE": "h100-sxm"})
     for rank, (named, lines, waits) in enumerate(out):
         known = [x for x in named if x is not None]
         assert known and known[-1] == 1, (rank, named, waits)
@@ -100,5 +102,6 @@ def test_a_rank_slower_on_every_call_is_named_the_straggler_and_no_other_is(tmp_
         said = [line for line in lines if "straggler" in line]
         assert said and all("rank 1 is a straggler" in line for line in said), (rank, lines)
         assert 30 < waits["commfuse/0/straggler_excess_ms"] < 500, waits
-        if rank != 1:  # the others waited, in the metrics too
+        if rank != 1:  # the others waited, in the metrics too, and little of the planned comm time was hidden
             assert waits["commfuse/0/all_gather_consume.ring/wait_ms_per_call"] > 20, waits
+            assert waits["commfuse/0/all_gather_consume.ring/hidden_frac"] == 0.0, waits

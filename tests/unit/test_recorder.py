@@ -130,3 +130,22 @@ def test_trace_analyze_names_a_folder_without_dumps(tmp_path):
     done = subprocess.run([sys.executable, "-m", "commfuse", "trace", "analyze", str(tmp_path)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "no flight recorder dumps" in done.stderr and str(tmp_path) in done.stderr
+
+
+def test_the_metrics_file_a_layers_calls_under_its_site(tmp_path):
+    done = _run("""
+        layer = cf.nn.ColumnParallelLinear(8, 16, bias=False, algorithm="ring")
+        for _ in range(3):
+            layer(torch.randn(2, 4, 8))  # (batch, sequence shard, features)
+        cf.all_gather_matmul(a, w, algorithm="ring", check=False)
+        snap = metrics.snapshot()
+        again = metrics.snapshot()
+        print(json.dumps({"snap": snap, "again": again}))
+    """, tmp_path, env={"COMMFUSE_CHECK": "0"})  # the fake group moves no data: nothing to compare
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    snap = out["snap"]
+    layer = [k for k in snap if k.endswith("/calls") and "ColumnParallelLinear" in k]
+    assert len(layer) == 1 and snap[layer[0]] == 3, snap  # the layer's three calls, under its site
+    assert snap["commfuse/0/all_gather_matmul.ring/calls"] == 1, snap  # the op outside any site
+    assert not any(k.endswith("/calls") for k in out["again"]), out["again"]  # nothing new since
