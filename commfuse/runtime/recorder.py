@@ -356,6 +356,12 @@ def install_signal_handlers() -> None:
         except (ValueError, OSError):  # not the main interpreter, or a platform that refuses
             continue
         _installed[sig] = signal.SIG_DFL
+        _OWNER[0] = os.getpid()
+
+
+#: The process that installed the handlers: a child forked after (a data loader's worker) inherits them with a
+#: copy of the recorders, and must not overwrite its parent's dumps with that copy
+_OWNER = [0]
 
 
 def _on_signal(signum, frame) -> None:
@@ -364,8 +370,9 @@ def _on_signal(signum, frame) -> None:
     except ValueError:
         name = str(signum)
     try:
-        for rec in recorders():
-            rec.dump(f"{name} received")
+        if os.getpid() == _OWNER[0]:
+            for rec in recorders():
+                rec.dump(f"{name} received")
     finally:
         # never swallow it: the default action (the end of the process) happens now
         signal.signal(signum, _installed.pop(signum, signal.SIG_DFL))
