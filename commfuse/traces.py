@@ -31,7 +31,6 @@ from pathlib import Path
 
 from commfuse.cli import check_output_file, command, integer
 from commfuse.errors import CommfuseValueError
-from commfuse.runtime.recorder import FORMAT
 
 __all__ = ["Group", "analyze", "load", "perfetto", "render"]
 
@@ -39,6 +38,8 @@ __all__ = ["Group", "analyze", "load", "perfetto", "render"]
 def load(directory: str | os.PathLike) -> dict[str, list[dict]]:
     """The dumps under ``directory``, by group name (each list ordered by rank). Files that are not dumps of
     this format are skipped; a directory with none raises, naming it."""
+    from commfuse.runtime.recorder import FORMAT  # here: the package imports torch, which --help must not
+
     folder = Path(directory)
     if not folder.is_dir():
         raise CommfuseValueError(f"{folder}: not a folder (the flight recorder writes its dumps to "
