@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import statistics
 import weakref
 
-from commfuse.errors import CommfuseValueError
 from commfuse.runtime.board import board_of
+from commfuse.runtime.env import number
 from commfuse.runtime.recorder import dump_all, group_name, recorders
 
 __all__ = ["WINDOW", "dump_trace", "snapshot", "straggler_threshold_ms"]
@@ -66,16 +65,7 @@ _KEY = "commfuse/metrics/"
 
 def straggler_threshold_ms() -> float:
     """``COMMFUSE_STRAGGLER_MS`` (milliseconds, >= 0), else :data:`STRAGGLER_MS`."""
-    text = os.environ.get("COMMFUSE_STRAGGLER_MS", "").strip()
-    if not text:
-        return STRAGGLER_MS
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1e9:
-        raise CommfuseValueError(f"COMMFUSE_STRAGGLER_MS must be milliseconds >= 0, got {text!r}")
-    return value
+    return number("COMMFUSE_STRAGGLER_MS", STRAGGLER_MS, 0.0, 1e9, unit="milliseconds")
 
 
 def dump_trace(reason: str = "on demand", directory: str | None = None) -> list[str]:

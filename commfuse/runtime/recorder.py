@@ -43,6 +43,8 @@ import threading
 import time
 import weakref
 
+from commfuse.runtime.env import number
+
 __all__ = ["DEFAULT_SIZE", "FORMAT", "Call", "Recorder", "dump_all", "failed", "group_name", "install_signal_handlers",
            "recorder_for", "recorders", "size_from_env", "trace_dir"]
 
@@ -61,21 +63,9 @@ _LOCK = threading.Lock()
 
 
 def size_from_env() -> int:
-    """``COMMFUSE_RECORDER`` (calls kept per group; 0 turns the recorder off), else :data:`DEFAULT_SIZE`. A
-    value that is not an integer from 0 to :data:`MAX_SIZE` is refused by name."""
-    text = os.environ.get("COMMFUSE_RECORDER", "").strip()
-    if not text:
-        return DEFAULT_SIZE
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_SIZE:
-        from commfuse.errors import CommfuseValueError
-
-        raise CommfuseValueError(f"COMMFUSE_RECORDER must be a number of calls from 0 (off) to {MAX_SIZE}, "
-                                 f"got {text!r}")
-    return value
+    """``COMMFUSE_RECORDER`` (calls kept per group, 0 to :data:`MAX_SIZE`; 0 turns the recorder off), else
+    :data:`DEFAULT_SIZE`."""
+    return number("COMMFUSE_RECORDER", DEFAULT_SIZE, 0, MAX_SIZE, kind=int, unit="calls (0: off)")
 
 
 def trace_dir() -> str:
