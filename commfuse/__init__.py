@@ -39,6 +39,7 @@ _LAZY = {
     "autograd": None,
     "library": None,
     "graphs": None,
+    "metrics": None,
 }
 
 __all__ = ["CommfuseError", "__version__", "schedule", *_LAZY]

@@ -343,7 +343,7 @@ def _backends(args: argparse.Namespace) -> int:
 #: Modules that register further subcommands with ``@command`` when imported.
 #: They must import only argparse-level things at module level (torch lazily);
 #: those that need an extra to import at all are in :data:`OPTIONAL_COMMANDS`.
-COMMAND_MODULES = ("commfuse.bench.command", "commfuse.bench.simulate", "commfuse.testing.command")
+COMMAND_MODULES = ("commfuse.bench.command", "commfuse.bench.simulate", "commfuse.testing.command", "commfuse.traces")
 
 
 def _load_commands() -> None:

@@ -1,5 +1,7 @@
 """Shared test settings: a bounded hypothesis profile so the suite stays quick on 2 cores."""
 
+import os
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 
 from hypothesis import HealthCheck, settings
@@ -8,6 +10,10 @@ settings.register_profile(
     "commfuse", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("commfuse")
+
+# Tests make ranks fail on purpose, and a failing rank dumps its flight recorder: into a folder of the run's own,
+# never the working tree (the ranks that commfuse.launch spawns inherit it). A test that reads dumps sets its own.
+os.environ.setdefault("COMMFUSE_TRACE_DIR", tempfile.mkdtemp(prefix="commfuse-test-traces-"))
 
 
 

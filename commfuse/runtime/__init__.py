@@ -1,6 +1,7 @@
 """The runtime: the Backend protocol, the c10d backend, group state and call numbering (``groups``), the
 compiled plan (``compiled``), what observes a call (``observe``) and the one loop that walks a rank's steps
-(``loop``), with the programs that hold a call's data (``programs``). It executes what the planning layer
+(``loop``), with the programs that hold a call's data (``programs``), and the flight recorder that keeps
+each group's last calls (``recorder``). It executes what the planning layer
 (``commfuse.planning``) hands it and imports nothing above itself."""
 
 from commfuse.runtime.protocol import Backend, Handle

@@ -45,11 +45,11 @@ peer is late: keep waiting; at the timeout the late rank is named).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 
-from commfuse.errors import CommfuseTimeoutError, CommfuseValueError, GroupDeadError, MismatchError, PeerFailedError
+from commfuse.errors import CommfuseTimeoutError, GroupDeadError, MismatchError, PeerFailedError
+from commfuse.runtime.env import number
 
 __all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declare_dead", "drain_key", "grace", "heard"]
 
@@ -66,17 +66,8 @@ RECOVER = ("re-create the process group (torch.distributed.destroy_process_group
 
 
 def grace() -> float:
-    """:data:`GRACE_S`, or ``COMMFUSE_GRACE_S`` (seconds, > 0) when set."""
-    text = os.environ.get("COMMFUSE_GRACE_S", "").strip()
-    if not text:
-        return GRACE_S
-    try:
-        value = float(text)
-    except ValueError:
-        raise CommfuseValueError(f"COMMFUSE_GRACE_S must be a number of seconds, got {text!r}") from None
-    if not 0.001 <= value <= 600:
-        raise CommfuseValueError(f"COMMFUSE_GRACE_S={text} is out of range: give seconds between 0.001 and 600")
-    return value
+    """:data:`GRACE_S`, or ``COMMFUSE_GRACE_S`` (seconds, 0.001 to 600) when set."""
+    return number("COMMFUSE_GRACE_S", GRACE_S, 0.001, 600)
 
 
 class Board:

@@ -30,6 +30,7 @@ from commfuse.runtime.groups import (
     group_state,
 )
 from commfuse.runtime.observe import trace_enabled
+from commfuse.runtime.recorder import recorder_for
 from commfuse.schedule import Collective, Schedule, SliceId, Step
 
 
@@ -169,7 +170,7 @@ class Plan:
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
                  "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature", "whole",
-                 "whole_compute", "one_by_one", "settled", "probe", "capturing")
+                 "whole_compute", "one_by_one", "settled", "probe", "capturing", "recorder", "stamps", "sizes")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True, compiled: Compiled | None = None) -> None:
@@ -200,6 +201,18 @@ class Plan:
         #: calls (a stream-ordered backend then keeps its steps from the watchdog, see ``runtime.c10d``)
         self.capturing = False
         self.trace = trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
+        #: the group's flight recorder (``runtime.recorder``; None: off), and the bytes each step sends and
+        #: receives, ``{step index: (sent, received)}``, learned on the first recorded call
+        self.recorder = recorder_for(self.state)
+        #: whether the recorder stamps each step's wait: where the host blocks in waits (gloo), which costs
+        #: tens of microseconds beside the stamps' fraction of one. A stream-ordered backend's host does not
+        #: wait (its stamps would time nothing), nor does a group whose transfers complete at once (torch's
+        #: ``fake`` group, the host-cost benchmark's)
+        caps = getattr(backend, "capabilities", None)
+        device = getattr(getattr(backend, "device", None), "type", "cpu")
+        self.stamps = self.recorder is not None and not getattr(backend, "_instant", False) and not (
+            bool(getattr(caps, "streams", False)) and device != "cpu")
+        self.sizes: dict[int, tuple[int, int]] | None = None
         self.steps = self.compiled.steps
         self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag
         self.signature: tuple | None = None  # the fingerprint less the call number

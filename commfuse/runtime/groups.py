@@ -146,7 +146,7 @@ class GroupState:
     store) and whether a peer's part of the call in progress failed."""
 
     __slots__ = ("seqs", "now", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "group", "rank",
-                 "world_size", "board", "told", "lane", "__weakref__")
+                 "world_size", "board", "told", "lane", "recorder", "__weakref__")
 
     def __init__(self, name: str, group=None) -> None:
         #: the next call number of each thread lane (:func:`lane`'s code): every thread's calls on the group
@@ -175,6 +175,9 @@ class GroupState:
         #: this rank stops computing, completes the call's transfers and raises PeerFailedError
         self.told: dict | None = None
         self.lane: tuple[str, int] = ("", 0)  # the thread of the call in progress: (name, code)
+        #: the flight recorder of this group on this rank (``runtime.recorder``): None until the first plan on
+        #: the group asks for it, False when ``COMMFUSE_RECORDER=0``
+        self.recorder = None
 
     def current(self) -> int:
         """The number of the call in progress."""

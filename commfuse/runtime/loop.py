@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import zlib
+from time import perf_counter_ns as _clock_ns
 from collections.abc import Callable
 
 import torch
@@ -82,6 +83,8 @@ from commfuse.runtime.groups import (
     state_of_group,
 )
 from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, profiler_on
+from commfuse.runtime.recorder import failed as _recorded_failure
+from commfuse.runtime import sites as _sites
 from commfuse.schedule import AlgorithmSpec, Collective
 
 
@@ -410,6 +413,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
         if probe is not None and probe():
             plan.capturing = True
     posted = False
+    rec, call = plan.recorder, None
     try:
         mode = None
         if observers[0]:
@@ -419,6 +423,10 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
         begin = plan.begin
         if plan.digest is None:
             plan.learn_signature(program)
+        if rec is not None:  # the flight recorder's record of this call (runtime.recorder), written in place
+            call = rec.next()
+            call.head = (plan, seq, state.lane, _sites.active)
+            call.start = _clock_ns()
         code = state.lane[1]
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
             signature = plan.signature
@@ -437,9 +445,13 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
             plan.settled = not plan.trace and (not plan.checks or (plan.checked and plan.check != "always"))
         posted = True
         _walk(plan, program, seq, mode is not None or events is not None or plan.trace or profiler_on(), mode,
-              events)
+              events, call)
+        if call is not None:
+            call.end = _clock_ns()
     except BaseException as e:
         _after_failure(plan, state, seq, e, posted)
+        if rec is not None:
+            _recorded_failure(call, state, e)
         raise
     finally:
         if ticket is None:
@@ -617,7 +629,12 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     :func:`execute`."""
     state = plan.state
     seq = _enter(plan, state)
+    rec, record = plan.recorder, None
     try:
+        if rec is not None:
+            record = rec.next()
+            record.head = (plan, seq, state.lane, _sites.active)
+            record.start = _clock_ns()
         st, call = plan.whole
         begin = plan.begin
         if begin is not None:
@@ -637,27 +654,38 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
                 _into(plan, st, call, input, output)
 
             raise _compute_failed(plan, seq, 0, failed, finish)
-        _into(plan, st, call, input, output)
+        _into(plan, st, call, input, output, record if plan.stamps else None)
         if state.told is not None:
             raise _told(plan, seq, 0, lambda start: None)
+        if record is not None:
+            record.end = _clock_ns()
     except BaseException as e:
         _after_failure(plan, state, seq, e, True)
+        if rec is not None:
+            _recorded_failure(record, state, e)
         raise
     finally:
         _leave(plan, state)
 
 
-def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch.Tensor) -> None:
+def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch.Tensor, record=None) -> None:
     try:
         handle = plan.backend.collective_into(call.collective, input, output)
     except Exception as e:
         raise posting_error(plan, st, call, e) from e
     if FILLERS:
         run_filler(handle)
+    if record is not None:
+        stamps = record.steps
+        stamps.clear()
+        stamps.append(st.index)
+        stamps.append(_clock_ns())
     try:
         handle.wait(plan.timeout)
     except BaseException as e:
         raise waiting_error(plan, st, call, e) from e
+    if record is not None:
+        stamps.append(_clock_ns())
 
 
 def may_skip_program(plan: Plan) -> bool:
@@ -749,7 +777,16 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
     ``may_skip_program(plan)``."""
     state = plan.state
     seq = _enter(plan, state)
+    rec, call, stamp = plan.recorder, None, None
     try:
+        if rec is not None:
+            call = rec.next()
+            call.head = (plan, seq, state.lane, _sites.active)
+            call.start = _clock_ns()
+            if plan.stamps:
+                stamp = call.steps
+                stamp.clear()
+                stamp = stamp.append
         begin = plan.begin
         if begin is not None:
             begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
@@ -786,10 +823,15 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
             if handle is not None:
                 if FILLERS:
                     run_filler(handle)
+                if stamp is not None:
+                    stamp(i)
+                    stamp(_clock_ns())
                 try:
                     got = handle.wait(plan.timeout)
                 except BaseException as e:
                     raise waiting_error(plan, st, None, e) from e
+                if stamp is not None:
+                    stamp(_clock_ns())
                 for (_, s, _), tensor in zip(recvs, got):
                     landing[s] = tensor
                 if state.told is not None:
@@ -808,8 +850,12 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
                     stack = free[k]
                     if len(stack) < most:
                         stack.append(t)
+        if call is not None:
+            call.end = _clock_ns()
     except BaseException as e:
         _after_failure(plan, state, seq, e, True)
+        if rec is not None:
+            _recorded_failure(call, state, e)
         raise
     finally:
         _leave(plan, state)
@@ -896,10 +942,24 @@ def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
 
 
 
-def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | None, events: list | None) -> None:
+def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | None, events: list | None,
+          call=None) -> None:
     """Walk the steps of one call with ``program``'s data. ``observed``: something watches the call (a
     measurement ``mode``, an ``events`` list, ``COMMFUSE_TRACE``, the profiler): then each step is timed, and
-    is a ``record_function`` range while the profiler runs; otherwise the same loop reads no clock."""
+    is a ``record_function`` range while the profiler runs; otherwise the same loop reads no clock. ``call``:
+    the flight recorder's record of the call (``runtime.recorder``), which gets each wait's start and end,
+    and the plan's bytes per step on its first recorded call."""
+    stamp = sizes = None
+    if call is not None:
+        if plan.stamps:
+            stamp = call.steps
+            stamp.clear()
+            stamp = stamp.append
+        sizes = plan.sizes
+        if sizes is None:
+            sizes = plan.sizes = {}
+        elif sizes:
+            sizes = None  # learned
     backend, timeout, overlap, state = plan.backend, plan.timeout, plan.overlap, plan.state
     post, run_collective, run_into, compute = backend.post, backend.collective, None, program.compute
     if mode == "compute_only":
@@ -923,11 +983,16 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
         try:
             if observed:
                 t0 = clock()
-            pending = _post_step(plan, st, program, post, run_collective, run_into)
+            pending = _post_step(plan, st, program, post, run_collective, run_into, sizes)
             if observed:
                 t1 = clock()
             if not overlap and pending:
+                if stamp is not None:
+                    stamp(i)
+                    stamp(_clock_ns())
                 _wait_all(plan, st, pending, land, timeout)
+                if stamp is not None:
+                    stamp(_clock_ns())
                 pending = ()
                 if state.told is not None:
                     raise _told(plan, seq, i, _finisher(plan, program, seq, st))
@@ -942,7 +1007,12 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
             if observed:
                 t3 = clock()
             if pending:
+                if stamp is not None:
+                    stamp(i)
+                    stamp(_clock_ns())
                 _wait_all(plan, st, pending, land, timeout)
+                if stamp is not None:
+                    stamp(_clock_ns())
                 if state.told is not None:
                     raise _told(plan, seq, i, _finisher(plan, program, seq, None))
             for s in st.accumulate:
@@ -986,27 +1056,44 @@ def _observe_step(plan: Plan, st: CompiledStep, events: list | None, t0: float, 
         )
 
 
-def _post_step(plan: Plan, st: CompiledStep, program: Program, post, run_collective, run_into=None) -> list:
+def _post_step(plan: Plan, st: CompiledStep, program: Program, post, run_collective, run_into=None,
+               sizes: dict | None = None) -> list:
     """Post one step's point-to-point transfers and whole collectives; their pending handles, as
-    :func:`_wait_all` takes them."""
+    :func:`_wait_all` takes them. ``sizes``: the step's bytes sent and received go there, by step index."""
     pending = []
     if st.p2p:
         recvs = [(t, program.buffer(s)) for t, s in st.recvs]
+        sends = [(t, program.payload(s)) for t, s in st.sends]
+        if sizes is not None:
+            _learn(sizes, st.index, [x for _, x in sends], [x for _, x in recvs])
         try:
-            pending.append((post([(t, program.payload(s)) for t, s in st.sends], recvs), None, st.recvs))
+            pending.append((post(sends, recvs), None, st.recvs))
         except Exception as e:
             raise posting_error(plan, st, None, e) from e
     if st.collectives:
-        _post_collectives(plan, st, program, run_collective, pending, run_into)
+        _post_collectives(plan, st, program, run_collective, pending, run_into, sizes)
     return pending
 
 
+def _learn(sizes: dict, index: int, sent, received) -> None:
+    """Add what a step sends and receives (tensors, or lists of them) to ``sizes[index]``, in bytes."""
+    def nbytes(items) -> int:
+        if isinstance(items, torch.Tensor):
+            return items.numel() * items.element_size()
+        return sum(nbytes(x) for x in items)
+
+    before = sizes.get(index, (0, 0))
+    sizes[index] = (before[0] + nbytes(sent), before[1] + nbytes(received))
+
+
 def _post_collectives(plan: Plan, st: CompiledStep, program: Program, run_collective, pending: list,
-                      run_into=None) -> None:
+                      run_into=None, sizes: dict | None = None) -> None:
     """Post the step's whole collectives; a program that gives single tensors (not lists) runs them with
     the backend's ``collective_into``."""
     for call in st.collectives:
         inputs, outputs, finish = program.collective_io(call)
+        if sizes is not None:
+            _learn(sizes, st.index, inputs, outputs)
         try:
             if isinstance(outputs, torch.Tensor):
                 into = run_into or plan.backend.collective_into

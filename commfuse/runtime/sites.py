@@ -21,8 +21,15 @@ import threading
 __all__ = ["Site", "at_site", "current", "fallback", "here", "layer_site", "saw", "took"]
 
 log = logging.getLogger("commfuse")
-#: ``here.site``: this thread's current site, when it has one (``at_site`` sets it; :func:`current` reads it)
-here = threading.local()
+class _Here(threading.local):
+    #: None outside a site: a class attribute, so that reading it where nothing was set raises nothing (a
+    #: failed look-up of a thread-local attribute costs microseconds inside a call: the flight recorder reads
+    #: it on every call)
+    site = None
+
+
+#: ``here.site``: this thread's current site, or None (``at_site`` sets it; :func:`current` reads it)
+here = _Here()
 
 #: Signatures (collective, ring hop bytes) kept per site: a model whose sequence length changes every step
 #: would otherwise grow the table without end.
@@ -59,21 +66,33 @@ class Site:
         return f"Site({self.kind!r} at {self.label!r}, world size {self.world_size}, algorithm {self.algorithm!r})"
 
 
-class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
-    """Make ``site`` this thread's current site for the ``with`` block."""
+#: The site entered last by any thread and not left yet (None outside every site): what the flight recorder
+#: (``runtime.recorder``) files each call under. A module attribute, not a thread-local one: reading a
+#: thread-local attribute cost the recorder almost a microsecond per call in the step loop (measured with
+#: ``benchmarks/host_overhead.py --recorder``). With several threads inside sites at once, a call may be filed
+#: under another thread's site; what the site decides (``here``) is per thread as before.
+active: "Site | None" = None
 
-    __slots__ = ("site", "previous")
+
+class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
+    """Make ``site`` this thread's current site for the ``with`` block (and :data:`active`)."""
+
+    __slots__ = ("site", "previous", "outer")
 
     def __init__(self, site: Site) -> None:
         self.site = site
 
     def __enter__(self) -> Site:
+        global active
         self.previous = getattr(here, "site", None)
         here.site = self.site
+        self.outer, active = active, self.site
         return self.site
 
     def __exit__(self, *exc) -> bool:
+        global active
         here.site = self.previous
+        active = self.outer
         return False
 
 

@@ -65,6 +65,7 @@ from collections.abc import Callable
 
 from commfuse.errors import CommfuseTimeoutError, CommunicationError
 from commfuse.runtime.board import grace
+from commfuse.runtime.recorder import dump_all
 
 __all__ = ["EXIT_CODE", "Posting", "Watchdog", "watchdog"]
 
@@ -263,6 +264,7 @@ class Watchdog:
         """End the process after a fatal error (see the module), unless ``COMMFUSE_WATCHDOG_EXIT=0``."""
         if not self.exit:
             return
+        dump_all(f"the watchdog ends the process: {type(error).__name__}")  # the flight recorder's last word
         for hook in list(self.on_fatal):
             try:
                 hook(error)

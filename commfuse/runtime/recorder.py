@@ -1,0 +1,369 @@
+"""The flight recorder: per group and rank, the last N calls, and the dump that outlives a failure.
+
+A recorder belongs to one process group on one rank (``GroupState.recorder``).
+It keeps a ring of :data:`DEFAULT_SIZE` (``COMMFUSE_RECORDER``) :class:`Call`
+records, made once and reused: each call takes the next record and writes
+into it, so the recorder never grows, however long the job runs.
+
+What the step loop (``runtime.loop``) writes, per call: the plan (op, algorithm
+and signature digest are read from it only when a dump is written), the
+call number and thread lane, the site (``runtime.sites``), the start and end
+(``time.perf_counter_ns``); and per step that communicates, three integers
+appended to the call's flat list: the step's index, the time the host began
+to wait for it, and the time the wait returned. The step's post time is the
+previous entry's completion (or the call's start): between the two there is
+only bookkeeping. A step whose wait has not returned is the last entry with
+two integers: the dump says the rank waits there. The peers and bytes of
+each step are the plan's, the same on every call of a signature, learned on
+its first call (``Plan.sizes``). Nothing is formatted and no dict is built
+while a call runs; the record's strings are made when a dump is written.
+
+On a stream-ordered backend (NCCL, HCCL) the host neither blocks in a post
+nor in a wait: the stamps say when the host queued the step's transfers and
+when it queued the compute stream's wait for them, not when the bytes moved.
+
+A dump is one JSON file per group and rank in :func:`trace_dir`
+(``COMMFUSE_TRACE_DIR``, default ``./commfuse-traces``), written on a
+failure (:func:`failed`: a timeout, a ``CommunicationError``, a
+``MismatchError``, Ctrl-C in a wait), on SIGTERM and SIGHUP when the
+program has not installed its own handler (:func:`install_signal_handlers`),
+when the watchdog ends the process, and on demand (:func:`dump_all`).
+``commfuse trace analyze`` (``commfuse.traces``) merges the ranks' files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+
+from commfuse.runtime.env import number
+
+__all__ = ["DEFAULT_SIZE", "FORMAT", "Call", "Recorder", "dump_all", "failed", "group_name", "install_signal_handlers",
+           "recorder_for", "recorders", "size_from_env", "trace_dir"]
+
+#: Calls each group keeps on each rank, unless ``COMMFUSE_RECORDER`` says otherwise (0: off).
+DEFAULT_SIZE = 64
+#: The most a ``COMMFUSE_RECORDER`` may ask for.
+MAX_SIZE = 1 << 16
+#: Where dumps go when ``COMMFUSE_TRACE_DIR`` is not set (relative to the working directory).
+DEFAULT_DIR = "commfuse-traces"
+#: The ``format`` field of every dump; ``commfuse trace analyze`` refuses files without it.
+FORMAT = "commfuse-flight-recorder/1"
+
+_clock = time.perf_counter_ns
+_RECORDERS: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_LOCK = threading.Lock()
+
+
+def size_from_env() -> int:
+    """``COMMFUSE_RECORDER`` (calls kept per group, 0 to :data:`MAX_SIZE`; 0 turns the recorder off), else
+    :data:`DEFAULT_SIZE`."""
+    return number("COMMFUSE_RECORDER", DEFAULT_SIZE, 0, MAX_SIZE, kind=int, unit="calls (0: off)")
+
+
+def trace_dir() -> str:
+    """Where dumps go: ``COMMFUSE_TRACE_DIR``, else ``./commfuse-traces``."""
+    return os.environ.get("COMMFUSE_TRACE_DIR", "").strip() or DEFAULT_DIR
+
+
+class Call:
+    """One call's record (reused: the ring's records are made once). ``head`` is (plan, call number, thread
+    lane, site). The call has ended when ``end >= start``; it failed when ``error`` (the exception's class and
+    first line, when, and the ``start`` of the call it concerns) is this call's; else it runs. ``steps`` is
+    flat: per step that communicates its index, the wait's start and the wait's end (absent while the rank
+    waits there), where the plan stamps (``Plan.stamps``: the host blocks in waits)."""
+
+    __slots__ = ("head", "start", "end", "steps", "error")
+
+    def __init__(self) -> None:
+        self.head = (None, -1, ("", 0), None)
+        self.start = 0  # 0: never used
+        self.end = -1
+        self.steps: list[int] = []
+        self.error: tuple[str, int, int] | None = None
+
+    @property
+    def status(self) -> str:
+        error = self.error
+        if error is not None and error[2] == self.start:
+            return "failed"
+        return "ok" if self.end >= self.start else "in progress"
+
+
+class Recorder:
+    """The ring of one group's last ``size`` calls on this rank (see the module)."""
+
+    __slots__ = ("state", "size", "ring", "next", "dumps", "__weakref__")
+
+    def __init__(self, state, size: int) -> None:
+        self.state = state
+        self.size = size
+        self.ring = [Call() for _ in range(size)]
+        self.next = itertools.cycle(self.ring).__next__  # the oldest record
+        self.dumps = 0
+
+    # No method begins a call: the step loop writes the oldest record in place, ``call = rec.next()``, then
+    # its ``head`` and ``start`` (a method call there cost a measurable fraction of the +1 us budget).
+
+    def calls(self) -> list[Call]:
+        """The records in use, oldest first."""
+        return sorted((c for c in self.ring if c.start), key=lambda c: c.start)
+
+    # -- dumps --------------------------------------------------------------------------------------------------
+
+    def to_dict(self, reason: str, error: BaseException | None = None) -> dict:
+        state = self.state
+        wall, mono = time.time_ns(), _clock()
+        calls = [_call_dict(c, wall - mono) for c in self.calls()]
+        out = {
+            "format": FORMAT,
+            "group": group_name(state),
+            "rank": state.rank,
+            "global_rank": _global_rank(),
+            "world_size": state.world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "reason": reason,
+            "written_ns": wall,
+            "kept": self.size,
+            "dead": None if state.error is None else f"{type(state.error).__name__}: {state.error}",
+            "calls": calls,
+        }
+        if error is not None:
+            out["error"] = {"type": type(error).__name__, "message": str(error)}
+        return out
+
+    def dump(self, reason: str, error: BaseException | None = None, directory: str | None = None) -> str | None:
+        """Write this recorder's JSON file (replacing the one it wrote before); its path, or None when it could
+        not be written (said on stderr: a dump never raises over the error that caused it)."""
+        if self.state.rank is None:
+            return None
+        folder = directory or trace_dir()
+        name = f"commfuse-trace-{_safe(group_name(self.state))}-rank{self.state.rank}.json"
+        path = os.path.join(folder, name)
+        try:
+            data = self.to_dict(reason, error)
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1, default=str)
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - the failure being dumped is what the user must see
+            print(f"commfuse: could not write the flight recorder's dump {path}: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return None
+        self.dumps += 1
+        return path
+
+
+def _call_dict(c: Call, to_wall: int) -> dict:
+    plan, seq, lane, site = c.head
+    steps_out = []
+    stamped = bool(getattr(plan, "stamps", False))
+    flat = list(c.steps) if stamped else []
+    prev = c.start
+    sizes = getattr(plan, "sizes", None) or {}
+    steps = {st.index: st for st in plan.steps} if plan is not None else {}
+    waiting = None
+    status = c.status
+    for j in range(0, len(flat), 3):
+        entry = flat[j:j + 3]
+        index, began = entry[0], entry[1]
+        done = entry[2] if len(entry) == 3 else None
+        send_to, recv_from = _peers(plan, steps.get(index))
+        sent, received = sizes.get(index, (-1, -1))
+        steps_out.append({"step": index, "send_to": send_to, "recv_from": recv_from, "bytes_sent": sent,
+                          "bytes_received": received, "post_ns": prev + to_wall, "wait_ns": began + to_wall,
+                          "done_ns": None if done is None else done + to_wall})
+        if done is None:
+            # a wait covers the step's sends too (gloo completes a send once the peer has taken it)
+            waiting = {"step": index, "since_ns": began + to_wall, "waits_for": sorted({*send_to, *recv_from})}
+        else:
+            prev = done
+    if status == "in progress" and waiting is None and plan is not None and not stamped:
+        waiting = _posted(plan)  # no stamps (the host does not block): the backend's last post in the call
+    schedule = getattr(plan, "schedule", None)
+    error = c.error if status == "failed" else None
+    return {
+        "seq": seq,
+        "lane": lane[0],
+        "lane_code": lane[1],
+        "op": getattr(plan, "label", None),
+        "algorithm": _shown(plan),
+        "schedule": schedule.describe() if schedule is not None else None,
+        "digest": getattr(plan, "digest", None),
+        "site": None if site is None else site.label,
+        "status": status,
+        "error": None if error is None else error[0],
+        "start_ns": c.start + to_wall,
+        "end_ns": (c.end + to_wall) if status == "ok" else (error[1] + to_wall if error is not None else None),
+        "steps_total": len(plan.steps) if plan is not None else None,
+        "stamped": stamped,
+        "waiting": waiting,
+        "steps": steps_out,
+    }
+
+
+def _posted(plan) -> dict | None:
+    """Where a call without stamps stands: the step of the backend's last post in it (a c10d backend counts
+    its posts per call), as a waiting entry; None when the backend does not say."""
+    posts = getattr(plan.backend, "_posts", None)
+    if not posts:
+        return None
+    n = 0
+    for st in plan.steps:
+        n += (1 if st.p2p else 0) + len(st.collectives)
+        if n >= posts:
+            send_to, recv_from = _peers(plan, st)
+            return {"step": st.index, "since_ns": None, "waits_for": sorted({*send_to, *recv_from}),
+                    "posted_only": True}
+    return None
+
+
+def _peers(plan, st) -> tuple[list[int], list[int]]:
+    if st is None:
+        return [], []
+    if st.collectives:
+        others = [q for q in range(plan.schedule.world_size) if q != plan.rank]
+        return others, others
+    return sorted({t.peer for t, _ in st.sends}), sorted({t.peer for t, _ in st.recvs})
+
+
+def _shown(plan) -> str | None:
+    schedule = getattr(plan, "schedule", None)
+    if schedule is None:
+        return None
+    from commfuse.schedule import AlgorithmSpec
+
+    return AlgorithmSpec(schedule.algorithm.value if plan.overlap else "serial", schedule.parts,
+                         schedule.chunks).shown
+
+
+def group_name(state) -> str:
+    group = getattr(state, "group", None)
+    name = getattr(group, "group_name", None)
+    return str(name) if name else state.name
+
+
+def _global_rank():
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text)[:80] or "group"
+
+
+# -- making recorders, dumping them ------------------------------------------------------------------------------
+
+
+def recorder_for(state) -> Recorder | None:
+    """The recorder of a group's state, made on first use (None when ``COMMFUSE_RECORDER=0``, or for a group
+    that has no rank or a single one: nothing to recover from there)."""
+    rec = state.recorder
+    if rec is not None or state.rank is None or state.world_size <= 1:
+        return rec or None
+    with _LOCK:
+        rec = state.recorder
+        if rec is None:
+            size = size_from_env()
+            rec = state.recorder = Recorder(state, size) if size else False
+            if rec:
+                _RECORDERS.add(rec)
+                install_signal_handlers()
+    return rec or None
+
+
+def recorders() -> list[Recorder]:
+    """Every live recorder of this process."""
+    return list(_RECORDERS)
+
+
+def dump_all(reason: str = "on demand", directory: str | None = None) -> list[str]:
+    """Dump every group's recorder of this process; the paths written."""
+    paths = []
+    for rec in recorders():
+        path = rec.dump(reason, None, directory)
+        if path is not None:
+            paths.append(path)
+    return paths
+
+
+def failed(call: Call | None, state, error: BaseException) -> None:
+    """A call failed on this rank: its record says so and, for an error that concerns the group (a timeout, a
+    ``CommunicationError``, a ``MismatchError``, an interruption), the group's recorder is dumped. An error of
+    the caller's own compute that was settled (its peers told, the call completed) is recorded, not dumped."""
+    if call is not None and call.status == "in progress":
+        text = str(error).strip()
+        call.error = (f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}", _clock(), call.start)
+    rec = state.recorder
+    if not rec:
+        return
+    from commfuse.errors import CommunicationError
+
+    if isinstance(error, CommunicationError) or not isinstance(error, Exception):
+        rec.dump(f"{type(error).__name__} on this rank", error)
+
+
+# -- signals ----------------------------------------------------------------------------------------------------
+
+#: Signals whose default action ends the process and that a job's scheduler or terminal sends: a handler
+#: dumps every recorder, then the signal's default action runs. SIGKILL cannot be caught; SIGSEGV, SIGBUS,
+#: SIGILL and an abort() from C end the process before Python could run a handler (faulthandler, in C, can
+#: print tracebacks there; it cannot write a dump).
+DUMP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+_installed: dict[int, object] = {}
+
+
+def install_signal_handlers() -> None:
+    """On the main thread, for each of :data:`DUMP_SIGNALS` whose handler is still the default, install one
+    that dumps and then lets the default action happen (the signal is sent again with the default handler
+    back in place). A program's own handler is left alone (it may call ``commfuse.metrics.dump_trace()``).
+    ``COMMFUSE_TRACE_SIGNALS=0`` installs none."""
+    if os.environ.get("COMMFUSE_TRACE_SIGNALS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in DUMP_SIGNALS:
+        if sig in _installed:
+            continue
+        try:
+            if signal.getsignal(sig) is not signal.SIG_DFL:
+                continue
+            signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not the main interpreter, or a platform that refuses
+            continue
+        _installed[sig] = signal.SIG_DFL
+        _OWNER[0] = os.getpid()
+
+
+#: The process that installed the handlers: a child forked after (a data loader's worker) inherits them with a
+#: copy of the recorders, and must not overwrite its parent's dumps with that copy
+_OWNER = [0]
+
+
+def _on_signal(signum, frame) -> None:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = str(signum)
+    try:
+        if os.getpid() == _OWNER[0]:
+            for rec in recorders():
+                rec.dump(f"{name} received")
+    finally:
+        # never swallow it: the default action (the end of the process) happens now
+        signal.signal(signum, _installed.pop(signum, signal.SIG_DFL))
+        os.kill(os.getpid(), signum)

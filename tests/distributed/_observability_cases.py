@@ -1,0 +1,104 @@
+"""Rank-side bodies of the observability tests (run inside ``commfuse.launch`` processes): the flight recorder's
+dumps after a late rank, a killed rank and a mismatch, and the straggler named by the metrics.
+
+Each returns plain data that the pytest side asserts on; the dumps go to ``COMMFUSE_TRACE_DIR``, which the test
+sets for the launch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+
+import commfuse as cf
+from commfuse.errors import CommfuseError
+
+
+def _ints(shape, seed):
+    return torch.randint(-2, 3, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def late_rank(rank, n, k, timeout):
+    """Every rank makes calls 0..k-1; rank 2 then sleeps past the timeout before call k, which the others
+    make at once. Returns (the error's class, its message) of call k."""
+    a, b = _ints((4, 8), rank), _ints((8, 5), 99)
+    for _ in range(k):
+        cf.all_gather_matmul(a, b, algorithm="ring", timeout=timeout)
+    if rank == 2:
+        time.sleep(timeout + 1.5)
+    try:
+        cf.all_gather_matmul(a, b, algorithm="ring", timeout=timeout)
+    except CommfuseError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def killed_rank(rank, n, k):
+    """Rank 1 is killed (SIGKILL) inside its compute of call k, after posting the call's first step."""
+    a = _ints((4, 8), rank)
+
+    def consume(shard, source):
+        if rank == 1 and calls[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return shard
+
+    calls = [0]
+    for i in range(k + 1):
+        calls[0] = i
+        try:
+            cf.all_gather_consume(a, consume, algorithm="ring", timeout=20)
+        except CommfuseError as e:
+            return i, type(e).__name__, str(e)
+    return k, "no error", ""
+
+
+def mismatch(rank, n, k):
+    """Calls 0..k-1 agree; at call k rank 1 passes another shape."""
+    b = _ints((8, 5), 99)
+    for _ in range(k):
+        cf.all_gather_matmul(_ints((4, 8), rank), b, algorithm="ring", timeout=10)
+    try:
+        cf.all_gather_matmul(_ints((6 if rank == 1 else 4, 8), rank), b, algorithm="ring", timeout=10)
+    except CommfuseError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def straggler(rank, n, calls, slow_rank, slow_s):
+    """``slow_rank`` computes ``slow_s`` longer on every call; after each call every rank takes a metrics
+    snapshot. Returns, per call, the straggler the snapshot names (-1: none, None: not yet known), and the
+    lines the ``commfuse`` logger said."""
+    from commfuse import metrics
+
+    kept = _Kept()
+    logger = logging.getLogger("commfuse")
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)
+    a = _ints((64, 64), rank)
+
+    def consume(shard, source):
+        if rank == slow_rank and source == rank:
+            time.sleep(slow_s)
+        return shard
+
+    named = []
+    last = {}
+    for _ in range(calls):
+        cf.all_gather_consume(a, consume, algorithm="ring", timeout=30)
+        snap = metrics.snapshot()
+        named.append(snap.get("commfuse/0/straggler_rank"))
+        last = snap
+    waits = {key: value for key, value in last.items() if "/wait_ms" in key or "straggler" in key or "hidden" in key}
+    return named, kept.lines, waits
