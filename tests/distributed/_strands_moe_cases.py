@@ -162,3 +162,49 @@ def forward_only_matches_sequential(rank: int, n: int, plan: str, count: int, al
     if plan == "searched" and taken < 2 * (count // 2):
         problems.append(f"the searched plan ran {taken} stages inside waits over {count // 2} pairs")
     return problems
+
+
+def one_rank_fails(rank: int, n: int, stage: str, plan: str) -> dict:
+    """The forward of ``stage`` raises on rank 1 only, after it ran, in the second run (every call's signature
+    checked in the first): every rank raises, naming rank 1; then the group is usable (rank 1
+    served the call its peers waited in, the dispatch's or the combine's exchange, whose messages skip the
+    empty ones), and three steps of two strands give sequential micro-batches' results (``"after"``)."""
+    import time
+
+    torch.set_num_threads(1)
+    p = _params(rank, n)
+    stages = moe_ep_stages(p, heads=HEADS, topk=TOPK, algorithm="ring", figures=FIGURES if plan == "searched" else None)
+    if rank == 1:
+        k = [s.name for s in stages].index(stage)
+        calls = [0]
+
+        def failing(*args, _fn=stages[k].fn):
+            out = _fn(*args)
+            calls[0] += 1
+            if calls[0] == 3:  # the second run's first micro-batch: every call's signature checked before
+                raise ZeroDivisionError(f"injected on rank 1 in the forward of {stage!r}")
+            return out
+        stages[k] = strands.Stage(stages[k].name, failing, stages[k].compute, stages[k].comm)
+    out = {}
+    strands.run(stages, _batches(rank, n, 2, 0), _loss, plan=plan)  # every call checked: the peers' next is
+    t0 = time.perf_counter()                                           # in its data steps, empty messages skipped
+    try:
+        strands.run(stages, _batches(rank, n, 2, 1), _loss, plan=plan)
+        out["outcome"] = ("ok", "", 0.0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    try:
+        for t in p.values():
+            t.grad = None
+        theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
+        fresh = moe_ep_stages(p, heads=HEADS, topk=TOPK, algorithm="ring",
+                              figures=FIGURES if plan == "searched" else None)
+        against_sequential(p, theirs, fresh, moe_ep_stages(theirs, heads=HEADS, topk=TOPK, algorithm="ring"),
+                           lambda step: _batches(rank, n, 2, 10 + step), _loss, plan, problems,
+                           label="after the failure: ", after_backward=lambda params: _average_replicated(params, n))
+        out["after"] = ("ok" if not problems else "wrong", "; ".join(problems[:6]), time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["after"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    return out

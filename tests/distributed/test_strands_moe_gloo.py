@@ -66,3 +66,25 @@ def test_counts_of_the_wrong_shape_are_named():
 def test_moe_forwards_as_two_strands_match_sequential_forwards(n, plan):
     problems = _problems(launch(_strands_moe_cases.forward_only_matches_sequential, n, plan, 3, "ring", timeout=300))
     assert not problems, "\n".join(problems[:12])
+
+
+@pytest.mark.parametrize(("stage", "plan", "n", "usable"), [
+    ("dispatch + experts", "alternate", 4, True),  # the peers wait in the combine's exchange (empty messages skipped)
+    ("shared experts", "alternate", 3, True),      # ... in the dispatch's backward exchange
+    ("router", "searched", 2, False),              # ... in the whole all-to-all of the expert sizes: not servable
+])
+def test_a_moe_stage_failing_on_one_rank_is_told_to_every_rank_and_drained_where_it_can_be(stage, plan, n, usable):
+    results = launch(_strands_moe_cases.one_rank_fails, n, stage, plan, timeout=300)
+    for rank, res in enumerate(results):
+        kind, message, seconds = res["outcome"]
+        if rank == 1:
+            assert kind == "ZeroDivisionError", (rank, res)
+        else:
+            assert kind == "PeerFailedError" and "rank 1" in message and "injected on rank 1" in message, (rank, res)
+            assert ("drained" in message) == usable, (rank, res)
+        assert seconds < 30, (rank, res)
+        kind, message, _ = res["after"]
+        if usable:
+            assert kind == "ok", (rank, res["after"])
+        else:  # declared dead on every rank, by name, and refused at once
+            assert kind != "ok" and "declared dead" in message, (rank, res["after"])
