@@ -221,6 +221,29 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
     return out
 
 
+def told_and_after(results: list, usable: bool = True) -> list[str]:
+    """What is wrong with the ranks' ``one_rank_fails`` outcomes: rank 1 must raise its own error, every other
+    rank a ``PeerFailedError`` naming rank 1 and its error, all within 30 s; then, where the call could be
+    drained (``usable``), the group must run on correctly, else every rank must be refused by name."""
+    problems = []
+    for rank, res in enumerate(results):
+        kind, message, seconds = res["outcome"]
+        if rank == 1 and kind != "ZeroDivisionError":
+            problems.append(f"rank 1 raised {kind}, want its own ZeroDivisionError: {message[:300]}")
+        if rank != 1 and not (kind == "PeerFailedError" and "rank 1" in message and "injected on rank 1" in message
+                              and ("drained" in message) == usable):
+            problems.append(f"rank {rank} raised {kind}, want PeerFailedError naming rank 1 (drained: {usable}): "
+                            f"{message[:300]}")
+        if seconds >= 30:
+            problems.append(f"rank {rank} took {seconds:.1f} s to stop")
+        kind, message, _ = res["after"]
+        if usable and kind != "ok":
+            problems.append(f"rank {rank} after the failure: {kind}: {message[:300]}")
+        if not usable and (kind == "ok" or "declared dead" not in message):
+            problems.append(f"rank {rank} after the failure: {kind}, want it refused (declared dead): {message[:300]}")
+    return problems
+
+
 def forwards_against_sequential(stages: list, inputs: list, plan: str, problems: list, *, label: str = "") -> int:
     """``strands.forward(stages, inputs)`` under ``torch.no_grad()`` against the stages as one function, one
     micro-batch after the other: every micro-batch's output equal, none missing; returns how many stages ran
