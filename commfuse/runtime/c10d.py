@@ -623,6 +623,8 @@ class C10dBackend:
     def _handle(self, works, outputs, inflight, what: str | None, transfers=None):
         if self._streams():
             return _StreamHandle(works, outputs, inflight, self, what)
+        if isinstance(transfers, tuple):  # a host-blocking wait on a device's coalesced step: drainable too
+            self._call_posts.append((*transfers, self._tag_base))
         return _Handle(works, outputs, inflight, self, transfers)
 
     def _expired(self, error: BaseException) -> None:
