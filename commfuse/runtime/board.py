@@ -51,7 +51,7 @@ from collections.abc import Callable
 from commfuse.errors import CommfuseTimeoutError, GroupDeadError, MismatchError, PeerFailedError
 from commfuse.runtime.env import number
 
-__all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declare_dead", "drain_key", "grace", "heard"]
+__all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declare_dead", "grace", "heard"]
 
 #: A wait that lasts longer than this (seconds) reads the board; ``COMMFUSE_GRACE_S`` sets it. A failure on
 #: one rank reaches its peers within about this plus two :data:`POLL_S`.
@@ -210,24 +210,6 @@ def heard(note: dict, rank: int, where: str) -> BaseException:
                + root)
 
 
-def drain_key(lane: int, seq: int, rank: int) -> str:
-    """Where ``rank`` publishes its account of call #seq (thread lane ``lane``) when the call is drained
-    (``commfuse.runtime.drain``)."""
-    return f"commfuse/drain/{lane}/{seq}/{rank}"
-
-
-def _unservable(state, me: dict) -> None:
-    """Tell the ranks draining call ``me['seq']`` that this rank's wait in it cannot be drained (so they
-    declare the group dead at once instead of waiting for an account that never comes)."""
-    board = board_of(state)
-    if board is not None:
-        try:
-            board.store.set(drain_key(me["lane"], me["seq"], state.rank),
-                            json.dumps({"counts": [], "last": [], "whole": True}))
-        except Exception:  # noqa: BLE001 - a mute board: the peers time out, naming this rank
-            pass
-
-
 def _fail_text(note: dict) -> str:
     step = note.get("step")
     where = f"in step {step}" if step is not None else "before taking part"
@@ -252,7 +234,8 @@ class Stall:
         self.state, self.position, self.describe, self.poison = state, position, describe, poison
         #: ``drain(note, position)``: complete this wait's call with a peer that left it and serves it
         #: (``commfuse.runtime.drain``), returning the error to raise, or None where this wait cannot be
-        #: drained (a whole collective); None where no wait of the backend can (a stream-ordered one)
+        #: drained (a whole collective: the group is then declared dead, and the dead note ends the other
+        #: ranks' drains); None where no wait of the backend can (a stream-ordered one)
         self.drain = drain
         self.board = board_of(state)
         self.rank = state.rank
@@ -346,7 +329,7 @@ class Stall:
                 drained = self.drain(note, me) if self.drain is not None else None
                 if drained is not None:
                     raise drained
-                _unservable(self.state, me)  # a whole collective: every rank declares the group dead
+                # a whole collective cannot be drained: the dead note below stops every rank's drain too
             raise declare_dead(self.state, PeerFailedError(
                 f"rank {self.rank}, waiting in {me['what']} of call #{me['seq']} ({me['label']}): "
                 f"{_fail_text(note)}. The transfers it never posted cannot complete, so the group is dead: "

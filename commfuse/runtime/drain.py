@@ -22,7 +22,8 @@ any rank needs. Messages of one tag between two ranks pair in the order they wer
 the missing ends in the same order pairs each with its own.
 
 A call whose waits include a whole collective (the ``vanilla`` algorithm, a transport's all-to-all) cannot
-be served this way: its peer publishes that (``whole``) and every rank declares the group dead, as before.
+be served this way: its peer declares the group dead, as before, and its dead note on the board ends every
+other rank's drain, which declares the group dead too.
 A stream-ordered backend (NCCL, HCCL) never stalls on the host in a call, so it never gets here; there the
 group still ends (see ``docs/reliability.md``).
 """
@@ -36,7 +37,7 @@ import time
 import torch
 
 from commfuse.errors import CommfuseTimeoutError, GroupDeadError
-from commfuse.runtime.board import RECOVER, board_of, declare_dead, drain_key, heard
+from commfuse.runtime.board import RECOVER, board_of, declare_dead, heard
 
 __all__ = ["account", "drain_call"]
 
@@ -44,12 +45,16 @@ __all__ = ["account", "drain_call"]
 POLL_S = 0.02
 
 
-def account(counts: dict, last: list, whole: bool = False) -> dict:
+def account(counts: dict, last: list) -> dict:
     """What a rank posted in a call, as it publishes it: ``counts`` maps (direction ``"s"``/``"r"``, peer,
     tag) to how many messages it posted; ``last`` lists its last posted step's messages in posting order as
-    (direction, peer, tag, numel, dtype name). ``whole``: it waits in a whole collective."""
-    return {"counts": [[d, p, t, n] for (d, p, t), n in counts.items()],
-            "last": [list(m) for m in last], "whole": bool(whole)}
+    (direction, peer, tag, numel, dtype name)."""
+    return {"counts": [[d, p, t, n] for (d, p, t), n in counts.items()], "last": [list(m) for m in last]}
+
+
+def drain_key(lane: int, seq: int, rank: int) -> str:
+    """Where ``rank`` publishes its account of call #seq (thread lane ``lane``) in the group's store."""
+    return f"commfuse/drain/{lane}/{seq}/{rank}"
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -83,8 +88,8 @@ def drain_call(state, group, lane: int, seq: int, mine: dict, timeout: float, wh
     post the ends that have none, and wait (bounded by ``timeout``) for them and for ``own_works`` (this
     rank's own posted works of the call). Returns once the call has no message left without its other end.
 
-    Raises, having declared the group dead, where that cannot be done: a rank waits in a whole collective,
-    a rank declared the group dead, or a rank gave no account within ``timeout`` (named). ``who`` says what
+    Raises, having declared the group dead, where that cannot be done: a rank declared the group dead (one
+    that waits in a whole collective does), or a rank gave no account within ``timeout`` (named). ``who`` says what
     this rank is doing, for those messages."""
     board = board_of(state)
     if board is None:
@@ -121,12 +126,6 @@ def drain_call(state, group, lane: int, seq: int, mine: dict, timeout: float, wh
                 f"waited in the call: late, hung or gone), so its transfers cannot be completed and the group is "
                 f"dead: {RECOVER}"), None)
         time.sleep(POLL_S)
-    whole = sorted(q for q, acc in theirs.items() if acc.get("whole")) + ([me] if mine.get("whole") else [])
-    if whole:
-        ranks = ", ".join(map(str, sorted(set(whole))))
-        raise declare_dead(state, GroupDeadError(
-            f"rank {me}: {who}: rank {ranks} waits in a whole collective of call #{seq}, which a rank that left "
-            f"the call cannot serve, so the group is dead: {RECOVER}"), None)
     works = []
     for d, peer, tag, numel, dtype in _missing(me, mine, theirs):
         if d == "s":

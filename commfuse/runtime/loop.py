@@ -260,9 +260,8 @@ def leave_calls(state: GroupState, label: str, error: BaseException, count: int,
     gives every message they posted in it its other end, and returns once it is drained, the group usable.
     The peers fail in that call, naming this rank, and leave the rest as this rank does. Where that cannot be
     done (a peer waits in a whole collective, or never came) the group is declared dead and ``error`` gets
-    a note saying so; the caller raises it. A group
-    other than gloo's, whose waits alone stall on the host and read the board, is only told, as before: its
-    peers declare it dead. An ``error`` that is a commfuse verdict (this rank was told in a call of its own)
+    a note saying so; the caller raises it. A group other than gloo's, whose waits alone stall on the host
+    and read the board, is only told, as before: its peers declare it dead. An ``error`` that is a commfuse verdict (this rank was told in a call of its own)
     is only announced: every rank leaves those calls alike, and none waits in them. ``which``: the lane of
     the calls (default: this thread's). Returns whether the call was drained."""
     if count < 1 or state.world_size <= 1:
