@@ -56,6 +56,10 @@ __all__ = ["GRACE_S", "POLL_S", "RECOVER", "Board", "Stall", "board_of", "declar
 #: A wait that lasts longer than this (seconds) reads the board; ``COMMFUSE_GRACE_S`` sets it. A failure on
 #: one rank reaches its peers within about this plus two :data:`POLL_S`.
 GRACE_S = 0.5
+
+#: How many calls' failure notes a board keeps (:attr:`Board.fails`), oldest dropped first.
+FAILS_KEPT = 64
+
 #: How often a stalled wait reads the board again, in seconds.
 POLL_S = 0.2
 #: How many ranks a stalled wait follows along the chain of who waits for whom.
@@ -79,6 +83,10 @@ class Board:
         self.prefix = "commfuse/"
         self.cursor = 0  # how many log entries this rank has read
         self.posted = False
+        #: other ranks' ``fail`` notes read so far, by (lane, call number): a note read while this rank still
+        #: waited in an earlier call (or by a reader that only looks for other kinds) is still there for the
+        #: wait in its own call, which may begin later
+        self.fails: dict[tuple, dict] = {}
 
     def _key(self, *parts) -> str:
         return self.prefix + "/".join(str(p) for p in parts)
@@ -101,11 +109,20 @@ class Board:
                 key = self._key("log", self.cursor + 1)
                 if not self.store.check([key]):  # counted, not yet written: read it next time
                     break
-                out.append(json.loads(self.store.get(key)))
+                note = json.loads(self.store.get(key))
+                out.append(note)
                 self.cursor += 1
+                if note.get("kind") == "fail" and note.get("rank") != self.rank:
+                    self.fails.setdefault((note.get("lane"), note.get("seq")), note)
+                    while len(self.fails) > FAILS_KEPT:
+                        del self.fails[next(iter(self.fails))]
         except Exception:  # noqa: BLE001
             pass
         return out
+
+    def fail_of(self, lane, seq) -> dict | None:
+        """The first other rank's ``fail`` note of call #seq on lane ``lane`` read so far, or None."""
+        return self.fails.get((lane, seq))
 
     def post(self, position: dict) -> None:
         """Say where this rank waits (``at/<rank>``)."""
@@ -243,6 +260,7 @@ class Stall:
         self.late: list[int] = []
         self.chain: list[str] = []
         self.failed: list[dict] = []  # other ranks' failure notes read so far (a mismatch's cause, often)
+        self.looked = False  # whether the board's notes read before this wait began were looked at
 
     # -- what a wait calls -------------------------------------------------------------------------------------
 
@@ -256,7 +274,7 @@ class Stall:
             me["since"], me["beat"] = time.time(), 0
         me["beat"] += 1  # posted again on every poll: a position that stops beating outlived its wait
         board.post(me)
-        for note in board.news():
+        for note in self._news():
             self._read(note, me)
         self._follow(me)
 
@@ -264,7 +282,7 @@ class Stall:
         """Read the new notes only (no position posted: a stream-ordered backend's watchdog, whose host is not
         waiting); raise a named error on a verdict."""
         if self.board is not None:
-            for note in self.board.news():
+            for note in self._news():
                 self._read(note, self.position)
 
     def timed_out(self, timeout: float, text: str) -> None:
@@ -304,6 +322,19 @@ class Stall:
             self.board.clear()
 
     # -- reading -----------------------------------------------------------------------------------------------
+
+    def _news(self) -> list[dict]:
+        """The board's new notes; on the first read, led by a failure note of this wait's call that was read
+        before the wait began (while this rank still waited in an earlier call, or by a reader looking for
+        other kinds): a peer that left the call, and serves it, must not be missed."""
+        notes = self.board.news()
+        if not self.looked:
+            self.looked = True
+            me = self.position
+            earlier = self.board.fail_of(me["lane"], me["seq"])
+            if earlier is not None and all(earlier is not n for n in notes):
+                notes = [earlier] + notes
+        return notes
 
     def _read(self, note: dict, me: dict) -> None:
         kind = note.get("kind")

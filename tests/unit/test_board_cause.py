@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from commfuse.errors import PeerFailedError
-from commfuse.runtime.board import Board
+from commfuse.runtime.board import Board, Stall
 from commfuse.runtime.c10d import _board_cause
 from commfuse.runtime.groups import GroupState
 
@@ -45,3 +45,47 @@ def test_without_a_note_of_that_call_the_latest_call_is_named():
 
 def test_a_board_with_no_note_names_nothing():
     assert _board_cause(_state(dist.HashStore(), 1), 1, "waiting", (13, 7)) is None
+
+
+def _position(seq: int) -> dict:
+    return {"seq": seq, "lane": 7, "thread": "MainThread", "digest": "d", "label": f"op{seq}", "check": True,
+            "waits": [0], "fp": [], "what": "hop 1 of the call check"}
+
+
+@pytest.mark.parametrize("read_before", [True, False], ids=["note read before the wait", "note read in the wait"])
+def test_a_peer_serving_the_call_is_heard_even_when_its_note_was_read_before_the_wait_began(read_before):
+    # rank 0 left call #13 and serves it; rank 1 read the board (in a wait of an earlier call, or a reader that
+    # looks for other kinds) before it began to wait in call #13: its wait there must still drain the call
+    store = dist.HashStore()
+    Board(store, 0, 3).log("fail", seq=13, lane=7, thread="MainThread", label="op13", step=None,
+                           exc="CommfuseValueError", message="rank 0 refused its mask", continuing=False, serves=True)
+    state = _state(store, 1)
+    if read_before:
+        earlier = Stall(state, _position(12), str, None)
+        earlier.poll()  # a wait of call #12 reads the note and passes it by
+        earlier.finished()
+    served = []
+
+    def drain(note, position):
+        served.append((note["rank"], position["seq"]))
+        return PeerFailedError("drained")
+
+    with pytest.raises(PeerFailedError, match="drained"):
+        Stall(state, _position(13), str, None, drain).poll()
+    assert served == [(0, 13)]
+
+
+def test_a_note_read_before_the_wait_is_looked_at_once():
+    # a continuing failure note of the call, read before the wait: the wait takes it as told, once
+    store = dist.HashStore()
+    Board(store, 0, 3).log("fail", seq=13, lane=7, thread="MainThread", label="op13", step=2,
+                           exc="CommfuseValueError", message="rank 0 stopped", continuing=True)
+    state = _state(store, 1)
+    state.board.news()
+    stall = Stall(state, _position(13), str, None)
+    stall.poll()
+    assert state.told is not None and state.told["rank"] == 0
+    assert state.board.knows(7, 13, 1)
+    state.told = None
+    stall.poll()
+    assert state.told is None  # looked at once per wait, not on every poll
