@@ -84,6 +84,9 @@ class Prediction:
                  "passes": w.passes}
         if w.name == "moe":
             shape.update(ep=w.ep, experts=w.experts, topk=w.topk, skew=w.skew, grouping=w.grouping)
+        if w.name == "ring_attention":
+            shape.update(cp=w.cp, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim, layout=w.layout,
+                         kv_replicate=w.kv_replicate)
         return {
             "workload": w.name,
             "algorithm": self.algorithm,

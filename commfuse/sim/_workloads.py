@@ -400,6 +400,11 @@ class Workload:
     (at most ``experts``), ``ffn`` per expert, ``skew`` (>= 1, at most ``ep``:
     rank 0's share of every rank's routed rows over the balanced share, a hot
     expert rank) and ``grouping`` (:class:`ExpertOp`). ``tp`` and ``dp`` stay 1.
+
+    ``ring_attention`` only (``commfuse.sim._ring_attention``): ``cp`` ranks, ``heads`` query heads (default
+    hidden / 128), ``kv_heads`` (default ``heads``), ``head_dim`` (default hidden / heads), ``layout``
+    (zigzag, contiguous or none: not causal) and ``kv_replicate`` (let Ulysses run over more ranks than
+    K/V heads). ``tp`` and ``dp`` stay 1.
     """
 
     name: str
