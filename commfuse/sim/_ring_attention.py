@@ -134,18 +134,17 @@ def backward_schedule(world: int, algorithm: str = "ring") -> Schedule:
     rs = build("reduce_scatter", world, algorithm=algorithm, ring=Ring(world).reversed())
     if world == 1:
         return rs
-    o = lambda x: x % world  # noqa: E731 - ring offsets, as the builders write them
     steps = []
-    for step in rs.template:
+    for step in rs.template:  # ring offsets from position 0, as the builders write them
         sends, recvs = list(step.sends), list(step.recvs)
         for x in step.compute:
-            # the sums of half h travel `way` hops a step; the K/V block of the next step comes the same way
-            way = 1 if x.half == 0 else world - 1
-            back = 1 if way == world - 1 else -1
+            # half 0's sums go `way` = 1 hop a step, half 1's world - 1 (the other way round); the K/V
+            # block of the next step (one `back` along the offsets) comes the same way, from -way
+            way, back = (1, -1) if x.half == 0 else (world - 1, 1)
             if step.index < world - 2:  # the blocks of steps 1..n-2; the last step's is the rank's own
-                nxt = SliceId(o(x.shard + back), x.part, x.half)
-                sends.append(Transfer(x, o(way), way, KV_CHANNEL + x.half))
-                recvs.append(Transfer(nxt, o(-way), way, KV_CHANNEL + x.half))
+                nxt = SliceId((x.shard + back) % world, x.part, x.half)
+                sends.append(Transfer(x, way % world, way, KV_CHANNEL + x.half))
+                recvs.append(Transfer(nxt, -way % world, way, KV_CHANNEL + x.half))
         steps.append(Step(step.index, tuple(sends), tuple(recvs), step.collectives, step.compute, step.accumulate))
     schedule = Schedule(rs.collective, world, rs.algorithm, rs.parts, rs.chunks, rs.ring, tuple(steps))
     _check_backward(schedule)

@@ -233,3 +233,21 @@ def test_the_command_prints_forward_backward_exposed_and_fastest(capsys):
 def test_the_command_refuses_naming_why(extra, message, capsys):
     assert main([*CMD, *extra] if extra[0] != "--cp" else [*CMD, *extra, "-a", "ulysses"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_json_has_a_forward_and_a_backward_record_per_algorithm(capsys):
+    import json
+
+    assert main([*CMD, "-a", "vanilla", "ring", "--json"]) == 0
+    captured = capsys.readouterr()
+    records = json.loads(captured.out)
+    assert "forward ms" in captured.err  # the table moves to stderr
+    assert [(r["algorithm"], r["shape"]["passes"]) for r in records] == [
+        ("vanilla", "forward"), ("ring", "forward"), ("vanilla", "backward"), ("ring", "backward")]
+    assert {r["shape"]["cp"] for r in records} == {8} and {r["shape"]["kv_heads"] for r in records} == {8}
+    assert all(r["predicted"] and r["world_size"] == 8 for r in records)
+
+
+def test_plot_is_refused_not_ignored(tmp_path, capsys):
+    assert main([*CMD, "--plot", str(tmp_path / "g.svg")]) == 2
+    assert "--plot is not supported" in capsys.readouterr().err
