@@ -2,6 +2,7 @@
 
     commfuse simulate --profile NAME|FILE --workload W --tp N --seq S --hidden H [--batch B] [--dp N] ...
     commfuse simulate --profile NAME|FILE --preset mixtral-8x7b|deepseek-v3 [--ep N --experts E --topk K ...]
+    commfuse simulate --profile NAME|FILE -w ring_attention --cp N --seq S --hidden H [--heads Q --kv-heads K ...]
     commfuse simulate calibrate [--link-rate RATE] [--output FILE] [--install]
     commfuse simulate profiles
 
