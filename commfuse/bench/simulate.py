@@ -196,6 +196,11 @@ def _simulate(args: argparse.Namespace) -> int:
         return _strands(args, profile, moe)
     if args.workload == "ring_attention":
         return _ring_attention(args, profile)
+    given = [f for f in ("cp", "heads", "kv_heads", "head_dim", "layout", "kv_replicate")
+             if getattr(args, f) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise CommfuseValueError(f"{flags} apply to --workload ring_attention only, not {args.workload}")
     passes = args.passes or ("both" if args.workload == "moe" else "forward")
     batch = 1 if args.batch is None else args.batch
     workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=batch,

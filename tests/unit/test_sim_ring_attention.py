@@ -251,3 +251,9 @@ def test_json_has_a_forward_and_a_backward_record_per_algorithm(capsys):
 def test_plot_is_refused_not_ignored(tmp_path, capsys):
     assert main([*CMD, "--plot", str(tmp_path / "g.svg")]) == 2
     assert "--plot is not supported" in capsys.readouterr().err
+
+
+def test_its_flags_are_refused_with_another_workload(capsys):
+    argv = ["simulate", "--profile", "h100-sxm", "-w", "mlp", "--tp", "2", "--seq", "64", "--hidden", "64"]
+    assert main([*argv, "--cp", "2", "--kv-heads", "1"]) == 2
+    assert "--cp, --kv-heads apply to --workload ring_attention only, not mlp" in capsys.readouterr().err
