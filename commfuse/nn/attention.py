@@ -64,6 +64,7 @@ from commfuse.nn._common import (
     layer_mesh,
     local,
     replicated,
+    replicated_linear,
     resolve_group,
     site_forward,
     world,
@@ -380,9 +381,7 @@ class UlyssesAttention(nn.Module):
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        w = replicated(lin.weight, self.group)
-        b = replicated(lin.bias, self.group) if lin.bias is not None else None
-        return F.linear(x, w, b)
+        return replicated_linear(lin, x, self.group)
 
     @site_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
