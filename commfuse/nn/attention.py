@@ -31,7 +31,6 @@ so a rank whose layer was built otherwise is named on every rank
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import commfuse.ops as ops

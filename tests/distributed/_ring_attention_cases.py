@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import commfuse as cf
-from commfuse.context import positions, rope, shard_sequence
+from commfuse.context import rope, shard_sequence
 from commfuse.errors import CommfuseError
 from commfuse.fused.attention import attend
 
