@@ -374,7 +374,8 @@ def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tens
     kvs = [torch.cat([k, v], dim=2) for k, v in zip(ks, vs)]
     outs = []
     for r in range(n):
-        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents), scale, ks[0].shape[2], r)
+        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents, qs[r].device), scale,
+                     ks[0].shape[2], r)
         out, _, _ = _forward(ring, qs[r], None, False, sources=kvs)
         outs.append(out.to(qs[r].dtype))
     return outs
