@@ -22,6 +22,12 @@ name                               what it is
 :func:`ring_attention_reference`   the same blocks and merges in the ring's order over per-rank lists, in one
                                    process (reference semantics, STYLE 3)
 ================================== ==========================================================================
+
+The 2-D form (``ulysses_group``: Ulysses inside, ring across, a cp x ulysses mesh): each rank holds 1/U of its
+cp rank's shard (in shard order); a pairwise all-to-all over the Ulysses group gives every rank the whole cp
+shard for Hq/U query heads and Hkv/U K/V heads, ring attention runs over the cp group on those heads, and a
+last all-to-all brings the output back to sequence shards (:class:`_HeadsToSequence`; the backward exchanges
+the gradients the other way).
 """
 
 from __future__ import annotations
@@ -37,11 +43,19 @@ from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import all_gather_consume_core, configured, layer_config, produce_reduce_scatter_core
+from commfuse.planning.pipelined import (
+    all_gather_consume_core,
+    all_to_all_consume_core,
+    collect,
+    configured,
+    layer_config,
+    produce_reduce_scatter_core,
+)
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
 
-__all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference"]
+__all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference",
+           "ulysses_positions"]
 
 config_words("contiguous", "zigzag")
 
@@ -349,12 +363,95 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
 
 
+class _SequenceToHeads(torch.autograd.Function):
+    """Ulysses' exchange: this rank's rows of every head in, every rank's rows of this rank's heads out.
+
+    ======== ============================================ ==========================================
+    pass     computes                                     communication (pairwise all-to-all, U ranks)
+    ======== ============================================ ==========================================
+    forward  x (b, L, H, d) -> (b, U*L, H/U, d)           head chunk t of x to rank t; rows by source
+    backward g (b, U*L, H/U, d) -> (b, L, H, d)           row chunk s of g back to rank s (the inverse)
+    ======== ============================================ ==========================================
+    """
+
+    @staticmethod
+    def forward(ctx, call, x: torch.Tensor):
+        ctx.call = call
+        return _to_heads(call, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return None, _to_sequence(ctx.call, g)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """The inverse of :class:`_SequenceToHeads`: (b, U*L, H/U, d) -> (b, L, H, d); its backward is the
+    forward exchange."""
+
+    @staticmethod
+    def forward(ctx, call, x: torch.Tensor):
+        ctx.call = call
+        return _to_sequence(call, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return None, _to_heads(ctx.call, g)
+
+
+def _to_heads(call, x: torch.Tensor) -> torch.Tensor:
+    u = call.world_size
+    chunks = [c.contiguous() for c in x.chunk(u, dim=2)]
+    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=1)
+
+
+def _to_sequence(call, x: torch.Tensor) -> torch.Tensor:
+    u = call.world_size
+    chunks = [c.contiguous() for c in x.chunk(u, dim=1)]
+    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=2)
+
+
+def ulysses_positions(seq_len: int, cp_rank: int, cp_size: int, ulysses_rank: int, ulysses_size: int,
+                      layout: str = "contiguous", *, device=None) -> torch.Tensor:
+    """The global positions of the tokens a rank of the 2-D form holds: the ``ulysses_rank``-th of
+    ``ulysses_size`` equal pieces of cp rank ``cp_rank``'s shard (``commfuse.context.positions``)."""
+    pos = positions(seq_len, cp_rank, cp_size, layout, device=device)
+    if pos.numel() % ulysses_size:
+        raise CommfuseValueError(f"rank {ulysses_rank}: the cp shard of {pos.numel()} positions does not cut into "
+                                 f"{ulysses_size} equal pieces for the Ulysses group")
+    return pos.chunk(ulysses_size)[ulysses_rank]
+
+
+def _ulysses_call(q, k, ulysses_group, timeout):
+    """The Ulysses exchange's call (None: no Ulysses group, or one of size 1), K/V heads checked."""
+    if ulysses_group is None:
+        return None
+    call = resolve_call(Collective.ALL_TO_ALL, "auto", group=ulysses_group, device=q.device,
+                        slice_bytes=q.numel() // q.shape[2] * q.element_size(), timeout=timeout)
+    if call is None:
+        return None
+    u = call.world_size
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] % u:
+            raise CommfuseValueError(f"rank {call.rank}: {name} has {t.shape[2]} heads, not divisible by the Ulysses "
+                                     f"group's size {u}: every rank of it needs whole heads")
+    return call
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = True,
                    scale: float | None = None, layout: str = "contiguous", algorithm: str = "auto",
-                   document_lengths=None, timeout: float | None = None) -> torch.Tensor:
-    """This rank's shard of softmax attention over the whole sequence, the sequence sharded over ``group``.
+                   document_lengths=None, timeout: float | None = None, ulysses_group=None) -> torch.Tensor:
+    """This rank's shard of softmax attention over the whole sequence, the sequence sharded over ``group``
+    (and, with ``ulysses_group``, each cp shard cut again over it: the 2-D form).
 
     See ``commfuse.ring_attention`` (``commfuse.ops``) for the contract; this is the one implementation."""
+    if ulysses_group is not None:
+        ulysses = plan_once(None, lambda: _ulysses_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
+                            ulysses_group, None)
+        if ulysses is not None:
+            q, k, v = (_SequenceToHeads.apply(ulysses, t) for t in (q, k, v))
+            out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
+                                 algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
+            return _HeadsToSequence.apply(ulysses, out)
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
     return _RingAttention.apply(ring, q, k, v)
