@@ -285,14 +285,14 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         keep = any(ctx.needs_input_grad[1:])
         out, lse, blocks = _forward(ring, q, torch.cat([k, v], dim=2), keep)
-        ctx.ring, ctx.blocks, ctx.kdtype = ring, blocks, (k.dtype, v.dtype)
-        ctx.save_for_backward(q, out, lse)
+        ctx.ring, ctx.kdtype = ring, (k.dtype, v.dtype)
+        ctx.save_for_backward(q, out, lse, *blocks)  # the blocks: None where no gradient is wanted
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
-        q, out, lse = ctx.saved_tensors
-        ring, blocks = ctx.ring, ctx.blocks
+        q, out, lse, *blocks = ctx.saved_tensors
+        ring = ctx.ring
         do = do.to(out.dtype)
         delta = (do * out).sum(-1).transpose(1, 2)  # (b, Hq, L): rowsum(dO * O)
         dq = torch.zeros_like(out)
@@ -308,7 +308,6 @@ class _RingAttention(torch.autograd.Function):
         else:
             dkv = produce_reduce_scatter_core(ring.scatter, producer, 1, label="ring_attention.backward",
                                               inplace=True)
-        ctx.blocks = None
         hkv = ring.hkv
         kd, vd = ctx.kdtype
         return None, dq.to(q.dtype), dkv[:, :, :hkv].to(kd), dkv[:, :, hkv:].to(vd)
