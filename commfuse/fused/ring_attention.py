@@ -26,7 +26,7 @@ name                               what it is
 The 2-D form (``ulysses_group``: Ulysses inside, ring across, a cp x ulysses mesh): each rank holds 1/U of its
 cp rank's shard (in shard order); a pairwise all-to-all over the Ulysses group gives every rank the whole cp
 shard for Hq/U query heads and Hkv/U K/V heads, ring attention runs over the cp group on those heads, and a
-last all-to-all brings the output back to sequence shards (:class:`_HeadsToSequence`; the backward exchanges
+last all-to-all brings the output back to sequence shards (:class:`_UlyssesExchange`; the backward exchanges
 the gradients the other way).
 """
 
@@ -362,39 +362,26 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """Ulysses' exchange: this rank's rows of every head in, every rank's rows of this rank's heads out.
+class _UlyssesExchange(torch.autograd.Function):
+    """Ulysses' exchange, each way: ``to_heads`` takes this rank's rows of every head to every rank's rows of
+    this rank's heads; otherwise the inverse. The backward is the exchange the other way.
 
-    ======== ============================================ ==========================================
-    pass     computes                                     communication (pairwise all-to-all, U ranks)
-    ======== ============================================ ==========================================
-    forward  x (b, L, H, d) -> (b, U*L, H/U, d)           head chunk t of x to rank t; rows by source
-    backward g (b, U*L, H/U, d) -> (b, L, H, d)           row chunk s of g back to rank s (the inverse)
-    ======== ============================================ ==========================================
+    ======== ====================================================== ====================================
+    pass     computes (to_heads; the other way swaps the shapes)    communication (pairwise, U ranks)
+    ======== ====================================================== ====================================
+    forward  x (b, L, H, d) -> (b, U*L, H/U, d)                     head chunk t of x to rank t
+    backward g (b, U*L, H/U, d) -> (b, L, H, d)                     row chunk s of g back to rank s
+    ======== ====================================================== ====================================
     """
 
     @staticmethod
-    def forward(ctx, call, x: torch.Tensor):
-        ctx.call = call
-        return _to_heads(call, x)
+    def forward(ctx, call, to_heads: bool, x: torch.Tensor):
+        ctx.call, ctx.to_heads = call, to_heads
+        return _to_heads(call, x) if to_heads else _to_sequence(call, x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        return None, _to_sequence(ctx.call, g)
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """The inverse of :class:`_SequenceToHeads`: (b, U*L, H/U, d) -> (b, L, H, d); its backward is the
-    forward exchange."""
-
-    @staticmethod
-    def forward(ctx, call, x: torch.Tensor):
-        ctx.call = call
-        return _to_sequence(call, x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return None, _to_heads(ctx.call, g)
+        return None, None, _to_sequence(ctx.call, g) if ctx.to_heads else _to_heads(ctx.call, g)
 
 
 def _to_heads(call, x: torch.Tensor) -> torch.Tensor:
@@ -447,10 +434,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         ulysses = plan_once(None, lambda: _ulysses_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
                             ulysses_group, None)
         if ulysses is not None:
-            q, k, v = (_SequenceToHeads.apply(ulysses, t) for t in (q, k, v))
+            q, k, v = (_UlyssesExchange.apply(ulysses, True, t) for t in (q, k, v))
             out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                  algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
-            return _HeadsToSequence.apply(ulysses, out)
+            return _UlyssesExchange.apply(ulysses, False, out)
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
     return _RingAttention.apply(ring, q, k, v)
