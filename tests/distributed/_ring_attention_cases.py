@@ -72,8 +72,28 @@ def numerics(rank: int, n: int) -> dict:
                                 f"{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{algorithm}")
                         _run(results, name, _bind(_one, rank, n, layout, causal, hq, hkv, docs, dtype, algorithm,
                                                   i))
-    _run(results, "torch-ring-attention", lambda: _against_torch(rank, n))
+    cp = _torch_ring()
+    if isinstance(cp, str):
+        results["skip:torch-ring-attention"] = cp
+    else:
+        _run(results, "torch-ring-attention", lambda: _against_torch(rank, n, cp))
     return results
+
+
+def _torch_ring():
+    """torch's ring attention module (private: ``_context_parallel._attention`` since torch 2.10, ``_attention``
+    before), or why it cannot be compared with."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError:
+        try:
+            from torch.distributed.tensor.experimental import _attention as cp
+        except ImportError as e:
+            return f"this torch has no ring attention module to compare with ({e})"
+    if not hasattr(cp, "_templated_ring_attention") or not hasattr(cp, "_cp_options") or not hasattr(
+            torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "this torch's ring attention has no _templated_ring_attention/_cp_options or CPU flash kernel"
+    return cp
 
 
 def _bind(fn, *args):
@@ -98,13 +118,12 @@ def _one(rank, n, layout, causal, hq, hkv, docs, dtype, algorithm, seed):
         _close(t.grad, shard_sequence(w, rank, n, layout), name, dtype)
 
 
-def _against_torch(rank, n):
+def _against_torch(rank, n, cp):
     """torch's ring attention (the one ``context_parallel`` dispatches SDPA to) on the same shards: its public
     ``context_parallel`` cannot run on CPU (no DTensor sharding strategy for
     ``aten._scaled_dot_product_flash_attention_for_cpu``), so its ring, ``_templated_ring_attention``, is
     called directly with the CPU flash kernel; its load balancing is the zigzag layout. Forward only."""
     import torch.distributed as dist
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     saved = cp._cp_options.enable_load_balance

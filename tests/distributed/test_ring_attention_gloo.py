@@ -42,6 +42,11 @@ def test_ring_attention_equals_unsharded_attention_forward_and_backward(layout, 
 
 @pytest.mark.parametrize("n", (2, 3, 4))
 def test_ring_attention_equals_torch_ring_attention(n):
+    """Forward against torch's ring (its public context_parallel cannot run on CPU: see the case's docstring);
+    skipped by capability, with the reason, where this torch has no such ring to call."""
+    why = _results("numerics", n)[0].get("skip:torch-ring-attention")
+    if why:
+        pytest.skip(why)
     _check("numerics", n, "torch-ring-attention")
 
 
