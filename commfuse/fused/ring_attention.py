@@ -98,8 +98,8 @@ def merge_lse(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
     """Two softmax attentions of the same query rows over disjoint keys, merged into the attention over all
     of them: ``lse' = log(e^lse + e^lse_blk)``, ``o' = o e^(lse - lse') + o_blk e^(lse_blk - lse')``.
 
-    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32 (or all float64); a -inf lse (no keys yet) is the empty
-    attention and merges as nothing."""
+    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32 (or all float64); a -inf lse (no keys yet)
+    is the empty attention and merges as nothing."""
     new = torch.logaddexp(lse, lse_blk)
     base = _finite(new)
     a = torch.exp(lse - base).transpose(1, 2).unsqueeze(-1)
