@@ -33,7 +33,9 @@ linears, which they name by their paths in it, dotted where they sit deeper):
 one gather, and :class:`AttentionParallel`, self-attention whose Q/K/V
 projections (three, or one fused ``wqkv``) share one gather, with a hook for
 rotary embeddings, and whose out-projection reduce-scatter is fed by
-per-query-slice attention.
+per-query-slice attention. :class:`RingAttentionParallel` is the same block
+under context parallelism, applied on the CP axis: the weights replicated,
+the sequence sharded, K/V passed around the ring (``commfuse.ring_attention``).
 
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
