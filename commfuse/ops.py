@@ -615,6 +615,9 @@ def ring_attention(
     (both must divide by U), the ring runs over ``group`` on those heads, and a last all-to-all brings the
     output back. ``document_lengths``, ``layout`` and the sizes refer to the cp ring as before.
 
+    Under ``torch.autocast`` q, k and v are cast to the autocast dtype at entry (as SDPA is there): K/V travel
+    in it, the blocks are still computed and merged in float32, and the result is in the autocast dtype.
+
     Not a custom op: under ``torch.compile`` it raises (``fullgraph=True`` fails with that message) and with
     ``fullgraph=False`` the graph breaks there and the call runs eagerly.
     """
@@ -624,6 +627,8 @@ def ring_attention(
             "consume form of an all-gather) and cannot be part of a torch.compile graph: compile with "
             "fullgraph=False (torch.compile then runs it eagerly at a graph break)"
         )
+    if _any_autocast():  # as SDPA under autocast: q, k, v in its dtype (K/V travel in it); blocks merge in float32
+        q, k, v = _autocast(q), _autocast(k), _autocast(v)
     return _ring.ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                 algorithm=algorithm, document_lengths=document_lengths, timeout=timeout,
                                 ulysses_group=ulysses_group)

@@ -33,7 +33,9 @@ linears, which they name by their paths in it, dotted where they sit deeper):
 one gather, and :class:`AttentionParallel`, self-attention whose Q/K/V
 projections (three, or one fused ``wqkv``) share one gather, with a hook for
 rotary embeddings, and whose out-projection reduce-scatter is fed by
-per-query-slice attention.
+per-query-slice attention. :class:`RingAttentionParallel` is the same block
+under context parallelism, applied on the CP axis: the weights replicated,
+the sequence sharded, K/V passed around the ring (``commfuse.ring_attention``).
 
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
@@ -74,14 +76,15 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
+from commfuse.context import check_layout, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
-from commfuse.nn._common import as_dtensor, config, replicated
+from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
 from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
 
-__all__ = ["AttentionParallel", "ColwiseParallel", "RowwiseParallel", "SwiGLUParallel"]
+__all__ = ["AttentionParallel", "ColwiseParallel", "RingAttentionParallel", "RowwiseParallel", "SwiGLUParallel"]
 
 
 def _normalized(p: Placement, ndim: int) -> Placement:
@@ -430,7 +433,131 @@ class SwiGLUParallel(_Style):
         return self._row(mesh, nn.functional.silu(gate) * up, w2, who, options)
 
 
-class AttentionParallel(_Style):
+class _AttentionStyle(_Style):
+    """What the attention block styles share: the projections named by their paths (three, or one fused
+    ``qkv``), ``head_dim``, the rope hook and the block's other forward arguments (masks by name, the rest to
+    the hook). :class:`AttentionParallel` (heads over the mesh) and :class:`RingAttentionParallel` (the
+    sequence over the mesh) differ in what they do with them."""
+
+    _native = False  # their rings are the consume and produce forms, not fused GEMMs
+    _roles = {"wq": "query projection", "wk": "key projection", "wv": "value projection",
+              "qkv": "fused QKV projection", "wo": "output projection"}
+    #: the keywords the style itself gives the rope hook (besides ``module=`` with ``rope_takes_module``)
+    _hook_keywords: tuple = ()
+
+    @property
+    def _who(self) -> str:
+        return f"commfuse.tp.{type(self).__name__}"
+
+    def _attention_options(self, *, head_dim: int, causal: bool, rope, rope_takes_module: bool, wq, wk, wv, qkv,
+                           wo) -> None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise CommfuseValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        if rope is not None and not callable(rope):
+            raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
+        self.head_dim, self.causal, self.rope = head_dim, causal, rope
+        self.rope_takes_module = bool(rope_takes_module)
+        if self.rope_takes_module and (rope is None or not _takes_keyword(rope, "module")):
+            got = "no rope hook is given" if rope is None else \
+                f"the rope hook {getattr(rope, '__name__', rope)!r} takes no keyword 'module'"
+            raise CommfuseTypeError(f"{self._who}: rope_takes_module=True calls the rope hook as "
+                                    f"rope(q, k, *args, module=block, **kwargs), but {got}")
+        for keyword in self._hook_keywords:
+            if rope is not None and not _takes_keyword(rope, keyword):
+                raise CommfuseTypeError(
+                    f"{self._who}: the rope hook {getattr(rope, '__name__', rope)!r} takes no keyword {keyword!r}; "
+                    f"the style calls it as rope(q, k, *args, {keyword}=..., **kwargs)")
+        # the style gives the hook module= (and its own keywords) itself: none of the block's own arguments is
+        # routed to those names
+        given = (("module",) if self.rope_takes_module else ()) + self._hook_keywords
+        self._rope_takes = (0, frozenset()) if rope is None else _takes(rope, 2, given=given)
+        separate = {"wq": wq, "wk": wk, "wv": wv}
+        if qkv is not None:
+            given = [f"{name}={value!r}" for name, value in separate.items() if value is not None]
+            if given:
+                raise CommfuseValueError(f"{self._who}: qkv={qkv!r} names one fused QKV "
+                                         f"projection in place of wq, wk and wv, but {', '.join(given)} is given "
+                                         "too: give one or the other")
+            self.names = {"qkv": qkv, "wo": wo}
+        else:
+            self.names = {**{name: value or name for name, value in separate.items()}, "wo": wo}
+
+    def _projections(self, module: nn.Module, device_mesh: DeviceMesh, n: int) -> tuple[list, nn.Linear, int | None]:
+        """The block's Q/K/V projections (three, or the one fused), its ``wo``, and the query heads per
+        key/value group of a fused one (None for three); the heads checked to split evenly over ``n`` ranks
+        (1: no head split)."""
+        lin = _linears(self, module, self.names, device_mesh)
+        d = self.head_dim
+        wo = lin["wo"]
+        if "qkv" in lin:
+            return [lin["qkv"]], wo, self._kv_groups(lin["qkv"], wo, n)
+        projections = [lin["wq"], lin["wk"], lin["wv"]]
+        for argument, linear in zip(("wq", "wk", "wv"), projections):
+            out = linear.out_features
+            if out % d or (out // d) % n:
+                raise CommfuseValueError(
+                    f"{self._who}: the {self._roles[argument]} {self.names[argument]!r} has "
+                    f"{out} features, which is not whole heads of {d} split evenly over {n} ranks: every rank "
+                    f"must hold whole heads"
+                )
+        return projections, wo, None
+
+    def _kv_groups(self, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
+        """The query heads per key/value head of a fused QKV projection (torchtitan's ``FusedQKVLinear``
+        layout), read from its rows and ``wo``'s input features, checked: each of the ``n`` ranks must hold
+        whole key/value groups."""
+        d, path = self.head_dim, self.names["qkv"]
+        heads, rows = wo.in_features // d, qkv.out_features // d
+        kv_heads = (rows - heads) // 2
+        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 or rows != heads + 2 * kv_heads \
+                or heads % kv_heads:
+            raise CommfuseValueError(
+                f"{self._who}: the fused QKV projection {path!r} has {qkv.out_features} "
+                f"features, which is not (n_heads + 2 * n_kv_heads) heads of {d} laid out as torchtitan's "
+                f"FusedQKVLinear, with n_heads = {wo.in_features / d:g} read from the output projection "
+                f"{self.names['wo']!r} ({wo.in_features} input features) and n_heads dividing by n_kv_heads"
+            )
+        if kv_heads % n:
+            raise CommfuseValueError(
+                f"{self._who}: the fused QKV projection {path!r} holds n_kv_heads = {kv_heads} "
+                f"key/value groups, which do not split evenly over {n} ranks: under Shard(0) every rank must hold "
+                f"whole groups (its query heads, key head and value head)"
+            )
+        return heads // kv_heads
+
+    def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
+        """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
+        as the class docstring says; what is neither is refused by name."""
+        masks, rest, more = {}, [], {}
+        for i, value in enumerate(args):
+            name = names[i] if i < len(names) else None
+            if fused_attention.is_mask(name, value):
+                masks[name or f"argument {i + 1} (a {type(value).__name__})"] = value
+            else:
+                rest.append((name, i, value))
+        for name, value in kwargs.items():
+            if fused_attention.is_mask(name, value):
+                masks[name] = value
+            else:
+                more[name] = value
+        positional, keywords = self._rope_takes
+        refused = [] if positional is None else \
+            [f"{name or f'argument {i + 1}'} ({_described(value)})" for name, i, value in rest[positional:]]
+        refused += [f"{name}= ({_described(value)})" for name, value in more.items()
+                    if keywords is not None and name not in keywords]
+        if refused:
+            hook = "no rope hook is given" if self.rope is None else \
+                f"the rope hook {getattr(self.rope, '__name__', self.rope)!r} does not take it"
+            raise CommfuseTypeError(
+                f"{self._who}: the block's forward got {', '.join(refused)}, which is not a mask "
+                f"(a parameter named {', '.join(fused_attention.MASK_NAMES)}, or a FlexAttention BlockMask or a "
+                f"VarlenMetadata) and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
+                "hook that takes the argument"
+            )
+        return masks, tuple(value for _, _, value in rest), more
+
+
+class AttentionParallel(_AttentionStyle):
     """Self-attention with heads split over the mesh and the queries split over the ring (TPSP, query-split).
 
     Apply it to the attention block, whose ``nn.Linear`` projections to and
@@ -502,59 +629,17 @@ class AttentionParallel(_Style):
       ``CommfuseTypeError``: nothing the block is given is ignored.
     """
 
-    _native = False  # the out-projection's ring is produce_reduce_scatter's
-    _roles = {"wq": "query projection", "wk": "key projection", "wv": "value projection",
-              "qkv": "fused QKV projection", "wo": "output projection"}
-
     def __init__(self, *, head_dim: int, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True, algorithm: str = "auto",
                  causal: bool = True, rope=None, rope_takes_module: bool = False, wq: str | None = None,
                  wk: str | None = None, wv: str | None = None, qkv: str | None = None, wo: str = "wo") -> None:
         super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
                          use_local_output=use_local_output, algorithm=algorithm)
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise CommfuseValueError(f"head_dim must be a positive int, got {head_dim!r}")
-        if rope is not None and not callable(rope):
-            raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
-        self.head_dim, self.causal, self.rope = head_dim, causal, rope
-        self.rope_takes_module = bool(rope_takes_module)
-        if self.rope_takes_module and (rope is None or not _takes_keyword(rope, "module")):
-            got = "no rope hook is given" if rope is None else \
-                f"the rope hook {getattr(rope, '__name__', rope)!r} takes no keyword 'module'"
-            raise CommfuseTypeError(f"commfuse.tp.AttentionParallel: rope_takes_module=True calls the rope hook as "
-                                    f"rope(q, k, *args, module=block, **kwargs), but {got}")
-        # the style gives the hook module= itself: none of the block's own arguments is routed to that name
-        self._rope_takes = (0, frozenset()) if rope is None else \
-            _takes(rope, 2, given=("module",) if self.rope_takes_module else ())
-        separate = {"wq": wq, "wk": wk, "wv": wv}
-        if qkv is not None:
-            given = [f"{name}={value!r}" for name, value in separate.items() if value is not None]
-            if given:
-                raise CommfuseValueError(f"commfuse.tp.AttentionParallel: qkv={qkv!r} names one fused QKV "
-                                         f"projection in place of wq, wk and wv, but {', '.join(given)} is given "
-                                         "too: give one or the other")
-            self.names = {"qkv": qkv, "wo": wo}
-        else:
-            self.names = {**{name: value or name for name, value in separate.items()}, "wo": wo}
+        self._attention_options(head_dim=head_dim, causal=causal, rope=rope, rope_takes_module=rope_takes_module,
+                                wq=wq, wk=wk, wv=wv, qkv=qkv, wo=wo)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        lin = _linears(self, module, self.names, device_mesh)
-        n, d = device_mesh.size(), self.head_dim
-        wo = lin["wo"]
-        if "qkv" in lin:
-            heads_per_kv = self._kv_groups(lin["qkv"], wo, n)
-            projections = [lin["qkv"]]
-        else:
-            heads_per_kv = None
-            projections = [lin["wq"], lin["wk"], lin["wv"]]
-            for argument, linear in zip(("wq", "wk", "wv"), projections):
-                out = linear.out_features
-                if out % d or (out // d) % n:
-                    raise CommfuseValueError(
-                        f"commfuse.tp.AttentionParallel: the {self._roles[argument]} {self.names[argument]!r} has "
-                        f"{out} features, which is not whole heads of {d} split evenly over {n} ranks: every rank "
-                        f"must hold whole heads"
-                    )
+        projections, wo, heads_per_kv = self._projections(module, device_mesh, device_mesh.size())
         for linear in projections:
             _colwise(self, linear, device_mesh)
         _rowwise(self, wo, device_mesh)
@@ -564,60 +649,6 @@ class AttentionParallel(_Style):
             return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
 
         return self._install(module, device_mesh, forward)
-
-    def _kv_groups(self, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
-        """The query heads per key/value head of a fused QKV projection (torchtitan's ``FusedQKVLinear``
-        layout), read from its rows and ``wo``'s input features, checked: each of the ``n`` ranks must hold
-        whole key/value groups."""
-        d, path = self.head_dim, self.names["qkv"]
-        heads, rows = wo.in_features // d, qkv.out_features // d
-        kv_heads = (rows - heads) // 2
-        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 or rows != heads + 2 * kv_heads \
-                or heads % kv_heads:
-            raise CommfuseValueError(
-                f"commfuse.tp.AttentionParallel: the fused QKV projection {path!r} has {qkv.out_features} "
-                f"features, which is not (n_heads + 2 * n_kv_heads) heads of {d} laid out as torchtitan's "
-                f"FusedQKVLinear, with n_heads = {wo.in_features / d:g} read from the output projection "
-                f"{self.names['wo']!r} ({wo.in_features} input features) and n_heads dividing by n_kv_heads"
-            )
-        if kv_heads % n:
-            raise CommfuseValueError(
-                f"commfuse.tp.AttentionParallel: the fused QKV projection {path!r} holds n_kv_heads = {kv_heads} "
-                f"key/value groups, which do not split evenly over {n} ranks: under Shard(0) every rank must hold "
-                f"whole groups (its query heads, key head and value head)"
-            )
-        return heads // kv_heads
-
-    def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
-        """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
-        as the class docstring says; what is neither is refused by name."""
-        masks, rest, more = {}, [], {}
-        for i, value in enumerate(args):
-            name = names[i] if i < len(names) else None
-            if fused_attention.is_mask(name, value):
-                masks[name or f"argument {i + 1} (a {type(value).__name__})"] = value
-            else:
-                rest.append((name, i, value))
-        for name, value in kwargs.items():
-            if fused_attention.is_mask(name, value):
-                masks[name] = value
-            else:
-                more[name] = value
-        positional, keywords = self._rope_takes
-        refused = [] if positional is None else \
-            [f"{name or f'argument {i + 1}'} ({_described(value)})" for name, i, value in rest[positional:]]
-        refused += [f"{name}= ({_described(value)})" for name, value in more.items()
-                    if keywords is not None and name not in keywords]
-        if refused:
-            hook = "no rope hook is given" if self.rope is None else \
-                f"the rope hook {getattr(self.rope, '__name__', self.rope)!r} does not take it"
-            raise CommfuseTypeError(
-                f"commfuse.tp.AttentionParallel: the block's forward got {', '.join(refused)}, which is not a mask "
-                f"(a parameter named {', '.join(fused_attention.MASK_NAMES)}, or a FlexAttention BlockMask or a "
-                f"VarlenMetadata) and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
-                "hook that takes the argument"
-            )
-        return masks, tuple(value for _, _, value in rest), more
 
     def _forward(self, block: nn.Module, mesh: DeviceMesh, names: tuple, projections: list, wo: nn.Linear,
                  heads_per_kv: int | None, x, *args, **kwargs) -> torch.Tensor:
@@ -668,6 +699,139 @@ class AttentionParallel(_Style):
         o = fused_attention.attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s))
         return self._row(mesh, o.reshape(b, s, -1), wo, who, options)
 
+
+
+class RingAttentionParallel(_AttentionStyle):
+    """Self-attention under context parallelism: the sequence cut over the mesh, the weights replicated, K/V
+    passed around the ring (``commfuse.ring_attention``). The CP counterpart of :class:`AttentionParallel`.
+
+    Apply it to the attention block with the CP axis, ``parallelize_module(block, mesh["cp"], style)``;
+    its projections are named as for :class:`AttentionParallel` (``wq``, ``wk``, ``wv`` or one fused ``qkv``,
+    ``wo``, by their paths in the block) and stay where they are, plain parameters: every rank holds the
+    whole weights. The block's input is this rank's shard of the sequence (b, L, hidden), cut as ``layout``
+    says (``commfuse.context.shard_sequence``: ``"contiguous"``, or ``"zigzag"``, equal causal work on every
+    rank), a local tensor or a DTensor placed ``Shard(1)`` on the mesh; its output is this rank's shard of
+    the block's output, local (``use_local_output=True``, the default) or a ``Shard(1)`` DTensor. The
+    forward:
+
+    - the block's own projections give q, k, v of this rank's tokens (all heads; grouped-query included);
+    - ``rope(q, k, *args, positions=pos, **kwargs) -> (q, k)``, when given, with ``pos`` the global
+      positions of this rank's tokens (``commfuse.context.positions``, int64 (L,), in shard order) and the
+      block's own extra forward arguments (a Llama block's ``freqs_cis`` or rotary cache, which covers the
+      whole sequence: the hook indexes it by ``pos``); ``rope_takes_module=True`` adds ``module=block``
+      (torchtitan's ``attention.rope(xq, xk, positions)``). The hook must take the keyword ``positions``: a
+      hook that rotated by the shard's row numbers would be silently wrong on every rank but the first;
+    - ``commfuse.ring_attention`` in place of the block's attention core (``causal``, ``layout``,
+      ``algorithm``), and ``document_lengths=`` given to the block's call (lengths over the whole sequence,
+      as ``ring_attention`` takes them) for documents;
+    - ``wo`` on this rank's attention output.
+
+    **The weights' gradients.** Each rank's projections see other tokens, so the gradient of the whole is
+    the sum over the CP ranks. With ``sum_grads=True`` (the default) the style sums them in the backward
+    (an all-reduce per projection over the CP group), as ``commfuse.nn.RingAttention`` does: each rank's
+    loss is its shard's part and every rank ends with the gradient of their sum. Exactly one reduction over
+    the CP axis must happen: where a data-parallel wrapper already reduces over the CP ranks (torchtitan's
+    FSDP over ``dp_shard_cp``, a DDP group that holds the CP ranks) give ``sum_grads=False``, and the
+    wrapper's average over the CP ranks is the gradient of the mean of the ranks' losses (torchtitan's
+    convention). Both on at once: an averaging wrapper averages the CP sums, which are equal on every CP
+    rank, so the gradients are those of the style alone and the wrapper's reduction over CP is a wasted
+    all-reduce; a summing wrapper counts them CP-size times.
+
+    Refused by name: a mask argument other than ``document_lengths`` (dense masks, ``BlockMask``,
+    ``VarlenMetadata``, ``document_ids``, ``cu_seqlens``: ring attention takes causal and document masks
+    only), the block's own ``positions`` argument (the style gives the hook this rank's), a DTensor input not
+    placed ``Shard(1)`` or whose sequence does not divide over the mesh, a zigzag shard that does not cut into
+    two equal chunks, a weight that is a DTensor already (apply the style before ``fully_shard``).
+    """
+
+    _collectives = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
+    _hook_keywords = ("positions",)
+
+    def __init__(self, *, head_dim: int, causal: bool = True, layout: str = "contiguous", algorithm: str = "auto",
+                 rope=None, rope_takes_module: bool = False, sum_grads: bool = True, use_local_output: bool = True,
+                 wq: str | None = None, wk: str | None = None, wv: str | None = None, qkv: str | None = None,
+                 wo: str = "wo") -> None:
+        super().__init__(input_layouts=Shard(1), output_layouts=Shard(1), use_local_output=use_local_output,
+                         algorithm=algorithm)
+        self._attention_options(head_dim=head_dim, causal=causal, rope=rope, rope_takes_module=rope_takes_module,
+                                wq=wq, wk=wk, wv=wv, qkv=qkv, wo=wo)
+        self.layout = check_layout(layout)
+        self.sum_grads = bool(sum_grads)
+
+    def __repr__(self) -> str:
+        return (f"commfuse.tp.RingAttentionParallel(head_dim={self.head_dim}, causal={self.causal}, "
+                f"layout={self.layout!r}, algorithm={self.algorithm!r}, sum_grads={self.sum_grads})")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        projections, wo, heads_per_kv = self._projections(module, device_mesh, 1)  # no head split under CP
+        names = _positional_names(module.forward)  # the block's own parameters, read before it is replaced
+
+        def forward(block, mesh, x, *args, **kwargs):
+            return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
+
+        return self._install(module, device_mesh, forward)
+
+    def _without_positions(self, names: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The block's arguments less its own ``positions`` (None is dropped; anything else is refused)."""
+        given = kwargs.pop("positions", None)
+        if "positions" in names[: len(args)]:
+            i = names.index("positions")
+            given, args = args[i] if given is None else given, args[:i] + args[i + 1 :]
+        if given is not None:
+            raise CommfuseValueError(
+                f"{self._who}: the block's forward got positions= ({_described(given)}); under context "
+                "parallelism the style gives the rope hook this rank's global positions (commfuse.context."
+                "positions, by layout) itself, and per-token positions from the caller are not supported")
+        return args, kwargs
+
+    def _forward(self, block: nn.Module, mesh: DeviceMesh, names: tuple, projections: list, wo: nn.Linear,
+                 heads_per_kv: int | None, x, *args, **kwargs) -> torch.Tensor:
+        who = self._who
+        document_lengths = kwargs.pop("document_lengths", None)
+        args, kwargs = self._without_positions(names, args, kwargs)
+        given, args, kwargs = self._arguments(names, args, kwargs) if args or kwargs else ({}, args, kwargs)
+        masks = [f"{name} ({_described(value)})" for name, value in given.items() if value is not None]
+        if masks:
+            raise CommfuseValueError(
+                f"{who}: the block's forward got the mask {', '.join(masks)}; ring attention takes a causal mask "
+                "(causal=) and documents (document_lengths=, the lengths over the whole sequence) only")
+        n, rank = mesh.size(), mesh.get_local_rank()
+        if isinstance(x, DTensor):
+            if x.device_mesh != mesh:
+                raise CommfuseValueError(f"{who}: the input is a DTensor on {x.device_mesh}, but the module was "
+                                         f"parallelized over {mesh}")
+            placed = _normalized(x.placements[0], x.ndim)
+            if placed != Shard(1) or x.shape[1] % n:
+                raise CommfuseValueError(
+                    f"{who}: rank {rank}: the input is a DTensor of shape {list(x.shape)} placed {placed!r}; under "
+                    f"context parallelism it must be the sequence sharded evenly, Shard(1) with the sequence "
+                    f"dividing by the mesh's {n} ranks")
+            local = x.to_local()
+        elif isinstance(x, torch.Tensor):
+            local = x
+        else:
+            raise CommfuseTypeError(f"{who}: the input must be a tensor or a DTensor, got {type(x).__name__}")
+        if local.ndim != 3:
+            raise CommfuseValueError(f"{who}: takes (batch, sequence shard, features) inputs, got shape "
+                                     f"{list(local.shape)}")
+        group = mesh.get_group() if n > 1 else None
+        groups = (group,) if self.sum_grads and group is not None else ()
+        b, length, d = local.shape[0], local.shape[1], self.head_dim
+        ys = [replicated_linear(lin, local, *groups) for lin in projections]
+        if heads_per_kv is None:
+            q, k, v = (y.view(b, length, -1, d) for y in ys)
+        else:
+            q, k, v = _split_qkv(ys[0], heads_per_kv, d)
+        if self.rope is not None:
+            pos = positions(length * n, rank, n, self.layout, device=local.device)
+            if self.rope_takes_module:
+                q, k = self.rope(q, k, *args, positions=pos, module=block, **kwargs)
+            else:
+                q, k = self.rope(q, k, *args, positions=pos, **kwargs)
+        o = ops.ring_attention(q, k, v, group=group, causal=bool(self.causal), layout=self.layout,
+                               algorithm=self.algorithm, document_lengths=document_lengths)
+        y = replicated_linear(wo, o.reshape(b, length, -1), *groups)
+        return self._output(y, Shard(1), mesh, [b, length * n, y.shape[-1]])
 
 def _split_qkv(qkv: torch.Tensor, heads_per_kv: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     """q, k, v (batch, sequence, heads, head_dim) of a fused QKV projection's output, whose features are

@@ -32,6 +32,7 @@ the gradients the other way).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -284,13 +285,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         keep = any(ctx.needs_input_grad[1:])
-        out, lse, blocks = _forward(ring, q, torch.cat([k, v], dim=2), keep)
+        with _no_autocast(q.device):
+            out, lse, blocks = _forward(ring, q, torch.cat([k, v], dim=2), keep)
         ctx.ring, ctx.kdtype = ring, (k.dtype, v.dtype)
         ctx.save_for_backward(q, out, lse, *blocks)  # the blocks: None where no gradient is wanted
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
+        with _no_autocast(do.device):
+            return _RingAttention._backward(ctx, do)
+
+    @staticmethod
+    def _backward(ctx, do: torch.Tensor):
         q, out, lse, *blocks = ctx.saved_tensors
         ring = ctx.ring
         do = do.to(out.dtype)
@@ -314,6 +321,16 @@ class _RingAttention(torch.autograd.Function):
 
 
 # -- the op -----------------------------------------------------------------------------------------------------
+
+
+def _no_autocast(device: torch.device):
+    """A context where the blocks' float32 einsums stay float32. Autocast would run them (their bmm) in its
+    dtype: under it the op's inputs arrive cast already (``commfuse.ring_attention`` casts them at entry), and
+    the blocks and merges must still be float32, as outside it."""
+    kind = device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _check(q, k, v, rank: int, n: int, layout: str) -> None:

@@ -5,6 +5,8 @@ Each body runs many checks in one spawned run and returns {check name: None or t
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import sys
 from pathlib import Path
 
@@ -314,4 +316,245 @@ def two_dimensional(rank: int, n: int) -> dict:
             raise AssertionError("a call after the refusal failed")
 
     _run(results, "2d-refuses-heads-that-do-not-divide", refused)
+    return results
+
+
+# -- commfuse.tp.RingAttentionParallel on a Llama-style block, and bf16 autocast -----------------------------------
+
+
+#: bf16 autocast against the unsharded layer under autocast: the largest difference over the largest value, at
+#: most 8 bf16 ulps (2**-8 each); the largest seen on 2 and 3 ranks is 1.45e-2 (an input gradient)
+_BF16 = 3e-2
+
+
+def _close_bf16(got, want, what):
+    err, scale = (got.double() - want.double()).abs().max().item(), want.double().abs().max().item()
+    if err > _BF16 * scale:
+        raise AssertionError(f"{what}: max diff {err:.3g}, over {_BF16} of its largest value {scale:.3g}")
+
+
+def _titan_block():
+    """torchtitan's GQAttention shape (fused wqkv, a RoPE module called rope(xq, xk, positions)), from the tp
+    tests: ``forward(x, attention_masks, positions=None)``."""
+    from _tp_cases import _TitanAttention
+
+    return _TitanAttention(dim=16, n_heads=4, n_kv_heads=2, fused=True)
+
+
+def _cache_rope(q, k, cache, *, positions):
+    """The rope hook of commfuse.models.llama's block under CP: its (cos, sin) cache covers the whole sequence;
+    this rank's rows are its tokens' global positions."""
+    from commfuse.models import llama
+
+    cos, sin = cache
+    return llama.apply_rope(q, k, (cos[positions], sin[positions]))
+
+
+def _titan_rope(q, k, positions=None, *, module):
+    return module.rope(q, k, positions)
+
+
+def _style_case(rank, n, layout, kind, dtype=torch.float64, autocast=False, sum_grads=True, ddp=False):
+    """The block with commfuse.tp.RingAttentionParallel on this rank's shard against the same block unsharded on
+    the whole sequence: output, input gradient and every weight gradient (the whole loss's, summed over the
+    ranks; with DDP over the group and sum_grads=False, DDP's average of it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commfuse import tp
+    from commfuse.models import llama
+
+    s, dim = 4 * n, 16
+    torch.manual_seed(7)
+    if kind == "llama":
+        base = llama.Attention(dim, 4, 2)  # grouped-query: 4 query heads, 2 K/V heads
+        cache = llama.rope_cache(4, s)
+        args = (cache,)
+        style = tp.RingAttentionParallel(head_dim=4, layout=layout, rope=_cache_rope, algorithm="ring",
+                                         sum_grads=sum_grads)
+    else:
+        base = _titan_block()
+        args = (None,)
+        style = tp.RingAttentionParallel(head_dim=base.wo.in_features // 4, qkv="qkv_linear.wqkv", layout=layout,
+                                         rope=_titan_rope, rope_takes_module=True, sum_grads=sum_grads)
+    block = copy.deepcopy(base)
+    base, block = base.to(dtype), block.to(dtype)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, s, dim, generator=g, dtype=dtype)
+    dy = torch.randn(2, s, dim, generator=g, dtype=dtype)
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    xx = x.clone().requires_grad_()
+    with ctx():
+        want = base(xx, *args)
+    (want.float() * dy.float()).sum().backward()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    parallelize_module(block, mesh["cp"], style)
+    run = block
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(block, process_group=mesh.get_group())
+    mine = shard_sequence(x, rank, n, layout).requires_grad_()
+    with ctx():
+        got = run(mine, *args)
+    (got.float() * shard_sequence(dy, rank, n, layout).float()).sum().backward()
+    if autocast:  # bf16 GEMMs on both sides, summed in other orders: _BF16 of the largest value
+        if got.dtype != torch.bfloat16:
+            raise AssertionError(f"under autocast the block's output is {got.dtype}, not torch.bfloat16")
+        close = _close_bf16
+    else:
+        def close(a, b, what):
+            if a.shape != b.shape or not torch.allclose(a, b, atol=1e-10, rtol=1e-8):
+                raise AssertionError(f"{what}: max diff {(a - b).abs().max().item():.3g}")
+    close(got, shard_sequence(want, rank, n, layout), "output")
+    close(mine.grad, shard_sequence(xx.grad, rank, n, layout), "input grad")
+    factor = 1.0 / n if ddp and not sum_grads else 1.0  # DDP averages the ranks' own gradients
+    for (name, p), (_, w) in zip(block.named_parameters(), base.named_parameters()):
+        if p.grad is None or p.grad.dtype != w.dtype:
+            raise AssertionError(f"{name}.grad is {None if p.grad is None else p.grad.dtype}, want {w.dtype}")
+        close(p.grad, w.grad * factor, f"{name}.grad")
+
+
+def _style_refusals(rank, n):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commfuse import tp
+    from commfuse.errors import CommfuseTypeError
+    from commfuse.models import llama
+
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    expect(lambda: tp.RingAttentionParallel(head_dim=4, rope=llama.apply_rope), CommfuseTypeError,
+           "RingAttentionParallel", "takes no keyword 'positions'")
+    expect(lambda: tp.RingAttentionParallel(head_dim=4, layout="striped"), CommfuseError, "'striped'")
+    torch.manual_seed(7)
+    block = llama.Attention(16, 4, 2)
+    parallelize_module(block, mesh["cp"], tp.RingAttentionParallel(head_dim=4, layout="zigzag", rope=_cache_rope))
+    cache = llama.rope_cache(4, 4 * n)
+    x = torch.randn(2, 4, 16)
+    expect(lambda: block(x, cache, attn_mask=torch.ones(4 * n, 4 * n, dtype=torch.bool)), CommfuseError,
+           "RingAttentionParallel", "attn_mask", "document_lengths=")
+    expect(lambda: block(x[:, :3], cache), CommfuseError, f"rank {rank}", f"{3 * n} positions",
+           f"{2 * n} equal chunks")
+    whole = DTensor.from_local(x, mesh["cp"], [Replicate()], run_check=False)
+    expect(lambda: block(whole, cache), CommfuseError, "RingAttentionParallel", "Replicate()", "Shard(1)")
+    titan = _titan_block()
+    parallelize_module(titan, mesh["cp"], tp.RingAttentionParallel(head_dim=titan.wo.in_features // 4,
+                                                                   qkv="qkv_linear.wqkv", rope=_titan_rope,
+                                                                   rope_takes_module=True))
+    expect(lambda: titan(x, None, torch.arange(4)), CommfuseError, "positions=", "commfuse.context.positions")
+    # after the refusals the group is in step: a DTensor Shard(1) input (a local output), with documents
+    sharded = DTensor.from_local(x, mesh["cp"], [Shard(1)], run_check=False)
+    y = block(sharded, cache, document_lengths=documents(4 * n))
+    if isinstance(y, DTensor) or y.shape != x.shape:
+        raise AssertionError(f"the call after the refusals gave {type(y).__name__} {list(y.shape)}")
+
+
+def _style_documents(rank, n, layout):
+    """Documents through the block's call (document_lengths=): against the unsharded block's projections with
+    float64 attention masked to the documents."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commfuse import tp
+    from commfuse.models import llama
+
+    s = 4 * n
+    torch.manual_seed(7)
+    block = llama.Attention(16, 4, 2).double()
+    cache = llama.rope_cache(4, s)
+    x = torch.randn(2, s, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    lengths = documents(s)
+    q, k, v = (p(x).view(2, s, -1, 4) for p in (block.wq, block.wk, block.wv))
+    q, k = llama.apply_rope(q, k, cache)
+    want = block.wo(reference(q, k, v, True, lengths).reshape(2, s, -1))
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("cp",))
+    parallelize_module(block, mesh["cp"], tp.RingAttentionParallel(head_dim=4, layout=layout, rope=_cache_rope))
+    got = block(shard_sequence(x, rank, n, layout), cache, document_lengths=lengths)
+    if not torch.allclose(got, shard_sequence(want, rank, n, layout), atol=1e-10, rtol=1e-8):
+        raise AssertionError("the block with documents differs from the unsharded attention")
+
+
+def style(rank: int, n: int) -> dict:
+    """commfuse.tp.RingAttentionParallel on a Llama-style block (GQA, RoPE by the hook) against the unsharded
+    block, contiguous and zigzag; on torchtitan's shape (fused wqkv, its RoPE module); with DDP over the cp
+    group; with documents; and its refusals."""
+    torch.set_num_threads(1)
+    results: dict = {}
+    for layout in ("contiguous", "zigzag"):
+        _run(results, f"style-llama-{layout}", _bind(_style_case, rank, n, layout, "llama"))
+    _run(results, "style-titan-zigzag", _bind(_style_case, rank, n, "zigzag", "titan"))
+    _run(results, "style-documents-zigzag", _bind(_style_documents, rank, n, "zigzag"))
+    # exactly one reduction over the cp axis: the style's (sum_grads=True), or DDP's average (sum_grads=False);
+    # both on at once averages equal sums, which changes nothing
+    _run(results, "style-ddp-sum_grads=False", _bind(_style_case, rank, n, "zigzag", "llama", torch.float64, False,
+                                                     False, True))
+    _run(results, "style-ddp-sum_grads=True", _bind(_style_case, rank, n, "contiguous", "llama", torch.float64,
+                                                    False, True, True))
+    _run(results, "style-refusals", lambda: _style_refusals(rank, n))
+    return results
+
+
+def _autocast_op(rank, n, layout):
+    """commfuse.ring_attention on float32 inputs under CPU bf16 autocast equals it on the same values cast to
+    bfloat16 outside autocast, bit for bit: the inputs are cast at entry, the blocks computed and merged in
+    float32, the result bfloat16; the gradients are the bfloat16 ones, in float32."""
+    q, k, v = (t.detach().float() for t in _inputs(n, 4, 4, 2, torch.float32, 21))
+    mine = [shard_sequence(t, rank, n, layout).requires_grad_() for t in (q, k, v)]
+    cast = [t.detach().bfloat16().requires_grad_() for t in mine]
+    dout = torch.randn(mine[0].shape, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cf.ring_attention(*mine, layout=layout, algorithm="ring")
+    got.backward(dout)
+    want = cf.ring_attention(*cast, layout=layout, algorithm="ring")
+    want.backward(dout)
+    if got.dtype != torch.bfloat16 or not torch.equal(got, want):
+        raise AssertionError(f"under autocast: {got.dtype}, max diff {(got.float() - want.float()).abs().max()}")
+    for a, b, name in zip(mine, cast, ("dq", "dk", "dv")):
+        if a.grad.dtype != torch.float32 or not torch.equal(a.grad, b.grad.float()):
+            raise AssertionError(f"{name} under autocast differs from the bfloat16 inputs' {name}")
+
+
+def _autocast_layer(rank, n, layout):
+    """commfuse.nn.RingAttention under CPU bf16 autocast against the same layer's weights unsharded (torch's
+    linears and SDPA) under autocast: output in bfloat16, input and weight gradients, within _BF16 of
+    the largest value (both sides round their GEMMs to bf16 and sum them in other orders)."""
+    from commfuse.nn import RingAttention
+
+    torch.manual_seed(3)
+    layer = RingAttention(16, 4, num_kv_heads=2, layout=layout)
+    s = 4 * n
+    g = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(2, s, 16, generator=g), torch.randn(2, s, 16, generator=g)
+    xx = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        qw, kw, vw = (p(xx).view(2, s, -1, 4) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+        pos = torch.arange(s)
+        want = layer.o_proj(reference(rope(qw, pos), rope(kw, pos), vw, True, None).reshape(2, s, -1))
+    (want.float() * dy).sum().backward()
+    want_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    mine = shard_sequence(x, rank, n, layout).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(mine)
+    (got.float() * shard_sequence(dy, rank, n, layout)).sum().backward()
+    if got.dtype != torch.bfloat16:
+        raise AssertionError(f"under autocast the layer's output is {got.dtype}")
+    pairs = [("output", got, shard_sequence(want, rank, n, layout)),
+             ("input grad", mine.grad, shard_sequence(xx.grad, rank, n, layout))]
+    pairs += [(f"{name}.grad", p.grad, want_grads[name]) for name, p in layer.named_parameters()]
+    for what, a, b in pairs:
+        _close_bf16(a, b, what)
+
+
+def autocast(rank: int, n: int) -> dict:
+    """bf16 autocast on CPU: the op (bit-exact against bfloat16 inputs), the RingAttention layer and the
+    RingAttentionParallel style (against the unsharded layer or block under autocast)."""
+    torch.set_num_threads(1)
+    results: dict = {}
+    _run(results, "autocast-op-zigzag", _bind(_autocast_op, rank, n, "zigzag"))
+    _run(results, "autocast-op-contiguous", _bind(_autocast_op, rank, n, "contiguous"))
+    _run(results, "autocast-layer-zigzag", _bind(_autocast_layer, rank, n, "zigzag"))
+    _run(results, "autocast-style-llama-zigzag", _bind(_style_case, rank, n, "zigzag", "llama", torch.float32, True))
     return results

@@ -3,7 +3,9 @@ sequence shard equals the unsharded attention in float64, forward and dq/dk/dv, 
 full, contiguous and zigzag, MHA and GQA, with and without documents, float32 and bfloat16, over the ring,
 bidirectional, vanilla and auto algorithms; equals torch's own ring attention; its error does not grow with the
 ring (8 ranks); the layer equals the unsharded layer eagerly and compiled; the 2-D form (Ulysses inside, ring
-across) on a 2 x 2 mesh does too; bad input is refused by name."""
+across) on a 2 x 2 mesh does too; commfuse.tp.RingAttentionParallel on a Llama-style block equals the unsharded
+block; under bf16 autocast the op, the layer and the style match their unsharded runs; bad input is refused by
+name."""
 
 from __future__ import annotations
 
@@ -64,6 +66,28 @@ def test_two_dimensional_ulysses_inside_ring_across():
     RingAttention with a Ulysses group equals the unsharded layer (weight gradients summed over the mesh);
     K/V heads that do not divide by the Ulysses group's size are refused by name."""
     _check("two_dimensional", 4)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_ring_attention_parallel_style_equals_unsharded_block(n):
+    """commfuse.tp.RingAttentionParallel applied with parallelize_module(block, mesh["cp"], style) to
+    commfuse.models.llama's attention block (GQA, RoPE by a hook indexing the block's whole-sequence cache by
+    this rank's positions), contiguous and zigzag, and to torchtitan's shape (fused wqkv, its RoPE module via
+    rope_takes_module), equals the unsharded block on the whole sequence in float64: output, input gradient and
+    every weight gradient (summed over the cp ranks by the style); documents via document_lengths=; with DDP
+    over the cp group, sum_grads=False gives DDP's average and sum_grads=True the style's sum unchanged; a
+    rope hook without positions=, masks other than documents, the block's own positions, a Replicate() DTensor
+    input and a zigzag shard that does not cut are refused by name, and the group stays in step."""
+    _check("style", n)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_ring_attention_under_bf16_autocast(n):
+    """Under torch.autocast("cpu", dtype=torch.bfloat16): commfuse.ring_attention on float32 inputs equals it on
+    bfloat16 inputs outside autocast bit for bit (output bfloat16, merged in float32), dq/dk/dv too;
+    commfuse.nn.RingAttention and RingAttentionParallel on a Llama block equal the unsharded layer or block under
+    autocast within 3e-2 of the largest value (8 bf16 ulps), output, input and weight gradients."""
+    _check("autocast", n)
 
 
 @pytest.mark.slow
