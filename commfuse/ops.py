@@ -47,6 +47,7 @@ import torch
 from commfuse import backends
 from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.fused import ring_attention as _ring
 from commfuse.fused.matmul import (
     check_dim,
     check_same,
@@ -84,6 +85,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "produce_all_to_all",
     "produce_reduce_scatter",
+    "ring_attention",
 ]
 
 log = logging.getLogger("commfuse")
@@ -575,6 +577,50 @@ def produce_all_to_all(
     return got
 
 
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "contiguous",
+    algorithm: str = "auto",
+    document_lengths=None,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """This rank's shard of softmax attention over a sequence sharded over ``group`` (context parallelism),
+    with K/V passed around the ring: docs/ring_attention.md.
+
+    ``q`` (batch, L, Hq, d) and ``k``, ``v`` (batch, L, Hkv, d) hold this rank's L positions of the
+    sequence, cut as ``layout`` says (``commfuse.context``: "contiguous", or "zigzag", chunks r and 2N-1-r of
+    2N, equal causal work on every rank in every step); returns (batch, L, Hq, d) in q's dtype. Only the
+    Hkv K/V heads travel (grouped-query: never expanded); each block's attention is merged with the
+    log-sum-exp in float32. ``causal``: query position p sees keys up to p (fully masked blocks are
+    skipped). ``document_lengths`` (ints, or a 1-D integer tensor, summing to the whole sequence's length,
+    the same for every batch row): a query sees the keys of its own document only. ``scale``: the scores'
+    factor (None: ``1 / sqrt(d)``). ``algorithm``: the all-gather's (forward) and reduce-scatter's
+    (backward) ``ring[:m]``, ``bidirectional``, ``vanilla`` (one all-gather of K/V, then attention) or
+    ``auto``.
+
+    Differentiable: dQ stays on this rank; the float32 partials of dK/dV travel back around the ring (the
+    produce form of a reduce-scatter). The K/V blocks of the forward are kept for the backward (N times
+    this rank's K/V). Every rank must pass the same options (they join the rings' fingerprint).
+
+    Not a custom op: under ``torch.compile`` it raises (``fullgraph=True`` fails with that message) and with
+    ``fullgraph=False`` the graph breaks there and the call runs eagerly.
+    """
+    if _compiling():
+        raise CommfuseValueError(
+            "ring_attention (and commfuse.nn.RingAttention) consumes K/V blocks with a Python callable (the "
+            "consume form of an all-gather) and cannot be part of a torch.compile graph: compile with "
+            "fullgraph=False (torch.compile then runs it eagerly at a graph break)"
+        )
+    return _ring.ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
+                                algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
+
+
 def _discard(tensor: torch.Tensor, source: int) -> None:
     """The consumer of a call that will raise: nothing is computed on what arrived."""
     return None
@@ -659,4 +705,5 @@ import commfuse.library  # noqa: E402,F401
 from commfuse.runtime.eager import eager_only  # noqa: E402
 
 # not ops (they take callables): a graph break runs them, and all they call, as plain Python
-eager_only(all_gather_consume, produce_reduce_scatter, all_to_all_consume, produce_all_to_all)
+eager_only(all_gather_consume, produce_reduce_scatter, all_to_all_consume, produce_all_to_all, ring_attention,
+           _ring.ring_attention)

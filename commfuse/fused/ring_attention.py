@@ -1,0 +1,381 @@
+"""Ring attention (context parallelism): K/V shards travel around the ring, each block's attention computed
+while the next flies, merged with the log-sum-exp; dK/dV travel back as a reduce-scatter's running sums.
+
+The sequence is cut over the ranks of a group (``commfuse.context``: contiguous or zigzag). Rank r holds its
+queries, keys and values. Forward is the consume form of an all-gather of K/V (only the Hkv heads travel,
+never expanded for grouped-query attention): for every source rank s, in the ring's order (r, r-1, ...), the
+block "my queries against s's keys" is computed and merged into a running output with the log-sum-exp, in
+float32 whatever the inputs' dtype. Backward is the produce form of a reduce-scatter: ``producer(s)`` is this
+rank's contribution to the gradient of s's K/V (flash-attention's backward with the saved log-sum-exp:
+``P = exp(S - lse)``, ``dS = P * (dP - rowsum(dO * O))``), the running float32 sums travel around the ring and
+each rank ends with dK/dV of its own shard; dQ accumulates here. The K/V blocks gathered in the forward are
+kept for the backward (memory: N times this rank's K/V; no second gather).
+
+================================== ==========================================================================
+name                               what it is
+================================== ==========================================================================
+:func:`ring_attention`             the op: checks, resolves the two rings' calls, runs :class:`_RingAttention`
+:func:`block_attention`            one block's attention in float32 and its log-sum-exp per query row
+:func:`merge_lse`                  two partial attentions of the same rows merged by their log-sum-exps
+:func:`block_plans`                which part of each block is computed: rows and keys with any allowed pair
+                                   (fully masked blocks skipped), and the block's mask where it is not full
+:func:`ring_attention_reference`   the same blocks and merges in the ring's order over per-rank lists, in one
+                                   process (reference semantics, STYLE 3)
+================================== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from commfuse import backends
+from commfuse.context import check_layout, chunks_of, positions
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.fused.matmul import check_tensor, plan_once
+from commfuse.planning.calls import resolve_call
+from commfuse.planning.pipelined import all_gather_consume_core, configured, layer_config, produce_reduce_scatter_core
+from commfuse.runtime.programs import config_words
+from commfuse.schedule import Collective
+
+__all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference"]
+
+config_words("contiguous", "zigzag")
+
+
+# -- one block, and the merge ----------------------------------------------------------------------------------
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d) in float32, and its log-sum-exp.
+
+    Returns ``(o, lse)``: o (b, Lq, Hq, d) and lse (b, Hq, Lq) in float32 (float64 for float64 inputs).
+    ``mask`` (Lq, Lk) boolean, True
+    attends; a row with no key allowed has lse -inf and o 0 (it merges as nothing). Grouped-query: query
+    head h uses K/V head h // (Hq / Hkv); K/V are never expanded."""
+    b, lq, hq, d = q.shape
+    hkv = k.shape[2]
+    acc = _acc(q.dtype)
+    qg = q.to(acc).view(b, lq, hkv, hq // hkv, d)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(acc)).reshape(b, lq, hq, d)
+    return o, lse.reshape(b, hq, lq)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype blocks are computed and merged in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (rows that saw no key) as 0, so that ``exp(x - lse)`` is 0 there, never NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge_lse(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
+              lse_blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions of the same query rows over disjoint keys, merged into the attention over all
+    of them: ``lse' = log(e^lse + e^lse_blk)``, ``o' = o e^(lse - lse') + o_blk e^(lse_blk - lse')``.
+
+    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32; a -inf lse (no keys yet) is the empty
+    attention and merges as nothing."""
+    new = torch.logaddexp(lse, lse_blk)
+    base = _finite(new)
+    a = torch.exp(lse - base).transpose(1, 2).unsqueeze(-1)
+    c = torch.exp(lse_blk - base).transpose(1, 2).unsqueeze(-1)
+    return o * a + o_blk * c, new
+
+
+# -- which part of each block is computed ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """The part of block (this rank's queries, one source's keys) that has any allowed pair: query rows
+    ``r0:r1`` and key rows ``c0:c1`` of the shards, and the mask of that part (None: every pair allowed)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    mask: torch.Tensor | None
+
+
+def _documents(lengths, seq: int, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(start, end) of the document of every position of the whole sequence, int64 (seq,); None without
+    documents. Refuses lengths that are not positive ints summing to ``seq``, naming the rank and sums."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, torch.Tensor):
+        if lengths.ndim != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise CommfuseValueError(
+                f"rank {rank}: document_lengths must be a 1-D integer tensor or a list of ints (one length per "
+                f"document, the same for every batch row), got {lengths.dtype} of shape {list(lengths.shape)}")
+        lengths = lengths.tolist()
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise CommfuseTypeError(f"rank {rank}: document_lengths must be a list of ints or a 1-D integer tensor, "
+                                f"got {type(lengths).__name__}")
+    for i, x in enumerate(lengths):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise CommfuseValueError(f"rank {rank}: document_lengths[{i}] = {x!r} is not a document length (an "
+                                     "int >= 1); per-row lengths are not supported, give one list for every row")
+    total = sum(lengths)
+    if total != seq:
+        raise CommfuseValueError(
+            f"rank {rank}: document_lengths sum to {total}, but the whole sequence has {seq} positions (world "
+            "size times this rank's shard); the lengths describe the whole (unsharded) sequence")
+    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    end = ends[doc]
+    return end - torch.tensor(lengths, dtype=torch.int64)[doc], end
+
+
+def block_plans(seq: int, rank: int, world_size: int, layout: str, causal: bool, documents=None,
+                device=None) -> list[BlockPlan | None]:
+    """For every source rank s, the :class:`BlockPlan` of block (rank's queries, s's keys), or None where no
+    pair is allowed (a fully masked block: skipped, not computed).
+
+    A query at position p may see keys in one interval of positions: its document's start (0 without
+    documents) to p (causal) or to its document's end; a key at p is seen by queries in one interval too.
+    So the rows and keys with any allowed pair are counted with two sorted searches, without the block's
+    mask; the mask of the part kept is made only where that part is not fully allowed. ``documents``: what
+    :func:`_documents` returns."""
+    qpos = positions(seq, rank, world_size, layout)
+    big = torch.full_like(qpos, seq - 1)
+    if documents is None:
+        lo_q, hi_q = torch.zeros_like(qpos), qpos if causal else big
+    else:
+        start, end = documents
+        lo_q, hi_q = start[qpos], qpos if causal else end[qpos] - 1
+    plans: list[BlockPlan | None] = []
+    for s in range(world_size):
+        kpos = positions(seq, s, world_size, layout)
+        if documents is None:
+            lo_k, hi_k = kpos if causal else torch.zeros_like(kpos), torch.full_like(kpos, seq - 1)
+        else:
+            lo_k, hi_k = kpos if causal else documents[0][kpos], documents[1][kpos] - 1
+        per_row = torch.searchsorted(kpos, hi_q, right=True) - torch.searchsorted(kpos, lo_q)
+        per_key = torch.searchsorted(qpos, hi_k, right=True) - torch.searchsorted(qpos, lo_k)
+        rows, keys = per_row.nonzero().flatten(), per_key.nonzero().flatten()
+        if rows.numel() == 0:
+            plans.append(None)
+            continue
+        r0, r1, c0, c1 = rows[0].item(), rows[-1].item() + 1, keys[0].item(), keys[-1].item() + 1
+        mask = None
+        if not bool((per_row[r0:r1] == c1 - c0).all()):
+            k_sub = kpos[c0:c1].to(device)
+            mask = (k_sub[None, :] >= lo_q[r0:r1, None].to(device)) & (k_sub[None, :] <= hi_q[r0:r1, None].to(device))
+        plans.append(BlockPlan(r0, r1, c0, c1, mask))
+    return plans
+
+
+# -- the autograd Function -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Ring:
+    """What one ring attention call runs on: the two rings' calls (None: world size 1), the block plans by
+    source, the scores' scale, and the K/V heads (the gathered K/V shard is (b, L, 2 * Hkv, d))."""
+
+    gather: object
+    scatter: object
+    plans: list
+    scale: float
+    hkv: int
+    rank: int
+
+
+def _forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor | None, keep: bool,
+             sources: Sequence[torch.Tensor] | None = None):
+    """The merged float32 output (b, L, Hq, d), its log-sum-exp (b, Hq, L) and, with ``keep``, the K/V block of
+    every source (the consumer's own tensors, kept for the backward). ``sources`` (the reference): every
+    rank's K/V block, consumed in the ring's order here, in one process."""
+    b, length, hq, d = q.shape
+    out = q.new_zeros((b, length, hq, d), dtype=_acc(q.dtype))
+    lse = q.new_full((b, hq, length), float("-inf"), dtype=_acc(q.dtype))
+    blocks: list[torch.Tensor | None] = [None] * len(ring.plans)
+
+    def consume(block: torch.Tensor, s: int) -> None:
+        if keep:
+            blocks[s] = block
+        plan = ring.plans[s]
+        if plan is None:  # fully masked: nothing to compute
+            return
+        r0, r1, c0, c1 = plan.r0, plan.r1, plan.c0, plan.c1
+        o_blk, l_blk = block_attention(q[:, r0:r1], block[:, c0:c1, : ring.hkv], block[:, c0:c1, ring.hkv :],
+                                       ring.scale, plan.mask)
+        out[:, r0:r1], lse[:, :, r0:r1] = merge_lse(out[:, r0:r1], lse[:, :, r0:r1], o_blk, l_blk)
+
+    if sources is not None:
+        n = len(sources)
+        for step in range(n):
+            consume(sources[(ring.rank - step) % n], (ring.rank - step) % n)
+    elif ring.gather is None:
+        consume(kv, 0)
+    else:
+        all_gather_consume_core(ring.gather, kv, consume, 1, keep=keep, label="ring_attention")
+    return out, lse, blocks
+
+
+def _block_backward(ring: _Ring, plan: BlockPlan, q, block, out, lse, do, delta, dq) -> torch.Tensor:
+    """This rank's gradient of one source's K/V block, (b, L, 2 * Hkv, d) float32 (zero outside the plan's
+    keys); adds the block's share of dQ into ``dq`` (float32)."""
+    b, _, hq, d = q.shape
+    hkv, g = ring.hkv, hq // ring.hkv
+    r0, r1, c0, c1 = plan.r0, plan.r1, plan.c0, plan.c1
+    lq = r1 - r0
+    acc = out.dtype
+    qg = q[:, r0:r1].to(acc).view(b, lq, hkv, g, d)
+    dog = do[:, r0:r1].view(b, lq, hkv, g, d)
+    k, v = block[:, c0:c1, :hkv].to(acc), block[:, c0:c1, hkv:].to(acc)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * ring.scale
+    if plan.mask is not None:
+        s = s.masked_fill(~plan.mask, float("-inf"))
+    p = torch.exp(s - lse[:, :, r0:r1].reshape(b, hkv, g, lq, 1))
+    dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, v)
+    ds = p * (dp - delta[:, :, r0:r1].reshape(b, hkv, g, lq, 1))
+    dq[:, r0:r1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, k).reshape(b, lq, hq, d) * ring.scale
+    partial = block.new_zeros(block.shape, dtype=acc)
+    partial[:, c0:c1, :hkv] = torch.einsum("bhgqk,bqhgd->bkhd", ds, qg) * ring.scale
+    partial[:, c0:c1, hkv:] = torch.einsum("bhgqk,bqhgd->bkhd", p, dog)
+    return partial
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of this rank's queries over the whole sequence, K/V travelling around the ring.
+
+    ======== ================================================ ==========================================
+    pass     computes                                         communication
+    ======== ================================================ ==========================================
+    forward  o, lse = merge_s block_attention(q, K_s, V_s)     all-gather ring of [K|V] (b, L, 2Hkv, d),
+             (fp32, over the sources s in ring order)          consumed block by block (overlapped)
+    dgrad    dq += dS_s K_s * scale per source s               none (dQ stays local)
+    wgrad    [dK_s|dV_s] = [dS_s^T q * scale | P_s^T dO]      reduce-scatter ring of the fp32 partials
+             (produced for s in ring order)                   (b, L, 2Hkv, d): rank s ends with its own
+    ======== ================================================ ==========================================
+
+    Shapes: q (b, L, Hq, d), k and v (b, L, Hkv, d), L = s / N rows on this rank (the layout's chunks);
+    o like q in q's dtype; lse (b, Hq, L) float32, saved for the backward with the float32 output and the
+    K/V block of every source (N * L rows of K/V: the memory of keeping them instead of gathering again).
+    ``dS = P * (dP - rowsum(dO * O))``, ``P = exp(S - lse)``, ``dP = dO V^T``.
+    """
+
+    @staticmethod
+    def forward(ctx, ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        keep = any(ctx.needs_input_grad[1:])
+        out, lse, blocks = _forward(ring, q, torch.cat([k, v], dim=2), keep)
+        ctx.ring, ctx.blocks, ctx.kdtype = ring, blocks, (k.dtype, v.dtype)
+        ctx.save_for_backward(q, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, out, lse = ctx.saved_tensors
+        ring, blocks = ctx.ring, ctx.blocks
+        do = do.to(out.dtype)
+        delta = (do * out).sum(-1).transpose(1, 2)  # (b, Hq, L): rowsum(dO * O)
+        dq = torch.zeros_like(out)
+
+        def producer(s: int) -> torch.Tensor:
+            plan = ring.plans[s]
+            if plan is None:
+                return blocks[s].new_zeros(blocks[s].shape, dtype=out.dtype)
+            return _block_backward(ring, plan, q, blocks[s], out, lse, do, delta, dq)
+
+        if ring.scatter is None:
+            dkv = producer(0)
+        else:
+            dkv = produce_reduce_scatter_core(ring.scatter, producer, 1, label="ring_attention.backward",
+                                              inplace=True)
+        ctx.blocks = None
+        hkv = ring.hkv
+        kd, vd = ctx.kdtype
+        return None, dq.to(q.dtype), dkv[:, :, :hkv].to(kd), dkv[:, :, hkv:].to(vd)
+
+
+# -- the op -----------------------------------------------------------------------------------------------------
+
+
+def _check(q, k, v, rank: int, n: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.ndim != 4:
+            raise CommfuseValueError(f"rank {rank}: {name} has shape {list(t.shape)}; ring_attention takes "
+                                     "(batch, local sequence, heads, head_dim)")
+        if not t.is_floating_point():
+            raise CommfuseTypeError(f"rank {rank}: {name} has dtype {t.dtype}; attention needs floating point")
+    if k.shape != v.shape:
+        raise CommfuseValueError(f"rank {rank}: k has shape {list(k.shape)} but v has {list(v.shape)}; they must "
+                                 "match")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise CommfuseValueError(
+            f"rank {rank}: q has shape {list(q.shape)} but k has {list(k.shape)}: batch, local sequence and "
+            "head_dim (dims 0, 1, 3) must match")
+    if q.shape[2] % k.shape[2]:
+        raise CommfuseValueError(f"rank {rank}: q has {q.shape[2]} heads, not a multiple of k's {k.shape[2]} "
+                                 "(grouped-query attention shares each K/V head among Hq / Hkv query heads)")
+    if len({q.dtype, k.dtype, v.dtype}) > 1 or len({q.device, k.device, v.device}) > 1:
+        raise CommfuseTypeError(f"rank {rank}: q, k, v must share one dtype and device, got {q.dtype}/{k.dtype}/"
+                                f"{v.dtype} on {q.device}/{k.device}/{v.device}")
+    chunks_of(q.shape[1] * n, rank, n, layout)  # refuses a shard that the layout cannot cut, by name
+
+
+def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, timeout) -> _Ring:
+    check_layout(layout)
+    be = backends.resolve(None, group, q.device)
+    rank, n = (0, 1) if be is None else (be.rank, be.world_size)
+    _check(q, k, v, rank, n, layout)
+    seq = q.shape[1] * n
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise CommfuseValueError(f"rank {rank}: scale must be a finite number or None, got {scale!r}")
+    documents = _documents(document_lengths, seq, rank)
+    config = layer_config("ring_attention", causal=bool(causal), layout=layout, documents=documents is not None,
+                          scale=float(scale))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    gather = resolve_call(Collective.ALL_GATHER, algorithm, group=group, device=q.device, slice_bytes=kv_bytes,
+                          timeout=timeout)
+    scatter = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, device=q.device,
+                           slice_bytes=2 * k.numel() * _acc(k.dtype).itemsize, timeout=timeout)
+    plans = block_plans(seq, rank, n, layout, bool(causal), documents, q.device)
+    return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = True,
+                   scale: float | None = None, layout: str = "contiguous", algorithm: str = "auto",
+                   document_lengths=None, timeout: float | None = None) -> torch.Tensor:
+    """This rank's shard of softmax attention over the whole sequence, the sequence sharded over ``group``.
+
+    See ``commfuse.ring_attention`` (``commfuse.ops``) for the contract; this is the one implementation."""
+    ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
+                                         timeout), "ring_attention", group, None)
+    return _RingAttention.apply(ring, q, k, v)
+
+
+def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], *,
+                             causal: bool = True, scale: float | None = None, layout: str = "contiguous",
+                             document_lengths=None) -> list[torch.Tensor]:
+    """Every rank's output of :func:`ring_attention` (forward), computed in one process over per-rank lists
+    with the same blocks, plans and float32 merges in the ring's order (rank r merges sources r, r-1, ...):
+    the reference semantics of the ring, against which its numerics at any world size can be judged without
+    processes."""
+    n = len(qs)
+    seq = qs[0].shape[1] * n
+    scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else float(scale)
+    documents = _documents(document_lengths, seq, 0)
+    kvs = [torch.cat([k, v], dim=2) for k, v in zip(ks, vs)]
+    outs = []
+    for r in range(n):
+        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents), scale, ks[0].shape[2], r)
+        out, _, _ = _forward(ring, qs[r], None, False, sources=kvs)
+        outs.append(out.to(qs[r].dtype))
+    return outs
