@@ -761,6 +761,7 @@ def ring_attention_records(run: dict, config: BenchConfig) -> list[dict]:
                 "peak_how": res["peak_how"],
                 "correct": bool(res["correct"][row]),
                 "max_rel_error": float(f"{res['max_rel_error'][row]:.3g}"),
+                "unmeasured": dict(res.get("unmeasured", {}).get(row, {})),
             })
     return out
 
@@ -801,6 +802,8 @@ def ring_attention_table(recs: list[dict], config: BenchConfig) -> str:
     for r in recs:
         if r["not_run"]:
             lines.append(f"  {r['row']}: not run: {r['not_run']}")
+        for mode, why in (r.get("unmeasured") or {}).items():
+            lines.append(f"  {r['row']}: {mode} could not be measured, the row fails in it: {why}")
     ring = next((r for r in ran if r["row"] == RA_RING), None)
     if ring is not None and ring["comm_ms"] is not None:
         lines.append(f"  regime: ring's transfers {ring['comm_ms']:.2f} ms (comm-only {ring['comm_only_ms']:.2f} less "

@@ -5,14 +5,16 @@ What every rank runs:
 
 1. every row once, checked (the ops' fingerprint exchange on) against the unsharded attention of the whole
    sequence: the output and dq, dk, dv shards within the dtype's tolerance (``workloads.TOLERANCE``);
-2. ``--warmup`` untimed and ``--repeats`` timed repeats, in each of which every row runs once, and every row
+2. each measure mode tried once on each row on commfuse's ops: a mode a row fails in (on any rank) is left out
+   of its timing and reported with the error;
+3. ``--warmup`` untimed and ``--repeats`` timed repeats, in each of which every row runs once, and every row
    built on commfuse's ops (ring attention, Ulysses) three times more, under ``measure("compute_only")``,
    ``measure("comm_only")`` and ``measure("outside_only")``, in an order shuffled anew every repeat (the same on
    every rank); torch's rows run their own collectives, which the measure modes cannot remove, so they are
    timed in the normal mode only. Every run starts behind a barrier; each rank's own time is kept, so that the
    report can take a repeat's figure as the slowest rank's and compare the ranks' compute-only times (the
    zigzag layout's load balance);
-3. every row once more for its peak memory (:func:`commfuse.bench.memory.peak_memory`), the largest over the
+4. every row once more for its peak memory (:func:`commfuse.bench.memory.peak_memory`), the largest over the
    ranks.
 
 Rows this installation cannot run (``commfuse.ring_attention`` missing, torch's ring on another device) are
@@ -47,7 +49,7 @@ def units(config: BenchConfig) -> int:
     """Progress units of the workload: each row's check and memory run, every timed run."""
     rows = list(RING_ATTENTION_ROWS)
     runs = sum(1 + (len(MODES) if measured(row) else 0) for row in rows)
-    return 1 + 2 * len(rows) + runs * (config.warmup + config.repeats)
+    return 2 + 2 * len(rows) + runs * (config.warmup + config.repeats)  # 2: the reference, the modes' probe
 
 
 def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.device, bar, sync) -> list[dict]:
@@ -72,8 +74,27 @@ def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.de
     correct = {row: all(c[row][0] for c in every) for row in rows}
     worst = {row: max(c[row][1] for c in every) for row in rows}
 
+    # which measure modes each row on commfuse's ops survives (an op whose backward needs what its forward's
+    # compute left behind may fail with the compute removed): the same on every rank, the others' reasons kept
+    unmeasured: dict[str, dict[str, str]] = {}
+    for row in rows:
+        for mode in MODES if measured(row) else ():
+            try:
+                with measure(mode), fingerprint_exchange(config.fingerprint):
+                    workload.step(row)
+                sync()
+                why = ""
+            except Exception as e:  # noqa: BLE001 - reported in the table; every rank fails alike
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            for theirs in gather_objects(why, n, dev):
+                if theirs:
+                    unmeasured.setdefault(row, {}).setdefault(mode, theirs)
+            dist.barrier()
+    bar.advance("ring_attention: measure modes probed")
+
     # the timed loop: every row, and the rows on commfuse's ops in the three measure modes, shuffled every repeat
-    items = [(row, None) for row in rows] + [(row, mode) for row in rows if measured(row) for mode in MODES]
+    items = [(row, None) for row in rows] + [(row, mode) for row in rows if measured(row) for mode in MODES
+                                             if mode not in unmeasured.get(row, {})]
     reps, warm = config.repeats, config.warmup
     wall = [[float("nan")] * len(items) for _ in range(reps)]  # this rank's seconds, [repeat][item]
     with fingerprint_exchange(config.fingerprint):
@@ -113,6 +134,7 @@ def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.de
         "rows": list(workload.rows),
         "missing": dict(workload.missing),
         "stock_context_parallel": workload.stock,
+        "unmeasured": unmeasured,  # row -> {mode: why it failed there}
         "algorithms": [],  # no per-algorithm traces: trace and plot skip it
         "traces": {},
         "items": [[row, mode] for row, mode in items],
