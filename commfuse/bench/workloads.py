@@ -525,7 +525,8 @@ class RingAttentionRows(Workload):
 
     q (b, s, heads, d), k and v (b, s, kv_heads, d) with d = hidden / heads are drawn whole from the seed (the
     same on every rank), with the output gradient dy; the reference is the unsharded attention of the whole
-    sequence on every rank (:func:`commfuse.fused.attention.attend`, causal) and its q, k, v gradients. A row
+    sequence on every rank (torch's ``scaled_dot_product_attention``, causal) and its q, k, v
+    gradients. A row
     takes this rank's shards in its layout (``commfuse.context.shard_sequence``) and is checked against the
     same shards of the reference. Rows whose code this installation lacks are not run and say why
     (:attr:`missing`).
@@ -612,13 +613,16 @@ class RingAttentionRows(Workload):
 
     def reference(self) -> dict:
         """The unsharded attention of the whole sequence and its gradients, (b, s, H, d) each: the output and
-        dq, dk, dv of ``attend(q, k, v, causal=True)`` under the output gradient dy."""
-        from commfuse.fused.attention import attend
+        dq, dk, dv of torch's ``scaled_dot_product_attention`` (causal, grouped-query) under the output gradient
+        dy, in float32 (float64 for float64 rows), SDPA's CPU flash kernel holding no (s, s) scores."""
+        import torch.nn.functional as F
 
-        q, k, v = (self.whole[name].detach().clone().requires_grad_() for name in ("q", "k", "v"))
-        y = attend(q, k, v, causal=True)
-        y.backward(self.whole["dy"])
-        return {"y": y.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        acc = torch.promote_types(self.dtype, torch.float32)
+        q, k, v = (self.whole[name].detach().to(acc).transpose(1, 2).requires_grad_() for name in ("q", "k", "v"))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y.backward(self.whole["dy"].to(acc).transpose(1, 2))
+        return {name: t.transpose(1, 2).to(self.dtype) for name, t in
+                (("y", y.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
 
     def expected(self, row: str, ref: dict) -> list[torch.Tensor]:
         """The reference's shards this rank's row must give: output, dq, dk, dv, each (b, s/N, H, d)."""
