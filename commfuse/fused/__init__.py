@@ -4,6 +4,9 @@
 - :mod:`commfuse.fused.attention`: query-split attention fused with the out-projection's reduce-scatter,
   its masks and the slice-size rule ``auto`` decides on (``commfuse.nn.ParallelAttention``,
   ``commfuse.tp.AttentionParallel``, ``torch.ops.commfuse.attention_reduce_scatter``);
+- :mod:`commfuse.fused.ring_attention`: ring attention (context parallelism), K/V consumed block by block
+  from an all-gather ring and dK/dV produced into a reduce-scatter ring (``commfuse.ring_attention``,
+  ``commfuse.nn.RingAttention``);
 - :mod:`commfuse.fused.sharded_linear`: the sharded (ZeRO-3 / FSDP) linear, its weight gathered and its
   gradients reduce-scattered in rings fused with the GEMMs (``commfuse.nn.ShardedLinear``,
   ``torch.ops.commfuse.sharded_linear``).

@@ -54,9 +54,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d) in float32, and its log-sum-exp.
 
     Returns ``(o, lse)``: o (b, Lq, Hq, d) and lse (b, Hq, Lq) in float32 (float64 for float64 inputs).
-    ``mask`` (Lq, Lk) boolean, True
-    attends; a row with no key allowed has lse -inf and o 0 (it merges as nothing). Grouped-query: query
-    head h uses K/V head h // (Hq / Hkv); K/V are never expanded."""
+    ``mask`` (Lq, Lk) boolean, True attends; a row with no key allowed has lse -inf and o 0 (it merges as
+    nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded."""
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
     acc = _acc(q.dtype)
@@ -85,7 +84,7 @@ def merge_lse(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
     """Two softmax attentions of the same query rows over disjoint keys, merged into the attention over all
     of them: ``lse' = log(e^lse + e^lse_blk)``, ``o' = o e^(lse - lse') + o_blk e^(lse_blk - lse')``.
 
-    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32; a -inf lse (no keys yet) is the empty
+    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32 (or all float64); a -inf lse (no keys yet) is the empty
     attention and merges as nothing."""
     new = torch.logaddexp(lse, lse_blk)
     base = _finite(new)

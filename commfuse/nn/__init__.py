@@ -1,4 +1,5 @@
-"""Layers built on the fused ops: TP with sequence parallelism, query-split attention, Ulysses, FSDP, MoE.
+"""Layers built on the fused ops: TP with sequence parallelism, query-split attention, Ulysses, ring attention
+(context parallelism), FSDP, MoE.
 
 Every layer takes ``group`` (a process group, a 1-D ``DeviceMesh`` such as
 ``mesh["tp"]``, or None for the default group) and ``algorithm``, and wraps
@@ -14,6 +15,7 @@ not its process group): FSDP2 composes DTensors of sub-meshes of one mesh only.
 from commfuse.nn.attention import ParallelAttention, UlyssesAttention, attend, ulysses_attention
 from commfuse.nn.linear import ColumnParallelLinear, ParallelMLP, RowParallelLinear
 from commfuse.nn.moe import MoE, moe_reference
+from commfuse.nn.ring_attention import RingAttention
 from commfuse.nn.sharded import ShardedLinear
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "MoE",
     "ParallelAttention",
     "ParallelMLP",
+    "RingAttention",
     "RowParallelLinear",
     "ShardedLinear",
     "UlyssesAttention",

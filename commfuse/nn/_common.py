@@ -6,6 +6,7 @@ import functools
 import sys
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 
@@ -202,6 +203,14 @@ def replicated(t: torch.Tensor, group) -> torch.Tensor:
 
         return library.replicated(t, group)
     return ReplicatedGrad.apply(t, group)
+
+
+def replicated_linear(lin, x: torch.Tensor, group) -> torch.Tensor:
+    """``lin(x)`` with ``lin``'s weight and bias :func:`replicated` over ``group`` (their gradients summed over
+    it: the projections of the sequence-parallel attentions, Ulysses and ring, whose ranks see other tokens)."""
+    w = replicated(lin.weight, group)
+    b = replicated(lin.bias, group) if lin.bias is not None else None
+    return F.linear(x, w, b)
 
 
 def load_row_shard(layer, linear) -> None:

@@ -31,7 +31,6 @@ so a rank whose layer was built otherwise is named on every rank
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import commfuse.ops as ops
@@ -64,6 +63,7 @@ from commfuse.nn._common import (
     layer_mesh,
     local,
     replicated,
+    replicated_linear,
     resolve_group,
     site_forward,
     world,
@@ -380,9 +380,7 @@ class UlyssesAttention(nn.Module):
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        w = replicated(lin.weight, self.group)
-        b = replicated(lin.bias, self.group) if lin.bias is not None else None
-        return F.linear(x, w, b)
+        return replicated_linear(lin, x, self.group)
 
     @site_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
