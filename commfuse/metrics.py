@@ -19,8 +19,13 @@ previous snapshot that the recorder still holds (its last
   the backend, ``COMMFUSE_PROFILE``); absent where no profile applies.
 
 Where the backend's host does not block in waits (NCCL, HCCL, or torch's
-``fake`` group) there are no waits to time: only the counts are given. Device
-timing with CUDA events is not built yet.
+``fake`` group) there are no host waits to time: only the counts are given,
+unless ``COMMFUSE_DEVICE_TIMING=1``. Then, on a stream-ordered device, the
+waits are the device's: how long the stream that waits for a step's
+transfers stalled, between two timing events the step loop records around
+the wait (``commfuse.runtime.recorder.DeviceStamps``). A snapshot reads only
+events the device has passed and never blocks; calls it has not reached yet
+are counted by a later snapshot.
 
 The straggler: each rank publishes its own waiting over its last
 :data:`WINDOW` calls in the group's store (one key per rank, written by
@@ -46,7 +51,7 @@ import weakref
 
 from commfuse.runtime.board import board_of
 from commfuse.runtime.env import number
-from commfuse.runtime.recorder import dump_all, group_name, recorders
+from commfuse.runtime.recorder import DEVICE, device_waits, dump_all, group_name, recorders
 
 __all__ = ["WINDOW", "dump_trace", "snapshot", "straggler_threshold_ms"]
 
@@ -89,13 +94,18 @@ class _Group:
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _waits(call, plan) -> tuple[int, dict[int, int]]:
-    """The host's wait in one recorded call, in ns, in all and per peer it received from."""
+def _waits(call, plan) -> tuple[int, dict[int, int]] | None:
+    """The wait in one recorded call, in ns, in all and per peer it received from: the host's, or with device
+    stamps the device stream's (None until the device has passed the call's events)."""
     flat = call.steps
     total = 0
     peers: dict[int, int] = {}
     if not flat:
         return 0, peers
+    if plan.stamps is DEVICE:
+        flat = device_waits(flat)
+        if flat is None:
+            return None
     steps = plan.steps
     for j in range(0, len(flat) - 2, 3):
         index, began, done = flat[j], flat[j + 1], flat[j + 2]
@@ -160,8 +170,11 @@ def _fold(rec, m: _Group, group: str, out: dict) -> None:
     for call in rec.calls():
         if call.start <= m.cursor or call.status == "in progress":
             continue
-        newest = max(newest, call.start)
         plan, _, _, site = call.head
+        waits = _waits(call, plan) if plan is not None and plan.stamps else None
+        if waits is None and plan is not None and plan.stamps is DEVICE and call.status == "ok":
+            break  # the device has not reached this call's events yet: it and the calls after wait for the next
+        newest = max(newest, call.start)
         if plan is None:
             continue
         name = site.label if site is not None else plan.name.removeprefix("commfuse.")
@@ -170,8 +183,8 @@ def _fold(rec, m: _Group, group: str, out: dict) -> None:
             entry = sites[name] = [0, 0, 0, 0.0, {}, True]  # calls, failed, wait ns, planned ns, peers, planned?
         entry[0] += 1
         entry[1] += call.status == "failed"
-        if plan.stamps:
-            total, peers = _waits(call, plan)
+        if waits is not None:
+            total, peers = waits
             entry[2] += total
             for q, ns in peers.items():
                 entry[4][q] = entry[4].get(q, 0) + ns
@@ -207,7 +220,13 @@ def _straggler(rec, m: _Group, group: str, out: dict) -> None:
         return
     wait = 0
     for c in calls:
-        wait += _waits(c, c.head[0])[0]
+        waits = _waits(c, c.head[0])
+        if waits is None:  # the device has not passed it yet: its successors neither
+            calls = calls[:calls.index(c)]
+            break
+        wait += waits[0]
+    if not calls:
+        return
     store, rank, n = board.store, state.rank, state.world_size
     try:
         store.set(f"{_KEY}{rank}", json.dumps({"calls": len(calls), "wait_ns": wait}))

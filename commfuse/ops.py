@@ -589,6 +589,7 @@ def ring_attention(
     algorithm: str = "auto",
     document_lengths=None,
     timeout: float | None = None,
+    ulysses_group=None,
 ) -> torch.Tensor:
     """This rank's shard of softmax attention over a sequence sharded over ``group`` (context parallelism),
     with K/V passed around the ring: docs/ring_attention.md.
@@ -608,6 +609,12 @@ def ring_attention(
     produce form of a reduce-scatter). The K/V blocks of the forward are kept for the backward (N times
     this rank's K/V). Every rank must pass the same options (they join the rings' fingerprint).
 
+    ``ulysses_group`` (the 2-D form, a cp x ulysses mesh: Ulysses inside, ring across): each rank holds the
+    ``u``-th of U equal pieces of its cp rank's shard (``commfuse.fused.ring_attention.ulysses_positions``);
+    a pairwise all-to-all over ``ulysses_group`` gives each rank the whole cp shard for Hq/U and Hkv/U heads
+    (both must divide by U), the ring runs over ``group`` on those heads, and a last all-to-all brings the
+    output back. ``document_lengths``, ``layout`` and the sizes refer to the cp ring as before.
+
     Not a custom op: under ``torch.compile`` it raises (``fullgraph=True`` fails with that message) and with
     ``fullgraph=False`` the graph breaks there and the call runs eagerly.
     """
@@ -618,7 +625,8 @@ def ring_attention(
             "fullgraph=False (torch.compile then runs it eagerly at a graph break)"
         )
     return _ring.ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
-                                algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
+                                algorithm=algorithm, document_lengths=document_lengths, timeout=timeout,
+                                ulysses_group=ulysses_group)
 
 
 def _discard(tensor: torch.Tensor, source: int) -> None:

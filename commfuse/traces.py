@@ -297,6 +297,12 @@ def render(groups: list[Group]) -> str:
 # -- Perfetto ---------------------------------------------------------------------------------------------------
 
 
+def _device_waits(call: dict) -> dict:
+    """A device-stamped call's stalls per step (``COMMFUSE_DEVICE_TIMING``), as its slice's arguments."""
+    return {f"device wait step {s['step']} (ms)": (None if s["device_wait_ns"] is None else s["device_wait_ns"] / 1e6)
+            for s in call.get("steps", ()) if "device_wait_ns" in s}
+
+
 def perfetto(groups: list[Group], last: int = 20) -> dict:
     """A Chrome trace event file (Perfetto, chrome://tracing) of the last ``last`` calls of each rank: one
     process per group and rank, one thread per lane; a slice per call and, inside it, per step where the
@@ -318,8 +324,11 @@ def perfetto(groups: list[Group], last: int = 20) -> dict:
                 events.append({"ph": "X", "pid": pid, "tid": tid, "name": f"#{c['seq']} {c.get('op')}",
                                "ts": (c["start_ns"] - origin) / 1e3, "dur": max(0, end - c["start_ns"]) / 1e3,
                                "args": {"algorithm": c.get("algorithm"), "status": c["status"],
-                                        "error": c.get("error"), "site": c.get("site")}})
+                                        "error": c.get("error"), "site": c.get("site"),
+                                        **_device_waits(c)}})
                 for s in c.get("steps", ()):
+                    if s.get("wait_ns") is None:  # a device-stamped step: a stall's length, not a moment
+                        continue
                     done = s.get("done_ns") or end
                     peers = s.get("recv_from") or s.get("send_to") or []
                     events.append({"ph": "X", "pid": pid, "tid": tid,

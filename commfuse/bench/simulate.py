@@ -2,6 +2,7 @@
 
     commfuse simulate --profile NAME|FILE --workload W --tp N --seq S --hidden H [--batch B] [--dp N] ...
     commfuse simulate --profile NAME|FILE --preset mixtral-8x7b|deepseek-v3 [--ep N --experts E --topk K ...]
+    commfuse simulate --profile NAME|FILE -w ring_attention --cp N --seq S --hidden H [--heads Q --kv-heads K ...]
     commfuse simulate calibrate [--link-rate RATE] [--output FILE] [--install]
     commfuse simulate profiles
 
@@ -22,7 +23,10 @@ from pathlib import Path
 from commfuse.cli import check_output_file, check_outputs, command, integer
 from commfuse.errors import CommfuseValueError
 
-WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe")
+WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe", "ring_attention")
+#: ``commfuse.sim._ring_attention``'s rows when not told, and its layouts (repeated: parsing imports no simulator).
+RING_ATTENTION_ALGORITHMS = ("vanilla", "ring", "bidirectional", "ulysses")
+LAYOUTS = ("zigzag", "contiguous", "none")
 #: ``commfuse.sim.MOE_PRESETS``'s names (repeated here: parsing imports no simulator).
 MOE_PRESETS = ("mixtral-8x7b", "deepseek-v3")
 #: The flags only the moe workload takes (their dests), and its defaults when neither they nor a preset say.
@@ -68,6 +72,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse simulate --profile ascend-910b --preset deepseek-v3\n"
         "  commfuse simulate --profile h100-sxm --workload moe --ep 8 --experts 8 --topk 2 --seq 8192 --hidden 4096 "
         "--ffn 14336\n"
+        "  commfuse simulate --profile h100-sxm -w ring_attention --cp 8 --seq 131072 --hidden 8192 --heads 64 "
+        "--kv-heads 8 -a vanilla ring bidirectional ulysses 2d:2x4 2d:4x2\n"
         "  commfuse simulate calibrate --link-rate 800mbit --output local.toml\n"
         "  commfuse simulate profiles\n"
         "see docs/simulator.md"
@@ -107,6 +113,16 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pass", dest="passes", choices=("forward", "backward", "both"), default=None,
                    help="which pass of the layer (default forward, moe both; attention, ag_matmul and matmul_rs: "
                    "forward)")
+    g = p.add_argument_group("context-parallel attention (--workload ring_attention)")
+    g.add_argument("--cp", type=integer(1), help="context-parallel degree: the ranks the sequence is split over")
+    g.add_argument("--heads", type=integer(1), help="query heads (default hidden / 128)")
+    g.add_argument("--kv-heads", dest="kv_heads", type=integer(1), help="key/value heads (default --heads; fewer: "
+                   "grouped-query attention)")
+    g.add_argument("--head-dim", dest="head_dim", type=integer(1), help="head dim (default hidden / heads)")
+    g.add_argument("--layout", choices=LAYOUTS, help="how the sequence is laid out over the ranks: zigzag (default, "
+                   "causal, every ring step equal), contiguous (causal, unbalanced) or none (not causal)")
+    g.add_argument("--kv-replicate", dest="kv_replicate", action="store_true", default=None,
+                   help="let Ulysses run over more ranks than K/V heads by copying each K/V head to cp/kv-heads ranks")
     g = p.add_argument_group("mixture of experts (--workload moe)")
     g.add_argument("--preset", choices=MOE_PRESETS,
                    help="a known MoE layer, EP 8, 8192 tokens per rank: mixtral-8x7b (hidden 4096, ffn 14336, "
@@ -178,6 +194,13 @@ def _simulate(args: argparse.Namespace) -> int:
         profile = profile.replace(**dict(args.settings))
     if args.strands:
         return _strands(args, profile, moe)
+    if args.workload == "ring_attention":
+        return _ring_attention(args, profile)
+    given = [f for f in ("cp", "heads", "kv_heads", "head_dim", "layout", "kv_replicate")
+             if getattr(args, f) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise CommfuseValueError(f"{flags} apply to --workload ring_attention only, not {args.workload}")
     passes = args.passes or ("both" if args.workload == "moe" else "forward")
     batch = 1 if args.batch is None else args.batch
     workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=batch,
@@ -261,6 +284,103 @@ def _strands(args: argparse.Namespace, profile, moe: dict) -> int:
     lines.append(f"comm / compute of the block: {comm / compute:.2f}" if compute else "")
     print("\n".join(lines))
     return 0
+
+
+def _ring_attention(args: argparse.Namespace, profile) -> int:
+    """``-w ring_attention``: every algorithm's forward and backward predicted, one row each."""
+    from commfuse import sim
+    from commfuse.bench import sim_report as _report
+
+    for flag in ("plot", "trace", "explain"):
+        if getattr(args, flag):
+            raise CommfuseValueError(f"-w ring_attention prints its table (and --json); --{flag} is not supported "
+                                     f"for it yet")
+    if args.cp is None:
+        raise CommfuseValueError("-w ring_attention needs --cp (the context-parallel degree)")
+    if args.passes is not None:
+        raise CommfuseValueError("-w ring_attention predicts the forward and the backward, each in its own column; "
+                                 "--pass does not apply")
+    algorithms = ([a for item in args.algorithms for a in item.split(",") if a] if args.algorithms
+                  else list(RING_ATTENTION_ALGORITHMS))
+    shape = dict(tp=args.tp, dp=args.dp, seq=args.seq, hidden=args.hidden,
+                 batch=1 if args.batch is None else args.batch,
+                 dtype=args.dtype or profile.compute.dtype, cp=args.cp, heads=args.heads, kv_heads=args.kv_heads,
+                 head_dim=args.head_dim, layout=args.layout or "zigzag", kv_replicate=bool(args.kv_replicate))
+    symmetric = False if args.full else None
+    forward = sim.compare(profile, sim.Workload("ring_attention", passes="forward", **shape), algorithms,
+                          symmetric=symmetric, check=args.fingerprint)
+    backward = sim.compare(profile, sim.Workload("ring_attention", passes="backward", **shape), algorithms,
+                           symmetric=symmetric, check=args.fingerprint)
+    text = ring_attention_table(forward, backward, profile)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    out.write(text + "\n")
+    if args.json:
+        data = json.dumps(_report.records(forward + backward), indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(data)
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(data)
+            print(f"wrote {len(forward) + len(backward)} records to {args.json}", file=sys.stderr)
+    return 0
+
+
+def ring_attention_table(forward, backward, profile) -> str:
+    """The ring_attention table: per algorithm the forward, backward and total time, exposed communication
+    (time less compute-only, as a share of the time) and the speed-up over vanilla; then the fastest."""
+    w = forward[0].workload
+    head = (f"{w.describe().replace('ring_attention forward', 'ring_attention forward + backward')} "
+            f"on profile {profile.name} ({profile.description or profile.source})")
+    cols = ("algorithm", "forward ms", "exposed", "backward ms", "exposed", "total ms", "exposed", "vs vanilla")
+    rows = [cols]
+    vanilla = next(f.time + b.time for f, b in zip(forward, backward) if f.algorithm == "vanilla")
+    totals = []
+    for f, b in zip(forward, backward):
+        total = f.time + b.time
+        totals.append((total, f.algorithm))
+        rows.append((_label(f.algorithm), f"{1e3 * f.time:.3f}", _share(f.exposed, f.time), f"{1e3 * b.time:.3f}",
+                     _share(b.exposed, b.time), f"{1e3 * total:.3f}", _share(f.exposed + b.exposed, total),
+                     f"{vanilla / total:.3f}x"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [head, ""]
+    for i, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(wd) for c, wd in zip(r[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    fastest = {name: _fastest([(p.time, p.algorithm) for p in preds])
+               for name, preds in (("forward", forward), ("backward", backward))}
+    lines += ["", f"fastest: {_fastest(totals)} (forward + backward); forward {fastest['forward']}, "
+              f"backward {fastest['backward']}",
+              "exposed: communication not hidden (time less the compute-only time), as a share of that time",
+              f"links: profile {profile.name} has one link figure ({profile.link.topology}, "
+              f"{profile.link.bandwidth / 1e9:g} GB/s per direction): the links inside one server; the 2-D forms' ring "
+              "uses it too (no separate inter-node figure)"]
+    names = [p.algorithm for p in forward]
+    if any(a == "ulysses" or a.startswith("2d:") for a in names):
+        u = max((p.workload.cp if a == "ulysses" else int(a.split("x")[1])) for p, a in zip(forward, names)
+                if a == "ulysses" or a.startswith("2d:"))
+        how = ("each rank attends with whole K/V heads" if w.kv_heads >= u else
+               f"each K/V head copied to {u // w.kv_heads} ranks (--kv-replicate)")
+        lines.append(f"ulysses: degree {u} with {w.kv_heads} K/V heads: {how}; Ulysses over more ranks than K/V "
+                     "heads needs --kv-replicate")
+    return "\n".join(lines)
+
+
+def _fastest(timed: list) -> str:
+    """The fastest algorithm's label, or every one tied with it (times within 1e-9 relative) joined by ' = '."""
+    best = min(t for t, _ in timed)
+    return " = ".join(_label(a) for t, a in timed if t <= best * (1 + 1e-9))
+
+
+def _label(algorithm: str) -> str:
+    if algorithm.startswith("2d:"):
+        r, u = algorithm[3:].split("x")
+        return f"{algorithm} (ring {r} x ulysses {u})"
+    return algorithm
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole > 0 else "-"
 
 
 def _moe_arguments(args: argparse.Namespace) -> dict:

@@ -22,6 +22,12 @@ name                               what it is
 :func:`ring_attention_reference`   the same blocks and merges in the ring's order over per-rank lists, in one
                                    process (reference semantics, STYLE 3)
 ================================== ==========================================================================
+
+The 2-D form (``ulysses_group``: Ulysses inside, ring across, a cp x ulysses mesh): each rank holds 1/U of its
+cp rank's shard (in shard order); a pairwise all-to-all over the Ulysses group gives every rank the whole cp
+shard for Hq/U query heads and Hkv/U K/V heads, ring attention runs over the cp group on those heads, and a
+last all-to-all brings the output back to sequence shards (:class:`_UlyssesExchange`; the backward exchanges
+the gradients the other way).
 """
 
 from __future__ import annotations
@@ -37,11 +43,19 @@ from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import all_gather_consume_core, configured, layer_config, produce_reduce_scatter_core
+from commfuse.planning.pipelined import (
+    all_gather_consume_core,
+    all_to_all_consume_core,
+    collect,
+    configured,
+    layer_config,
+    produce_reduce_scatter_core,
+)
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
 
-__all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference"]
+__all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference",
+           "ulysses_positions"]
 
 config_words("contiguous", "zigzag")
 
@@ -84,8 +98,8 @@ def merge_lse(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor,
     """Two softmax attentions of the same query rows over disjoint keys, merged into the attention over all
     of them: ``lse' = log(e^lse + e^lse_blk)``, ``o' = o e^(lse - lse') + o_blk e^(lse_blk - lse')``.
 
-    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32 (or all float64); a -inf lse (no keys yet) is the empty
-    attention and merges as nothing."""
+    o, o_blk (b, L, H, d) and lse, lse_blk (b, H, L), all float32 (or all float64); a -inf lse (no keys yet)
+    is the empty attention and merges as nothing."""
     new = torch.logaddexp(lse, lse_blk)
     base = _finite(new)
     a = torch.exp(lse - base).transpose(1, 2).unsqueeze(-1)
@@ -271,14 +285,14 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         keep = any(ctx.needs_input_grad[1:])
         out, lse, blocks = _forward(ring, q, torch.cat([k, v], dim=2), keep)
-        ctx.ring, ctx.blocks, ctx.kdtype = ring, blocks, (k.dtype, v.dtype)
-        ctx.save_for_backward(q, out, lse)
+        ctx.ring, ctx.kdtype = ring, (k.dtype, v.dtype)
+        ctx.save_for_backward(q, out, lse, *blocks)  # the blocks: None where no gradient is wanted
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
-        q, out, lse = ctx.saved_tensors
-        ring, blocks = ctx.ring, ctx.blocks
+        q, out, lse, *blocks = ctx.saved_tensors
+        ring = ctx.ring
         do = do.to(out.dtype)
         delta = (do * out).sum(-1).transpose(1, 2)  # (b, Hq, L): rowsum(dO * O)
         dq = torch.zeros_like(out)
@@ -294,7 +308,6 @@ class _RingAttention(torch.autograd.Function):
         else:
             dkv = produce_reduce_scatter_core(ring.scatter, producer, 1, label="ring_attention.backward",
                                               inplace=True)
-        ctx.blocks = None
         hkv = ring.hkv
         kd, vd = ctx.kdtype
         return None, dq.to(q.dtype), dkv[:, :, :hkv].to(kd), dkv[:, :, hkv:].to(vd)
@@ -349,12 +362,82 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
 
 
+class _UlyssesExchange(torch.autograd.Function):
+    """Ulysses' exchange, each way: ``to_heads`` takes this rank's rows of every head to every rank's rows of
+    this rank's heads; otherwise the inverse. The backward is the exchange the other way.
+
+    ======== ====================================================== ====================================
+    pass     computes (to_heads; the other way swaps the shapes)    communication (pairwise, U ranks)
+    ======== ====================================================== ====================================
+    forward  x (b, L, H, d) -> (b, U*L, H/U, d)                     head chunk t of x to rank t
+    backward g (b, U*L, H/U, d) -> (b, L, H, d)                     row chunk s of g back to rank s
+    ======== ====================================================== ====================================
+    """
+
+    @staticmethod
+    def forward(ctx, call, to_heads: bool, x: torch.Tensor):
+        ctx.call, ctx.to_heads = call, to_heads
+        return _to_heads(call, x) if to_heads else _to_sequence(call, x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return None, None, _to_sequence(ctx.call, g) if ctx.to_heads else _to_heads(ctx.call, g)
+
+
+def _to_heads(call, x: torch.Tensor) -> torch.Tensor:
+    u = call.world_size
+    chunks = [c.contiguous() for c in x.chunk(u, dim=2)]
+    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=1)
+
+
+def _to_sequence(call, x: torch.Tensor) -> torch.Tensor:
+    u = call.world_size
+    chunks = [c.contiguous() for c in x.chunk(u, dim=1)]
+    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=2)
+
+
+def ulysses_positions(seq_len: int, cp_rank: int, cp_size: int, ulysses_rank: int, ulysses_size: int,
+                      layout: str = "contiguous", *, device=None) -> torch.Tensor:
+    """The global positions of the tokens a rank of the 2-D form holds: the ``ulysses_rank``-th of
+    ``ulysses_size`` equal pieces of cp rank ``cp_rank``'s shard (``commfuse.context.positions``)."""
+    pos = positions(seq_len, cp_rank, cp_size, layout, device=device)
+    if pos.numel() % ulysses_size:
+        raise CommfuseValueError(f"rank {ulysses_rank}: the cp shard of {pos.numel()} positions does not cut into "
+                                 f"{ulysses_size} equal pieces for the Ulysses group")
+    return pos.chunk(ulysses_size)[ulysses_rank]
+
+
+def _ulysses_call(q, k, ulysses_group, timeout):
+    """The Ulysses exchange's call (None: no Ulysses group, or one of size 1), K/V heads checked."""
+    if ulysses_group is None:
+        return None
+    call = resolve_call(Collective.ALL_TO_ALL, "auto", group=ulysses_group, device=q.device,
+                        slice_bytes=q.numel() // q.shape[2] * q.element_size(), timeout=timeout)
+    if call is None:
+        return None
+    u = call.world_size
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[2] % u:
+            raise CommfuseValueError(f"rank {call.rank}: {name} has {t.shape[2]} heads, not divisible by the Ulysses "
+                                     f"group's size {u}: every rank of it needs whole heads")
+    return call
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = True,
                    scale: float | None = None, layout: str = "contiguous", algorithm: str = "auto",
-                   document_lengths=None, timeout: float | None = None) -> torch.Tensor:
-    """This rank's shard of softmax attention over the whole sequence, the sequence sharded over ``group``.
+                   document_lengths=None, timeout: float | None = None, ulysses_group=None) -> torch.Tensor:
+    """This rank's shard of softmax attention over the whole sequence, the sequence sharded over ``group``
+    (and, with ``ulysses_group``, each cp shard cut again over it: the 2-D form).
 
     See ``commfuse.ring_attention`` (``commfuse.ops``) for the contract; this is the one implementation."""
+    if ulysses_group is not None:
+        ulysses = plan_once(None, lambda: _ulysses_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
+                            ulysses_group, None)
+        if ulysses is not None:
+            q, k, v = (_UlyssesExchange.apply(ulysses, True, t) for t in (q, k, v))
+            out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
+                                 algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
+            return _UlyssesExchange.apply(ulysses, False, out)
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
     return _RingAttention.apply(ring, q, k, v)
@@ -374,7 +457,8 @@ def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tens
     kvs = [torch.cat([k, v], dim=2) for k, v in zip(ks, vs)]
     outs = []
     for r in range(n):
-        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents), scale, ks[0].shape[2], r)
+        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents, qs[r].device), scale,
+                     ks[0].shape[2], r)
         out, _, _ = _forward(ring, qs[r], None, False, sources=kvs)
         outs.append(out.to(qs[r].dtype))
     return outs

@@ -205,11 +205,14 @@ def replicated(t: torch.Tensor, group) -> torch.Tensor:
     return ReplicatedGrad.apply(t, group)
 
 
-def replicated_linear(lin, x: torch.Tensor, group) -> torch.Tensor:
-    """``lin(x)`` with ``lin``'s weight and bias :func:`replicated` over ``group`` (their gradients summed over
-    it: the projections of the sequence-parallel attentions, Ulysses and ring, whose ranks see other tokens)."""
-    w = replicated(lin.weight, group)
-    b = replicated(lin.bias, group) if lin.bias is not None else None
+def replicated_linear(lin, x: torch.Tensor, *groups) -> torch.Tensor:
+    """``lin(x)`` with ``lin``'s weight and bias :func:`replicated` over each of ``groups`` (their gradients
+    summed over them: the projections of the sequence-parallel attentions, Ulysses and ring, whose ranks see
+    other tokens; a 2-D mesh gives one group per axis, and the sums over both are the sum over the mesh)."""
+    w, b = lin.weight, lin.bias
+    for group in groups:
+        w = replicated(w, group)
+        b = replicated(b, group) if b is not None else None
     return F.linear(x, w, b)
 
 

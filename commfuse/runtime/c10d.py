@@ -52,6 +52,7 @@ from commfuse.errors import (
     BackendUnavailableError,
     CommfuseError,
     CommfuseTimeoutError,
+    CommfuseValueError,
     CommunicationError,
     GroupDeadError,
     PeerFailedError,
@@ -767,3 +768,13 @@ class C10dBackend:
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def timing_event(self):
+        """A timing event of this backend's device (``torch.Event``, recorded on its current stream): the
+        flight recorder's device stamps (``COMMFUSE_DEVICE_TIMING=1``). A device whose torch has no timing
+        events refuses by name."""
+        try:
+            return torch.Event(device=self.device, enable_timing=True)
+        except RuntimeError as e:
+            raise CommfuseValueError(
+                f"COMMFUSE_DEVICE_TIMING=1: the device {self.device} gives no timing events ({e}); unset it") from e

@@ -30,7 +30,7 @@ from commfuse.runtime.groups import (
     group_state,
 )
 from commfuse.runtime.observe import trace_enabled
-from commfuse.runtime.recorder import recorder_for
+from commfuse.runtime.recorder import DEVICE, device_timing, recorder_for
 from commfuse.schedule import Collective, Schedule, SliceId, Step
 
 
@@ -207,11 +207,17 @@ class Plan:
         #: whether the recorder stamps each step's wait: where the host blocks in waits (gloo), which costs
         #: tens of microseconds beside the stamps' fraction of one. A stream-ordered backend's host does not
         #: wait (its stamps would time nothing), nor does a group whose transfers complete at once (torch's
-        #: ``fake`` group, the host-cost benchmark's)
+        #: ``fake`` group, the host-cost benchmark's). On the former, with ``COMMFUSE_DEVICE_TIMING=1`` and a backend
+        #: that makes timing events (``timing_event``), the device's events stamp each wait instead (DEVICE)
         caps = getattr(backend, "capabilities", None)
         device = getattr(getattr(backend, "device", None), "type", "cpu")
-        self.stamps = self.recorder is not None and not getattr(backend, "_instant", False) and not (
-            bool(getattr(caps, "streams", False)) and device != "cpu")
+        streamed = bool(getattr(caps, "streams", False)) and device != "cpu"
+        if self.recorder is None or getattr(backend, "_instant", False):
+            self.stamps: bool | str = False
+        elif not streamed:
+            self.stamps = True
+        else:
+            self.stamps = DEVICE if device_timing() and hasattr(backend, "timing_event") else False
         self.sizes: dict[int, tuple[int, int]] | None = None
         self.steps = self.compiled.steps
         self.digest: int | None = None  # of the fingerprint, less the call number: part of every tag

@@ -84,6 +84,7 @@ from commfuse.runtime.groups import (
 )
 from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, profiler_on
 from commfuse.runtime.recorder import failed as _recorded_failure
+from commfuse.runtime.recorder import stamper
 from commfuse.runtime import sites as _sites
 from commfuse.schedule import AlgorithmSpec, Collective
 
@@ -675,16 +676,15 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
     if FILLERS:
         run_filler(handle)
     if record is not None:
-        stamps = record.steps
-        stamps.clear()
-        stamps.append(st.index)
-        stamps.append(_clock_ns())
+        stamp = stamper(record, plan)
+        stamp(st.index)
+        stamp(_clock_ns())
     try:
         handle.wait(plan.timeout)
     except BaseException as e:
         raise waiting_error(plan, st, call, e) from e
     if record is not None:
-        stamps.append(_clock_ns())
+        stamp(_clock_ns())
 
 
 def may_skip_program(plan: Plan) -> bool:
@@ -783,9 +783,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
             call.head = (plan, seq, state.lane, _sites.active)
             call.start = _clock_ns()
             if plan.stamps:
-                stamp = call.steps
-                stamp.clear()
-                stamp = stamp.append
+                stamp = stamper(call, plan)
         begin = plan.begin
         if begin is not None:
             begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
@@ -951,9 +949,7 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
     stamp = sizes = None
     if call is not None:
         if plan.stamps:
-            stamp = call.steps
-            stamp.clear()
-            stamp = stamp.append
+            stamp = stamper(call, plan)
         sizes = plan.sizes
         if sizes is None:
             sizes = plan.sizes = {}

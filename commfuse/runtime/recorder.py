@@ -19,8 +19,15 @@ its first call (``Plan.sizes``). Nothing is formatted and no dict is built
 while a call runs; the record's strings are made when a dump is written.
 
 On a stream-ordered backend (NCCL, HCCL) the host neither blocks in a post
-nor in a wait: the stamps say when the host queued the step's transfers and
-when it queued the compute stream's wait for them, not when the bytes moved.
+nor in a wait, so host stamps would time nothing: there are none by default.
+With ``COMMFUSE_DEVICE_TIMING=1`` each step's wait is bracketed instead by two
+of the device's timing events (:class:`DeviceStamps`), recorded on the stream
+that waits: the time between them is how long that stream stalled for the
+step's transfers, the exposed communication. Recording an event queues it and
+returns; nothing blocks the host. The events are read only when asked (a
+metrics snapshot, a dump), and only once completed (``query()``): a call whose
+events the device has not reached yet is not counted, and in a dump it is the
+call the device is in, at the first step whose wait has not ended.
 
 A dump is one JSON file per group and rank in :func:`trace_dir`
 (``COMMFUSE_TRACE_DIR``, default ``./commfuse-traces``), written on a
@@ -45,8 +52,9 @@ import weakref
 
 from commfuse.runtime.env import number
 
-__all__ = ["DEFAULT_SIZE", "FORMAT", "Call", "Recorder", "dump_all", "failed", "group_name", "install_signal_handlers",
-           "recorder_for", "recorders", "size_from_env", "trace_dir"]
+__all__ = ["DEFAULT_SIZE", "DEVICE", "FORMAT", "Call", "DeviceStamps", "Recorder", "device_timing", "device_waits",
+           "dump_all", "failed", "group_name", "install_signal_handlers", "recorder_for", "recorders",
+           "size_from_env", "stamper", "trace_dir"]
 
 #: Calls each group keeps on each rank, unless ``COMMFUSE_RECORDER`` says otherwise (0: off).
 DEFAULT_SIZE = 64
@@ -68,6 +76,17 @@ def size_from_env() -> int:
     return number("COMMFUSE_RECORDER", DEFAULT_SIZE, 0, MAX_SIZE, kind=int, unit="calls (0: off)")
 
 
+#: ``Plan.stamps`` where the device's timing events bracket each wait (``COMMFUSE_DEVICE_TIMING=1`` on a
+#: stream-ordered device backend); True where the host's clock does (the host blocks in waits)
+DEVICE = "device"
+
+
+def device_timing() -> bool:
+    """Whether ``COMMFUSE_DEVICE_TIMING`` asks for device timing events on stream-ordered backends (off by
+    default: each step then records two events, a few microseconds of host time on a GPU)."""
+    return os.environ.get("COMMFUSE_DEVICE_TIMING", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def trace_dir() -> str:
     """Where dumps go: ``COMMFUSE_TRACE_DIR``, else ``./commfuse-traces``."""
     return os.environ.get("COMMFUSE_TRACE_DIR", "").strip() or DEFAULT_DIR
@@ -80,14 +99,15 @@ class Call:
     flat: per step that communicates its index, the wait's start and the wait's end (absent while the rank
     waits there), where the plan stamps (``Plan.stamps``: the host blocks in waits)."""
 
-    __slots__ = ("head", "start", "end", "steps", "error")
+    __slots__ = ("head", "start", "end", "steps", "error", "dev")
 
     def __init__(self) -> None:
         self.head = (None, -1, ("", 0), None)
         self.start = 0  # 0: never used
         self.end = -1
-        self.steps: list[int] = []
+        self.steps: list = []  # ints; with device stamps, each wait's start and end are the device's events
         self.error: tuple[str, int, int] | None = None
+        self.dev: DeviceStamps | None = None  # made on the first device-stamped call this record holds
 
     @property
     def status(self) -> str:
@@ -95,6 +115,62 @@ class Call:
         if error is not None and error[2] == self.start:
             return "failed"
         return "ok" if self.end >= self.start else "in progress"
+
+
+class DeviceStamps:
+    """The stamp function of a call on a stream-ordered device (``Plan.stamps == DEVICE``): the step loop calls
+    it as it calls a host-stamped call's ``steps.append``, three times per waited step (the step's index, then
+    the wait's start and end, each read from the host's clock), and this keeps the index and records, in place
+    of each time, a timing event on the device's current stream. The events are the record's own, made once
+    by ``make`` (the backend's ``timing_event``) and recorded again on each call the record holds."""
+
+    __slots__ = ("flat", "pool", "make")
+
+    def __init__(self, flat: list, make) -> None:
+        self.flat, self.pool, self.make = flat, [], make
+
+    def __call__(self, value: int) -> None:
+        flat = self.flat
+        k = len(flat)
+        if k % 3 == 0:  # the step's index
+            flat.append(value)
+            return
+        pool = self.pool
+        while len(pool) <= k:
+            pool.append(None)
+        event = pool[k]
+        if event is None:
+            event = pool[k] = self.make()
+        event.record()
+        flat.append(event)
+
+
+def stamper(call: Call, plan):
+    """The stamp function for one call of ``plan`` (``plan.stamps`` true), the record's steps cleared: the list's
+    ``append`` where the host's clock stamps, a :class:`DeviceStamps` where the device's events do."""
+    flat = call.steps
+    flat.clear()
+    if plan.stamps is not DEVICE:
+        return flat.append
+    dev = call.dev
+    if dev is None or dev.flat is not flat:
+        dev = call.dev = DeviceStamps(flat, plan.backend.timing_event)
+    return dev
+
+
+def device_waits(flat: list) -> list[int] | None:
+    """A device-stamped call's steps as the host's are kept (index, 0, the wait in ns; flat), once the device
+    has passed every event; None while it has not (an event is asked, never waited on)."""
+    out = []
+    try:
+        for j in range(0, len(flat) - 2, 3):
+            began, done = flat[j + 1], flat[j + 2]
+            if not done.query():
+                return None
+            out += (flat[j], 0, int(began.elapsed_time(done) * 1e6))
+    except RuntimeError:  # an event the device never recorded (a call that failed before): not timed
+        return None
+    return out
 
 
 class Recorder:
@@ -166,7 +242,8 @@ class Recorder:
 def _call_dict(c: Call, to_wall: int) -> dict:
     plan, seq, lane, site = c.head
     steps_out = []
-    stamped = bool(getattr(plan, "stamps", False))
+    stamps = getattr(plan, "stamps", False)
+    stamped = stamps is True
     flat = list(c.steps) if stamped else []
     prev = c.start
     sizes = getattr(plan, "sizes", None) or {}
@@ -187,11 +264,11 @@ def _call_dict(c: Call, to_wall: int) -> dict:
             waiting = {"step": index, "since_ns": began + to_wall, "waits_for": sorted({*send_to, *recv_from})}
         else:
             prev = done
-    if status == "in progress" and waiting is None and plan is not None and not stamped:
+    if status == "in progress" and waiting is None and plan is not None and not stamps:
         waiting = _posted(plan)  # no stamps (the host does not block): the backend's last post in the call
     schedule = getattr(plan, "schedule", None)
     error = c.error if status == "failed" else None
-    return {
+    out = {
         "seq": seq,
         "lane": lane[0],
         "lane_code": lane[1],
@@ -209,6 +286,38 @@ def _call_dict(c: Call, to_wall: int) -> dict:
         "waiting": waiting,
         "steps": steps_out,
     }
+    if stamps is DEVICE and plan is not None:
+        _device_steps(out, list(c.steps), plan)
+    return out
+
+
+def _device_steps(out: dict, flat: list, plan) -> None:
+    """A device-stamped call's steps into its record ``out``: per waited step, the time the device's stream
+    stalled in its wait (``device_wait_ns``, None until the device has passed it). A call the host completed
+    but the device has not is in progress, waiting at its first step whose wait the device has not passed."""
+    sizes = getattr(plan, "sizes", None) or {}
+    steps = {st.index: st for st in plan.steps}
+    waiting = None
+    for j in range(0, len(flat), 3):
+        entry = flat[j:j + 3]
+        index = entry[0]
+        wait_ns = None
+        try:
+            if len(entry) == 3 and entry[2].query():
+                wait_ns = int(entry[1].elapsed_time(entry[2]) * 1e6)
+        except RuntimeError:  # an event the device never recorded
+            wait_ns = None
+        send_to, recv_from = _peers(plan, steps.get(index))
+        sent, received = sizes.get(index, (-1, -1))
+        out["steps"].append({"step": index, "send_to": send_to, "recv_from": recv_from, "bytes_sent": sent,
+                             "bytes_received": received, "post_ns": None, "wait_ns": None, "done_ns": None,
+                             "device_wait_ns": wait_ns})
+        if wait_ns is None and waiting is None:
+            waiting = {"step": index, "since_ns": None, "waits_for": sorted({*send_to, *recv_from}),
+                       "device": True}
+    if waiting is not None and out["status"] != "failed":
+        out["status"], out["waiting"] = "in progress", waiting
+    out["stamped"] = DEVICE
 
 
 def _posted(plan) -> dict | None:

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from commfuse.schedule import hidden_fraction
-from commfuse.sim._engine import Timeline, check_size, simulate_phases
+from commfuse.sim._engine import Phase, Timeline, check_size, simulate_phases
 from commfuse.sim._model import kernel_time
 from commfuse.sim._profile import Profile, ProfileError, load_profile
-from commfuse.sim._workloads import Workload, parse_algorithm
+from commfuse.sim._workloads import Workload
 
 #: What ``compare`` predicts when not told: the issue's table rows.
 DEFAULT_ALGORITHMS = ("vanilla", "sliced:2", "sliced:4", "ring", "bidirectional")
@@ -84,6 +84,9 @@ class Prediction:
                  "passes": w.passes}
         if w.name == "moe":
             shape.update(ep=w.ep, experts=w.experts, topk=w.topk, skew=w.skew, grouping=w.grouping)
+        if w.name == "ring_attention":
+            shape.update(cp=w.cp, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim, layout=w.layout,
+                         kv_replicate=w.kv_replicate)
         return {
             "workload": w.name,
             "algorithm": self.algorithm,
@@ -114,6 +117,38 @@ def _dtype_check(profile: Profile, workload: Workload) -> None:
         )
 
 
+def segments(phases: Sequence[Phase]) -> list[tuple[int, list[Phase]]]:
+    """``phases`` cut where the world size of their schedules changes (the 2-D forms of ``ring_attention``:
+    an all-to-all inside groups of U ranks, a ring over R); a phase without a schedule joins its neighbours.
+
+    Every rank runs the ops one after another and every rank of a segment is alike or simulated, so the
+    layer's time is the sum of its segments' (exact for the switch and direct topologies, where the groups'
+    messages use separate ports and links; on a ``bus`` the other groups' traffic would share the medium).
+    """
+    out: list[tuple[int, list[Phase]]] = []
+    for p in phases:
+        n = p.schedule.world_size if p.schedule is not None else None
+        if out and (n is None or out[-1][0] in (None, n)):
+            if out[-1][0] is None:
+                out[-1] = (n, out[-1][1])
+            out[-1][1].append(p)
+        else:
+            out.append((n, [p]))
+    return [(1 if n is None else n, ps) for n, ps in out]
+
+
+def _run(phases: Sequence[Phase], profile: Profile, world_size: int, **kw) -> Timeline:
+    parts = segments(phases)
+    if len(parts) == 1 and parts[0][0] == world_size:
+        return simulate_phases(phases, profile, world_size, **kw)
+    # segments over different world sizes: each simulated on its own, their times summed (no timeline kept)
+    kw["record"] = False
+    timelines = [simulate_phases(ps, profile, n, **kw) for n, ps in parts]
+    total = sum(tl.total for tl in timelines)
+    busy = sum(max(tl.compute_busy) for tl in timelines)
+    return Timeline(world_size, True, list(phases), [total], [busy])
+
+
 def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring", *, record: bool = False,
             symmetric: bool | None = None, check: bool = False) -> Prediction:
     """Predict ``workload`` under ``algorithm`` (``"ring"``, ``"ring:2"``, ``"bidirectional"``, ``"sliced:4"``, ``"vanilla"``).
@@ -125,12 +160,12 @@ def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring
     """
     profile = load_profile(profile)
     _dtype_check(profile, workload)
-    parse_algorithm(algorithm)
+    workload.check_algorithm(algorithm)
     phases = workload.phases(algorithm)
     n = workload.world_size
-    main = simulate_phases(phases, profile, n, symmetric=symmetric, check=check, record=record)
-    compute = simulate_phases(phases, profile, n, mode="compute_only", symmetric=symmetric, record=False)
-    comm = simulate_phases(phases, profile, n, mode="comm_only", symmetric=symmetric, check=check, record=False)
+    main = _run(phases, profile, n, symmetric=symmetric, check=check, record=record)
+    compute = _run(phases, profile, n, mode="compute_only", symmetric=symmetric, record=False)
+    comm = _run(phases, profile, n, mode="comm_only", symmetric=symmetric, check=check, record=False)
     outside = sum(kernel_time(profile, k) for p in phases if p.schedule is None for k in p.cost.compute(0, None))
     flops = sum(p.cost.flops(0) for p in phases)
     if not all(math.isfinite(x) for x in (main.total, compute.total, comm.total, outside, flops)):
@@ -138,7 +173,7 @@ def predict(profile: "Profile | str", workload: Workload, algorithm: str = "ring
         raise ProfileError(f"profile {profile.name!r} ({profile.source or 'in memory'}) gives {workload.describe()} "
                            f"under {algorithm} a time that is not a finite number")
     return Prediction(workload, algorithm, profile.name, main.total, compute.total, comm.total, outside, flops,
-                      profile.compute.peak_flops, timeline=main if record else None)
+                      profile.compute.peak_flops, timeline=main if record and main.records else None)
 
 
 def compare(profile: "Profile | str", workload: Workload, algorithms: Sequence[str] = DEFAULT_ALGORITHMS, *,
@@ -149,8 +184,9 @@ def compare(profile: "Profile | str", workload: Workload, algorithms: Sequence[s
     if "vanilla" not in names:
         names.insert(0, "vanilla")
     for a in names:  # refuse a run over the engine's limits before running any
-        parse_algorithm(a)
-        check_size(workload.phases(a), workload.world_size, symmetric)
+        workload.check_algorithm(a)
+        for n, phases in segments(workload.phases(a)):
+            check_size(phases, n, symmetric)
     out = [predict(profile, workload, a, record=record, symmetric=symmetric, check=check) for a in names]
     vanilla = next(p for p in out if p.algorithm == "vanilla")
     return [replace(p, speedup_vs_vanilla=vanilla.time / p.time if p.time > 0 else None) for p in out]

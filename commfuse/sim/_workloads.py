@@ -35,6 +35,11 @@ moe        one mixture-of-experts layer under expert parallelism over N = ep
            dispatched to the down GEMM's dgrad + wgrad and SwiGLU's backward;
            the gate/up GEMM's dgrad + wgrad make dX blocks sent back). See
            :func:`_moe`
+ring_attention context-parallel self-attention over N = cp ranks, forward and
+           backward, causal with a load-balancing layout: commfuse ring
+           attention (K/V blocks round the ring), vanilla (all-gather K/V
+           first), Ulysses (all-to-all of heads) and the 2-D form; see
+           ``commfuse.sim._ring_attention``
 ========== ================================================================
 
 TP workloads simulate one TP group: with ``dp > 1`` the data-parallel
@@ -62,8 +67,10 @@ from commfuse.schedule import parse_algorithm as _parse_algorithm
 from commfuse.sim._engine import Phase
 from commfuse.sim._model import Kernel
 from commfuse.sim._profile import DTYPES
+from commfuse.sim._ring_attention import LAYOUTS as _LAYOUTS
+from commfuse.sim import _ring_attention
 
-WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe")
+WORKLOADS = ("mlp", "attention", "ag_matmul", "matmul_rs", "fsdp_linear", "moe", "ring_attention")
 PASSES = ("forward", "backward", "both")
 #: Flops per element of the MLP activation (GELU, tanh form) and of its backward.
 ACTIVATION_FLOPS = 8.0
@@ -393,6 +400,11 @@ class Workload:
     (at most ``experts``), ``ffn`` per expert, ``skew`` (>= 1, at most ``ep``:
     rank 0's share of every rank's routed rows over the balanced share, a hot
     expert rank) and ``grouping`` (:class:`ExpertOp`). ``tp`` and ``dp`` stay 1.
+
+    ``ring_attention`` only (``commfuse.sim._ring_attention``): ``cp`` ranks, ``heads`` query heads (default
+    hidden / 128), ``kv_heads`` (default ``heads``), ``head_dim`` (default hidden / heads), ``layout``
+    (zigzag, contiguous or none: not causal) and ``kv_replicate`` (let Ulysses run over more ranks than
+    K/V heads). ``tp`` and ``dp`` stay 1.
     """
 
     name: str
@@ -409,12 +421,22 @@ class Workload:
     topk: int = 2
     skew: float = 1.0
     grouping: str = "step"
+    cp: int = 1
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    layout: str = "zigzag"
+    kv_replicate: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise CommfuseValueError(f"unknown workload {self.name!r}; expected one of {', '.join(WORKLOADS)}")
-        for f in ("tp", "seq", "hidden", "batch", "dp", "ep", "experts", "topk"):
+        for f in ("tp", "seq", "hidden", "batch", "dp", "ep", "experts", "topk", "cp"):
             _positive(f, getattr(self, f))
+        if self.name == "ring_attention":
+            self._check_ring_attention()
+        elif self.cp != 1:
+            raise CommfuseValueError(f"{self.name}: cp={self.cp} applies to the ring_attention workload only")
         if self.name == "moe":
             self._check_moe()
         elif self.ep != 1:
@@ -432,7 +454,7 @@ class Workload:
         if self.name in ("ag_matmul", "matmul_rs") and self.passes != "forward":
             raise CommfuseValueError(f"{self.name} is one forward op; its backward is the other op "
                                      f"(use workload 'mlp' with passes={self.passes!r})")
-        if self.name == "moe":
+        if self.name in ("moe", "ring_attention"):
             pass
         elif self.name == "fsdp_linear":
             if self.ffn % self.tp:
@@ -443,6 +465,33 @@ class Workload:
                 if getattr(self, f) % self.tp:
                     raise CommfuseValueError(f"{self.name}: {f} {getattr(self, f)} must divide by tp {self.tp} "
                                              f"(weights are split evenly across TP ranks)")
+
+    def _check_ring_attention(self) -> None:
+        if self.tp != 1 or self.dp != 1:
+            raise CommfuseValueError(f"ring_attention models one context-parallel group: give its size as cp, not "
+                                     f"tp={self.tp} / dp={self.dp}")
+        heads = self.hidden // 128 if self.heads is None else self.heads
+        _positive("heads", heads)
+        kv = heads if self.kv_heads is None else self.kv_heads
+        _positive("kv_heads", kv)
+        if heads % kv:
+            raise CommfuseValueError(f"ring_attention: {heads} query heads must be a multiple of the {kv} K/V heads "
+                                     f"(grouped-query attention)")
+        if self.head_dim is None and self.hidden % heads:
+            raise CommfuseValueError(f"ring_attention: hidden {self.hidden} does not divide by {heads} heads; give "
+                                     f"head_dim")
+        dim = self.hidden // heads if self.head_dim is None else self.head_dim
+        _positive("head_dim", dim)
+        object.__setattr__(self, "heads", heads)
+        object.__setattr__(self, "kv_heads", kv)
+        object.__setattr__(self, "head_dim", dim)
+        if self.layout not in _LAYOUTS:
+            raise CommfuseValueError(f"ring_attention: layout must be one of {', '.join(_LAYOUTS)}, "
+                                     f"got {self.layout!r}")
+        per = 2 * self.cp if self.layout == "zigzag" else self.cp
+        if self.seq % per:
+            raise CommfuseValueError(f"ring_attention: seq {self.seq} must divide into {per} equal chunks (cp "
+                                     f"{self.cp}, {self.layout} layout)")
 
     def _check_moe(self) -> None:
         if self.tp != 1 or self.dp != 1:
@@ -467,6 +516,8 @@ class Workload:
     @property
     def world_size(self) -> int:
         """Ranks of the group the layer's collectives run over: ``dp`` for FSDP, ``ep`` for MoE, else ``tp``."""
+        if self.name == "ring_attention":
+            return self.cp
         return self.dp if self.name == "fsdp_linear" else self.ep if self.name == "moe" else self.tp
 
     @property
@@ -504,6 +555,10 @@ class Workload:
             if self.grouping != "step":
                 text += f", one GEMM call per {self.grouping}"
             return text + f", {self.dtype}"
+        if self.name == "ring_attention":
+            causal = "not causal" if self.layout == "none" else f"causal, {self.layout} layout"
+            return (f"ring_attention {self.passes}, cp {self.cp}, batch {self.batch}, seq {self.seq}, {self.heads} "
+                    f"query heads, {self.kv_heads} K/V heads, head dim {self.head_dim}, {causal}, {self.dtype}")
         text = (f"{self.name} {self.passes}, tp {self.tp}" + (f", dp {self.dp}" if self.dp > 1 else "")
                 + f", (b, s, h) = ({self.batch}, {self.seq}, {self.hidden})")
         if self.name in ("mlp", "ag_matmul", "matmul_rs", "fsdp_linear"):
@@ -513,6 +568,13 @@ class Workload:
     def phases(self, algorithm: str) -> list[Phase]:
         """The ops of this layer, each with the schedule ``algorithm`` names."""
         return _BUILD[self.name](self, algorithm)
+
+    def check_algorithm(self, algorithm: str) -> None:
+        """Refuse an ``algorithm`` this workload has no model of, before anything runs."""
+        if self.name == "ring_attention":
+            _ring_attention.check_heads(self, _ring_attention.parse(algorithm, self.cp))
+        else:
+            parse_algorithm(algorithm)
 
 
 def _op(collective: str, w: Workload, algorithm: str, name: str, **kw) -> Phase:
@@ -665,4 +727,5 @@ _BUILD = {
     "matmul_rs": lambda w, a: [_matmul_rs(w, a)],
     "fsdp_linear": _fsdp_linear,
     "moe": _moe,
+    "ring_attention": _ring_attention.phases,
 }

@@ -72,8 +72,28 @@ def numerics(rank: int, n: int) -> dict:
                                 f"{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{algorithm}")
                         _run(results, name, _bind(_one, rank, n, layout, causal, hq, hkv, docs, dtype, algorithm,
                                                   i))
-    _run(results, "torch-ring-attention", lambda: _against_torch(rank, n))
+    cp = _torch_ring()
+    if isinstance(cp, str):
+        results["skip:torch-ring-attention"] = cp
+    else:
+        _run(results, "torch-ring-attention", lambda: _against_torch(rank, n, cp))
     return results
+
+
+def _torch_ring():
+    """torch's ring attention module (private: ``_context_parallel._attention`` since torch 2.10, ``_attention``
+    before), or why it cannot be compared with."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError:
+        try:
+            from torch.distributed.tensor.experimental import _attention as cp
+        except ImportError as e:
+            return f"this torch has no ring attention module to compare with ({e})"
+    if not hasattr(cp, "_templated_ring_attention") or not hasattr(cp, "_cp_options") or not hasattr(
+            torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "this torch's ring attention has no _templated_ring_attention/_cp_options or CPU flash kernel"
+    return cp
 
 
 def _bind(fn, *args):
@@ -98,13 +118,12 @@ def _one(rank, n, layout, causal, hq, hkv, docs, dtype, algorithm, seed):
         _close(t.grad, shard_sequence(w, rank, n, layout), name, dtype)
 
 
-def _against_torch(rank, n):
+def _against_torch(rank, n, cp):
     """torch's ring attention (the one ``context_parallel`` dispatches SDPA to) on the same shards: its public
     ``context_parallel`` cannot run on CPU (no DTensor sharding strategy for
     ``aten._scaled_dot_product_flash_attention_for_cpu``), so its ring, ``_templated_ring_attention``, is
     called directly with the CPU flash kernel; its load balancing is the zigzag layout. Forward only."""
     import torch.distributed as dist
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     saved = cp._cp_options.enable_load_balance
@@ -215,3 +234,84 @@ def error_growth(rank: int, n: int) -> dict:
         got = cf.ring_attention(*mine, causal=True, layout="zigzag", algorithm="ring")
         errors[str(dtype)[6:]] = (got.double() - shard_sequence(want, rank, n, "zigzag")).abs().max().item()
     return errors
+
+
+def two_dimensional(rank: int, n: int) -> dict:
+    """The 2-D form on a cp x ulysses mesh of 2 x 2 (n = 4): ring attention over the cp axis with Ulysses
+    inside, forward and dq/dk/dv against the float64 unsharded attention; and RingAttention with a Ulysses
+    group against the unsharded layer (input and weight gradients too)."""
+    import torch.distributed as dist
+
+    from commfuse.fused.ring_attention import ulysses_positions
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    cp_size, u_size = 2, n // 2
+    # rank = cp_rank * u_size + u_rank: the Ulysses groups are consecutive ranks, the cp groups strided
+    u_groups = [dist.new_group(list(range(c * u_size, (c + 1) * u_size))) for c in range(cp_size)]
+    cp_groups = [dist.new_group(list(range(u, n, u_size))) for u in range(u_size)]
+    cp_rank, u_rank = divmod(rank, u_size)
+    cp_group, u_group = cp_groups[u_rank], u_groups[cp_rank]
+
+    def mine(t, seq):
+        return t[:, ulysses_positions(seq, cp_rank, cp_size, u_rank, u_size, layout)]
+
+    def attention(causal, docs, dtype, algorithm):
+        q, k, v = _inputs(n, 4, 4, 2, dtype, 5)
+        seq = q.shape[1]
+        lengths = documents(seq) if docs else None
+        want = reference(q, k, v, causal, lengths)
+        dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+        want_grads = torch.autograd.grad(want, (q, k, v), dout)
+        ins = [mine(t.detach(), seq).to(dtype).requires_grad_() for t in (q, k, v)]
+        got = cf.ring_attention(*ins, group=cp_group, ulysses_group=u_group, causal=causal, layout=layout,
+                                algorithm=algorithm, document_lengths=lengths)
+        _close(got, mine(want, seq), "output", dtype)
+        got.backward(mine(dout, seq).to(dtype))
+        for t, w, name in zip(ins, want_grads, ("dq", "dk", "dv")):
+            _close(t.grad, mine(w, seq), name, dtype)
+
+    for layout in ("contiguous", "zigzag"):
+        for causal, docs, dtype, algorithm in ((True, False, torch.float32, "ring"), (True, True, torch.float32,
+                                               "vanilla"), (False, False, torch.bfloat16, "bidirectional")):
+            _run(results, f"2d-{layout}-{causal}-{docs}-{str(dtype)[6:]}-{algorithm}",
+                 _bind(attention, causal, docs, dtype, algorithm))
+
+    def layer():
+        from commfuse.nn import RingAttention
+
+        layout = "zigzag"
+        torch.manual_seed(3)
+        m = RingAttention(16, 4, num_kv_heads=2, layout=layout, group=cp_group, ulysses_group=u_group).double()
+        s = 4 * n
+        x = torch.randn(2, s, 16, dtype=torch.float64)
+        xx = x.clone().requires_grad_()
+        b = x.shape[0]
+        q, k, v = (p(xx).view(b, s, -1, 4) for p in (m.q_proj, m.k_proj, m.v_proj))
+        pos = torch.arange(s)
+        want = m.o_proj(reference(rope(q, pos), rope(k, pos), v, True, None).reshape(b, s, -1))
+        want.pow(2).sum().backward()
+        want_grads = {name: p.grad.clone() for name, p in m.named_parameters()}
+        m.zero_grad()
+        ins = x[:, ulysses_positions(s, cp_rank, cp_size, u_rank, u_size, layout)].requires_grad_()
+        got = m(ins)
+        _close(got, want[:, ulysses_positions(s, cp_rank, cp_size, u_rank, u_size, layout)], "layer output",
+               torch.float32)
+        got.pow(2).sum().backward()
+        _close(ins.grad, xx.grad[:, ulysses_positions(s, cp_rank, cp_size, u_rank, u_size, layout)], "input grad",
+               torch.float32)
+        for name, p in m.named_parameters():
+            _close(p.grad, want_grads[name], f"{name}.grad", torch.float32)
+
+    _run(results, "2d-layer", layer)
+
+    def refused():
+        q, k = torch.randn(1, 4, 4, 8), torch.randn(1, 4, 1, 8)
+        expect(lambda: cf.ring_attention(q, k, k, group=cp_group, ulysses_group=u_group), CommfuseError,
+               f"rank {u_rank}", "k has 1 heads", f"Ulysses group's size {u_size}")
+        got = cf.ring_attention(q, q, q, group=cp_group, ulysses_group=u_group)  # and the groups are in step
+        if got.shape != q.shape:
+            raise AssertionError("a call after the refusal failed")
+
+    _run(results, "2d-refuses-heads-that-do-not-divide", refused)
+    return results

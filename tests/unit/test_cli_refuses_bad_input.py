@@ -113,7 +113,8 @@ def test_conformance_refuses_an_installed_backend_that_cannot_run_here(no_work, 
 
 
 SIZES = {
-    "simulate": ["--batch", "-b", "--seq", "-s", "--hidden", "--ffn", "--tp", "--dp", "--ep", "--experts", "--topk"],
+    "simulate": ["--batch", "-b", "--seq", "-s", "--hidden", "--ffn", "--tp", "--dp", "--ep", "--experts", "--topk",
+                 "--cp", "--heads", "--kv-heads", "--head-dim"],
     "bench": ["--batch", "-b", "--seq", "-s", "--tokens", "--hidden", "--ffn", "--heads", "--kv-heads", "--experts",
               "--topk", "--world-size", "-n", "--threads", "--repeats", "-r", "--scale", "--fake-pg", "--calls"],
 }
@@ -263,7 +264,7 @@ def _corner(fast: bool) -> sim.Profile:
 
 
 @pytest.mark.parametrize("fast", [True, False])
-@pytest.mark.parametrize("name", ["mlp", "attention", "moe"])
+@pytest.mark.parametrize("name", ["mlp", "attention", "moe", "ring_attention"])
 def test_every_prediction_is_finite_at_the_corners_of_the_bounds(fast, name):
     """The bounds on profiles and on sizes are what keep the model's arithmetic finite: at their corners, with
     every size at its largest, every figure is a finite number."""
@@ -272,6 +273,10 @@ def test_every_prediction_is_finite_at_the_corners_of_the_bounds(fast, name):
         w = sim.Workload("moe", tp=1, seq=big, hidden=big, batch=big, ffn=big, ep=2, experts=big, topk=big,
                          passes="both")
         algorithms = ["vanilla", "sliced:2", "ring", "ring:2"]
+    elif name == "ring_attention":
+        w = sim.Workload(name, tp=1, cp=2, seq=big, hidden=big, batch=big, ffn=big, heads=big, kv_heads=big,
+                         head_dim=big, passes="both")
+        algorithms = ["vanilla", "ring", "bidirectional", "ulysses", "2d:1x2"]
     else:
         w = sim.Workload(name, tp=2, seq=big, hidden=big, batch=big, ffn=big)
         algorithms = ["vanilla", "sliced:2", "ring", "ring:2", "bidirectional"]

@@ -149,3 +149,63 @@ def test_the_metrics_file_a_layers_calls_under_its_site(tmp_path):
     assert len(layer) == 1 and snap[layer[0]] == 3, snap  # the layer's three calls, under its site
     assert snap["commfuse/0/all_gather_matmul.ring/calls"] == 1, snap  # the op outside any site
     assert not any(k.endswith("/calls") for k in out["again"]), out["again"]  # nothing new since
+
+
+def test_device_stamps_are_read_only_once_the_device_passed_them(tmp_path):
+    # COMMFUSE_DEVICE_TIMING's bookkeeping, on the fake group: the plans are switched to device stamps and the
+    # backend's timing events are host-clock stand-ins (a CPU has no torch.Event; the real events are checked
+    # on a GPU by benchmarks/recorder_device.py). An event the "device" has not reached keeps its call out of
+    # the metrics (counted by a later snapshot) and makes the dump say the call is in progress at that step.
+    done = _run("""
+        import gc
+        from commfuse.runtime.compiled import Plan
+        from commfuse.runtime.recorder import DEVICE
+
+        class HostEvent:
+            made = 0
+            reached = True
+            def __init__(self):
+                HostEvent.made += 1
+                self.t = None
+            def record(self):
+                self.t = time.perf_counter_ns()
+            def query(self):
+                return HostEvent.reached and self.t is not None
+            def elapsed_time(self, end):
+                return (end.t - self.t) / 1e6
+
+        call = lambda: cf.all_gather_matmul(a, w, algorithm="ring", check=False)
+        call()
+        metrics.snapshot()
+        for plan in (o for o in gc.get_objects() if isinstance(o, Plan)):
+            plan.stamps = DEVICE
+            plan.backend.timing_event = HostEvent
+        for _ in range(5):
+            call()
+        made = HostEvent.made
+        for _ in range(5):
+            call()
+        first = metrics.snapshot()
+        HostEvent.reached = False
+        for _ in range(2):
+            call()
+        pending = metrics.snapshot()
+        path = metrics.dump_trace()[0]
+        HostEvent.reached = True
+        later = metrics.snapshot()
+        dump = json.load(open(path))
+        print(json.dumps({"made": made, "after": HostEvent.made, "first": first, "pending": pending,
+                          "later": later, "last": dump["calls"][-1]}))
+    """, tmp_path, env={"COMMFUSE_CHECK": "0", "COMMFUSE_RECORDER": "4"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    key = "commfuse/0/all_gather_matmul.ring/"
+    # a ring of 4 waits 3 steps, two events each, made once per record (4 kept) and only recorded again after
+    assert out["made"] == 4 * 3 * 2 and out["after"] == out["made"], out
+    assert out["first"][key + "calls"] == 4 and out["first"][key + "wait_ms"] > 0, out["first"]
+    assert not any(k.endswith("/calls") for k in out["pending"]), out["pending"]  # not reached: not counted
+    assert out["later"][key + "calls"] == 2, out["later"]  # counted once the device passed them
+    last = out["last"]
+    assert last["stamped"] == "device" and last["status"] == "in progress", last
+    assert last["waiting"]["device"] and last["waiting"]["step"] == last["steps"][0]["step"], last
+    assert all(s["device_wait_ns"] is None for s in last["steps"]), last
