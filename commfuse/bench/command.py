@@ -84,6 +84,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
         "  commfuse bench -w mlp --preset paper-mlp --scale 8 --link-rate 1gbit\n"
         "  commfuse bench -w moe --link-rate 350mbit --plot moe.png   # mixture of experts, 4 experts, top-2\n"
         "  commfuse bench -w strands --link-rate 700mbit -r 5   # two micro-batches as two strands vs per-op ring\n"
+        "  commfuse bench -w ring_attention -b 1 -s 4096 --kv-heads 2 --link-rate 100mbit   # context parallelism\n"
         "  torchrun --nproc-per-node 8 -m commfuse.bench -w all --preset paper-mlp --json out.json\n"
         "  commfuse bench --fake-pg 8 --device cuda --tokens 8192 --hidden 8192 --ffn 28672   # one GPU, no transfers\n"
         "  commfuse bench --compile                         # mlp, attention, fsdp_linear: eager vs torch.compile\n"
@@ -93,7 +94,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("what to measure")
     g.add_argument("-w", "--workloads", nargs="+", metavar="W",
                    help=f"workloads, or 'all' ({', '.join(WORKLOADS)}; 'all' leaves out those needing another "
-                   "distribution, torchtitan, and strands, which times rows of its own; default: ag_matmul "
+                   "distribution, torchtitan, and strands and ring_attention, which time rows of their own; default: ag_matmul "
                    "matmul_rs; with "
                    f"--compile: {' '.join(COMPILE_DEFAULT_WORKLOADS)})")
     g.add_argument("-a", "--algorithms", nargs="+", metavar="A",
@@ -336,13 +337,17 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
         return _emit_compiled(result, config, args)
     recs = report.records(result, config)
     strands = report.strands_records(result, config)
+    attention = report.ring_attention_records(result, config)
     parts = []
     if recs:
         parts.append(report.table(recs, config) + "\n\n" + "\n".join(report.targets(recs, config)) + "\n")
     if strands:
         parts.append(report.strands_table(strands, config) + "\n\n" + "\n".join(report.strands_targets(
             strands, config)) + "\n")
-    _write("\n".join(parts), recs + strands, args.json)
+    if attention:
+        parts.append(report.ring_attention_table(attention, config) + "\n\n" + "\n".join(
+            report.ring_attention_targets(attention, config)) + "\n")
+    _write("\n".join(parts), recs + strands + attention, args.json)
     if args.trace:
         from commfuse.bench import trace
 
@@ -360,7 +365,11 @@ def emit(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:
     wrong_rows = [f"strands {r['block']} {r['row']}" for r in strands if not r["correct"]]
     if wrong_rows:
         print(f"commfuse bench: results differ from ring beyond tolerance: {', '.join(wrong_rows)}", file=sys.stderr)
-    return 1 if wrong or wrong_rows else 0
+    wrong_attention = [f"ring_attention {r['row']}" for r in attention if not r["correct"]]
+    if wrong_attention:
+        print(f"commfuse bench: results differ from the unsharded attention beyond tolerance: "
+              f"{', '.join(wrong_attention)}", file=sys.stderr)
+    return 1 if wrong or wrong_rows or wrong_attention else 0
 
 
 def _emit_compiled(result: dict, config: BenchConfig, args: argparse.Namespace) -> int:

@@ -58,6 +58,21 @@ STRAND_ROWS = {
     "strands searched": ("ring", "searched"),
 }
 
+#: The ``ring_attention`` workload's rows: name -> (whose attention, its algorithm or rotate method, the sequence
+#: layout of the shards). ``ring`` is the row the targets judge; every row is checked against the unsharded
+#: attention on the whole sequence. ``torch cp ...`` rows run torch's context-parallel ring
+#: (``torch.distributed.tensor.experimental``; its head-tail load balancing is the zigzag layout at every world
+#: size); ``ulysses`` is ``commfuse.nn.attention.ulysses_attention``.
+RING_ATTENTION_ROWS = {
+    "ring": ("commfuse", "ring", "zigzag"),
+    "bidirectional": ("commfuse", "bidirectional", "zigzag"),
+    "vanilla": ("commfuse", "vanilla", "zigzag"),
+    "ring contiguous": ("commfuse", "ring", "contiguous"),
+    "torch cp allgather": ("torch", "allgather", "zigzag"),
+    "torch cp alltoall": ("torch", "alltoall", "zigzag"),
+    "ulysses": ("ulysses", "ring", "contiguous"),
+}
+
 
 WORKLOADS = {
     w.name: w
@@ -94,6 +109,12 @@ WORKLOADS = {
                      "after the other, then two strands (the second forward beside the first backward) paired "
                      "naively and by the plan search over figures measured on the group; its own rows, no -a",
                      "mixed", None, True, rows=tuple(STRAND_ROWS)),
+        WorkloadInfo("ring_attention", "causal grouped-query attention (heads, kv_heads, head dim hidden/heads) "
+                     "forward + backward on a sequence sharded over the ranks (context parallelism): "
+                     "commfuse.ring_attention (ring, bidirectional, vanilla; zigzag, and contiguous ring), torch's "
+                     "context_parallel ring (allgather, alltoall) and commfuse's Ulysses, each checked against the "
+                     "unsharded attention; its own rows, no -a", "mixed", None, True,
+                     rows=tuple(RING_ATTENTION_ROWS)),
     )
 }
 
@@ -230,11 +251,15 @@ class BenchConfig:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise CommfuseValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
         if self.trace and all(WORKLOADS[w].rows for w in self.workloads):
-            raise CommfuseValueError("--trace and --plot draw one iteration per algorithm; workload strands times rows "
-                                     "of its own and traces none: add a workload such as -w mlp, or drop them")
-        if not self.backward and any(WORKLOADS[w].rows for w in self.workloads):
+            raise CommfuseValueError(f"--trace and --plot draw one iteration per algorithm; workload "
+                                     f"{' and '.join(self.workloads)} times rows of its own and traces none: add a "
+                                     "workload such as -w mlp, or drop them")
+        if not self.backward and "strands" in self.workloads:
             raise CommfuseValueError("workload strands runs forward + backward (a backward beside the next forward "
                                      "is what it times): drop --forward-only")
+        if not self.backward and "ring_attention" in self.workloads:
+            raise CommfuseValueError("workload ring_attention times forward + backward (the backward's ring is half "
+                                     "of what it compares): drop --forward-only")
         if self.topk > self.experts:
             raise CommfuseValueError(f"topk must be at most experts, got topk={self.topk} with {self.experts} experts")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
@@ -269,6 +294,19 @@ class BenchConfig:
                 needs.append(("ffn (the sharded weight's rows)", s.ffn))
             if w in ("moe", "strands"):
                 needs.append(("experts (--experts)", self.experts))
+            if w == "ring_attention":
+                if s.hidden % s.heads:
+                    raise CommfuseValueError(
+                        f"workload {w}: hidden {s.hidden} is not divisible by heads {s.heads}")
+                kv = s.kv_heads or s.heads
+                if s.heads % kv:
+                    raise CommfuseValueError(f"workload {w}: heads {s.heads} is not a multiple of kv_heads {kv}")
+                if s.seq % (2 * n):  # zigzag cuts the sequence in 2N chunks
+                    raise CommfuseValueError(
+                        f"workload {w}: seq = {s.seq} does not divide into 2 x world size = {2 * n} chunks (the "
+                        f"zigzag layout); pick --seq a multiple of {2 * n}")
+                needs += [("heads (ulysses spreads them over the ranks)", s.heads),
+                          ("kv_heads (ulysses spreads them over the ranks)", kv)]
             for what, size in needs:
                 if size % n:
                     raise CommfuseValueError(
@@ -283,6 +321,6 @@ def describe_rate(rate: str | None) -> str:
 
 __all__ = [
     "ALGORITHMS", "COMPILE_BACKENDS", "MOE_EXPERTS", "MOE_TOPK", "COMPILE_DEFAULT_ALGORITHMS", "COMPILE_DEFAULT_WORKLOADS", "COMPILE_WORKLOADS",
-    "PRESETS", "STRAND_ROWS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
+    "PRESETS", "RING_ATTENTION_ROWS", "STRAND_ROWS", "WORKLOADS", "BenchConfig", "Shape", "WorkloadInfo", "applies", "check_algorithm",
     "scaled", "describe_rate",
 ]

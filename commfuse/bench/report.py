@@ -76,7 +76,7 @@ def records(run: dict, config: BenchConfig) -> list[dict]:
     out = []
     n = run["world_size"]
     for res in run["results"]:
-        if res.get("kind") == "strands":  # rows of its own: strands_records
+        if res.get("kind") in ("strands", "ring_attention"):  # rows of their own: strands_records, ring_attention_records
             continue
         wall = res["wall_s"]  # [repeat][algorithm][mode]
         algs = res["algorithms"]
@@ -667,3 +667,221 @@ def strands_targets(recs: list[dict], config: BenchConfig | None = None) -> list
                          f"{_verdict(m is not None and m <= STRANDS_MEMORY_AT_MOST, why)}")
     return lines
 
+
+
+# -- -w ring_attention: attention under context parallelism, side by side ------------------------------------------
+
+#: The ring attention targets (printed, never asserted). The exposure and the speed-up over torch's
+#: context_parallel are judged where ring's transfers / compute-only is within RA_REGIME_WITHIN (a share) of
+#: RA_REGIME, communication about as long as compute; the zigzag layout's load balance (the slowest rank's
+#: compute-only time over the fastest's) at any regime.
+RA_REGIME, RA_REGIME_WITHIN = 1.0, 0.3
+RA_EXPOSED_AT_MOST = 0.10
+RA_VS_TORCH_AT_LEAST = 1.2
+RA_BALANCE_AT_MOST = 1.1
+#: the rows the targets judge: ring (zigzag), and the contiguous ring the balance is shown against
+RA_RING, RA_CONTIGUOUS = "ring", "ring contiguous"
+
+
+def ring_attention_records(run: dict, config: BenchConfig) -> list[dict]:
+    """One record per row of the ``ring_attention`` workload (rank 0's result). A row that did not run: a record
+    with ``not_run`` saying why (and ``correct`` True: nothing was wrong).
+
+    Per row, over the repeats, a repeat's figure the slowest rank's: ``median_ms`` (``p25_ms``-``p75_ms``) of the
+    normal run; for rows on commfuse's ops ``compute_only_ms``, ``comm_only_ms`` and ``outside_only_ms`` (medians
+    of the measure modes), ``comm_ms = comm_only - outside_only`` (the transfers alone), ``exposed_ms = median -
+    compute_only`` and ``exposed_fraction = exposed / comm``; ``rank_compute_only_ms`` (each rank's own
+    compute-only median) and ``compute_balance`` (their largest over their smallest); ``speedup_vs_torch``, the
+    faster torch row's median over this one; ``peak_mib``, the largest over the ranks."""
+    from commfuse.bench.config import RING_ATTENTION_ROWS
+
+    out = []
+    for res in run["results"]:
+        if res.get("kind") != "ring_attention":
+            continue
+        s = config.shape
+        base = {"mode": "ring_attention", "workload": "ring_attention", "world_size": run["world_size"],
+                "backend": run["backend"], "device": run["device"], "dtype": config.dtype,
+                "shape": {"batch": s.batch, "seq": s.seq, "heads": s.heads, "kv_heads": s.kv_heads or s.heads,
+                          "head_dim": s.hidden // s.heads},
+                "link_rate": config.link_rate, "load": run.get("load"), "cpus": run.get("cpus"),
+                "stock_context_parallel": res["stock_context_parallel"]}
+        items = [tuple(item) for item in res["items"]]
+        walls = res["wall_s"]  # [rank][repeat][item]
+
+        def slowest(row: str, mode: str | None = None) -> list[float]:
+            if (row, mode) not in items:
+                return []
+            k = items.index((row, mode))
+            return _finite_ms(max(rank[rep][k] for rank in walls) for rep in range(len(walls[0])))
+
+        def per_rank(row: str, mode: str) -> list[float] | None:
+            if (row, mode) not in items:
+                return None
+            k = items.index((row, mode))
+            return [statistics.median(_finite_ms(rep[k] for rep in rank)) for rank in walls]
+
+        medians = {row: statistics.median(slowest(row)) for row in res["rows"] if slowest(row)}
+        torch_rows = [row for row in medians if RING_ATTENTION_ROWS[row][0] == "torch"]
+        best_torch = min((medians[row] for row in torch_rows), default=None)
+        for row in res["rows"]:
+            who, how, layout = RING_ATTENTION_ROWS[row]
+            rec = {**base, "row": row, "who": who, "algorithm": how, "layout": layout}
+            if row in res["missing"]:
+                out.append({**rec, "not_run": res["missing"][row], "correct": True})
+                continue
+            ms = slowest(row)
+            med = statistics.median(ms)
+            p25, p75 = _quartiles(ms)
+            comp = statistics.median(slowest(row, "compute_only")) if slowest(row, "compute_only") else None
+            comm_only = statistics.median(slowest(row, "comm_only")) if slowest(row, "comm_only") else None
+            outside = statistics.median(slowest(row, "outside_only")) if slowest(row, "outside_only") else None
+            comm = None if comm_only is None or outside is None else max(comm_only - outside, 0.0)
+            exposed = None if comp is None else med - comp
+            ranks = per_rank(row, "compute_only")
+            peak = res["peak_bytes"][row]
+            out.append({
+                **rec,
+                "not_run": None,
+                "repeats": len(ms),
+                "median_ms": _r(med),
+                "p25_ms": _r(p25),
+                "p75_ms": _r(p75),
+                "compute_only_ms": _r(comp),
+                "comm_only_ms": _r(comm_only),
+                "outside_only_ms": _r(outside),
+                "comm_ms": _r(comm),
+                "exposed_ms": _r(exposed),
+                "exposed_fraction": _r(max(0.0, exposed) / comm, 4) if comm and exposed is not None else None,
+                "comm_vs_compute": _r(comm / comp, 4) if comm is not None and comp else None,
+                "rank_compute_only_ms": None if ranks is None else [_r(t) for t in ranks],
+                "compute_balance": _r(max(ranks) / min(ranks), 4) if ranks and min(ranks) > 0 else None,
+                "speedup_vs_torch": _r(best_torch / med, 4) if best_torch and med > 0 else None,
+                "peak_mib": None if peak is None else _r(peak / 2 ** 20, 2),
+                "peak_how": res["peak_how"],
+                "correct": bool(res["correct"][row]),
+                "max_rel_error": float(f"{res['max_rel_error'][row]:.3g}"),
+                "unmeasured": dict(res.get("unmeasured", {}).get(row, {})),
+            })
+    return out
+
+
+def ring_attention_table(recs: list[dict], config: BenchConfig) -> str:
+    """The ``ring_attention`` table: one line per row, what did not run, and how to read it."""
+    if not recs:
+        return ""
+    r0 = recs[0]
+    sh = r0["shape"]
+    ran = [r for r in recs if not r["not_run"]]
+    lines = [f"ring_attention: causal attention b={sh['batch']} s={sh['seq']} heads={sh['heads']} "
+             f"kv_heads={sh['kv_heads']} head_dim={sh['head_dim']}, forward + backward, sequence sharded over "
+             f"{r0['world_size']} ranks, {r0['backend']} on {r0['device']}, {r0['dtype']}, "
+             f"{describe_rate(config.link_rate)}; {ran[0]['repeats'] if ran else 0} interleaved repeats, each the "
+             "slowest rank's time"]
+    header = ("row", "layout", "median ms (p25-p75)", "compute-only", "comm", "exposed (of comm)", "vs torch cp",
+              "rank compute max/min", "peak memory", "result")
+    body = []
+    for r in ran:
+        exposed = "-" if r["exposed_ms"] is None else (
+            f"{r['exposed_ms']:.2f} ({100 * r['exposed_fraction']:.0f}%)" if r["exposed_fraction"] is not None
+            else f"{r['exposed_ms']:.2f}")
+        body.append((
+            r["row"],
+            r["layout"],
+            f"{r['median_ms']:.2f} ({r['p25_ms']:.2f}-{r['p75_ms']:.2f})",
+            _fmt(r["compute_only_ms"]),
+            _fmt(r["comm_ms"]),
+            exposed,
+            _fmt(r["speedup_vs_torch"], ".2f") + ("x" if r["speedup_vs_torch"] is not None else ""),
+            _fmt(r["compute_balance"], ".2f") + ("x" if r["compute_balance"] is not None else ""),
+            "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f} MiB",
+            "ok" if r["correct"] else f"WRONG ({r['max_rel_error']:.2g})",
+        ))
+    if body:
+        lines.extend(aligned(header, body))
+    for r in recs:
+        if r["not_run"]:
+            lines.append(f"  {r['row']}: not run: {r['not_run']}")
+        for mode, why in (r.get("unmeasured") or {}).items():
+            lines.append(f"  {r['row']}: {mode} could not be measured, the row fails in it: {why}")
+    ring = next((r for r in ran if r["row"] == RA_RING), None)
+    if ring is not None and ring["comm_ms"] is not None:
+        lines.append(f"  regime: ring's transfers {ring['comm_ms']:.2f} ms (comm-only {ring['comm_only_ms']:.2f} less "
+                     f"outside-only {ring['outside_only_ms']:.2f}) / compute-only {ring['compute_only_ms']:.2f} ms = "
+                     f"{_fmt(ring['comm_vs_compute'])}")
+    for r in ran:
+        if r["rank_compute_only_ms"] and r["row"] in (RA_RING, RA_CONTIGUOUS):
+            lines.append(f"  {r['row']} ({r['layout']}): compute-only per rank "
+                         + ", ".join(f"rank {q} {t:.2f} ms" for q, t in enumerate(r["rank_compute_only_ms"])))
+    if any(r["who"] == "torch" for r in recs):
+        stock = r0["stock_context_parallel"]
+        lines.append("  torch cp rows: torch's context_parallel ring (_templated_ring_attention and its backward, "
+                     "head-tail load balance, the rotate method")
+        lines.append("  named) with SDPA's CPU flash kernel passed in; the public context_parallel "
+                     + ("ran here too." if not stock else f"does not run here: {stock}"))
+    lines.append("")
+    load = run_load(recs)
+    if load:
+        lines.append(load)
+    lines.append("ms: milliseconds per forward + backward. compute-only: transfers removed; comm: comm-only less "
+                 "outside-only, the transfers alone;")
+    lines.append("exposed = median - compute-only, and its share of comm (rows on commfuse's ops only: torch's "
+                 "collectives cannot be removed).")
+    lines.append("vs torch cp: the faster torch cp row's median / this one. rank compute max/min: the ranks' "
+                 "compute-only medians, slowest / fastest.")
+    how = next((r["peak_how"] for r in ran if r.get("peak_how")), "n/a")
+    lines.append(f"peak memory: above what was resident before the run, the largest over the ranks ({how}). "
+                 "result: output, dq, dk, dv equal the")
+    lines.append("unsharded attention of the whole sequence within the dtype's tolerance (docs/benchmarks.md).")
+    return "\n".join(lines)
+
+
+def ring_exposure_floor(rec: dict) -> float | None:
+    """The least share of its transfers a ring of N ranks must expose at the record's regime: its compute can hide
+    them only behind (N - 1)/N of itself (each pass's last step, or first, has no transfer beside it), so
+    ``max(0, 1 - (N - 1)/N * compute / comm)``; None where comm was not measured."""
+    comm, comp, n = rec.get("comm_ms"), rec.get("compute_only_ms"), rec["world_size"]
+    if not comm or comp is None:
+        return None
+    return max(0.0, 1.0 - (n - 1) / n * comp / comm)
+
+
+def ring_attention_targets(recs: list[dict], config: BenchConfig | None = None) -> list[str]:
+    """The ring attention targets against this run's figures: printed, never asserted; each judged only where the
+    regime it assumes holds."""
+    if not recs:
+        return []
+    preset = config.preset if config is not None else None
+    smoke = f"--preset {TINY_PRESET} is a smoke test (latency-bound hops)" if preset == TINY_PRESET else None
+    by = {r["row"]: r for r in recs if not r["not_run"]}
+    ring = by.get(RA_RING)
+    lines = ["the ring attention targets (printed, never asserted), each judged only where the regime it assumes "
+             "holds:"]
+    if ring is None:
+        why = next((r["not_run"] for r in recs if r["row"] == RA_RING), "it did not run")
+        return lines + [f"  ring did not run ({why}): nothing judged"]
+    rho = ring["comm_vs_compute"]
+    regime = smoke
+    if regime is None and (rho is None or abs(rho - RA_REGIME) > RA_REGIME_WITHIN * RA_REGIME):
+        regime = (f"the target is for ring's transfers / compute-only {RA_REGIME} +- {RA_REGIME_WITHIN * RA_REGIME:.1f}, "
+                  f"here {_fmt(rho)}: set --link-rate")
+    x = ring["exposed_fraction"]
+    lines.append(f"  ring (zigzag) exposes {_fmt(None if x is None else 100 * x, '.1f')}% of its communication "
+                 f"(target <= {100 * RA_EXPOSED_AT_MOST:.0f}%): {_verdict(x is not None and x <= RA_EXPOSED_AT_MOST, regime)}")
+    floor = ring_exposure_floor(ring)
+    if floor is not None:
+        n = ring["world_size"]
+        lines.append(f"    (a ring of {n} ranks hides its transfers behind at most ({n} - 1)/{n} of its compute: at "
+                     f"this regime at least {100 * floor:.0f}% of them stays exposed)")
+    s = ring["speedup_vs_torch"]
+    why = regime or (None if s is not None else "no torch cp row ran")
+    torch_note = " (torch's ring with the CPU kernel passed in)" if ring["stock_context_parallel"] else ""
+    lines.append(f"  ring vs torch's context_parallel{torch_note}, the faster rotate method: {_fmt(s)}x (target >= "
+                 f"{RA_VS_TORCH_AT_LEAST}x): {_verdict(s is not None and s >= RA_VS_TORCH_AT_LEAST, why)}")
+    b = ring["compute_balance"]
+    contiguous = by.get(RA_CONTIGUOUS)
+    beside = "" if contiguous is None or contiguous["compute_balance"] is None else (
+        f"; contiguous: {contiguous['compute_balance']:.2f}x")
+    lines.append(f"  zigzag: slowest rank's compute / fastest's {_fmt(b)}x (target <= {RA_BALANCE_AT_MOST}x){beside}: "
+                 f"{_verdict(b is not None and b <= RA_BALANCE_AT_MOST, smoke)}")
+    return lines

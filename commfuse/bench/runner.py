@@ -57,15 +57,29 @@ def units(config: BenchConfig) -> int:
     """Progress units of a whole run: one per timed or checked iteration."""
     total = 0
     for w in config.workloads:
-        if WORKLOADS[w].rows:  # rows of its own (strands)
+        if w == "strands":  # rows of its own
             from commfuse.bench import strands
             from commfuse.bench.workloads import STRAND_BLOCKS
 
             total += strands.units(config, len(STRAND_BLOCKS))
             continue
+        if WORKLOADS[w].rows:  # rows of its own (ring_attention)
+            total += _rows_module(w).units(config)
+            continue
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (1 + len(MODES) * (config.warmup + config.repeats) + (1 if config.trace else 0)) + 1
     return total
+
+
+def _rows_module(workload: str):
+    """The module that times a workload with rows of its own: ``units(config)`` and ``run_workload(...)``."""
+    if workload == "strands":
+        from commfuse.bench import strands
+
+        return strands
+    from commfuse.bench import ring_attention
+
+    return ring_attention
 
 
 def _executor_seconds(events: list[dict]) -> float:
@@ -116,10 +130,8 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
     results = []
     for name in config.workloads:
         if WORKLOADS[name].rows:  # rows of its own instead of the algorithms
-            from commfuse.bench import strands
-
             workload = make(name, config, rank, world_size, dev)
-            results += strands.run_workload(workload, config, dev, bar, sync)
+            results += _rows_module(name).run_workload(workload, config, dev, bar, sync)
             del workload
             continue
         algs = [a for a in config.algorithms if applies(name, a)]

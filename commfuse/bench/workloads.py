@@ -518,13 +518,179 @@ class TwoStrands(Workload):
         raise CommfuseValueError("workload strands times rows of its own (commfuse.bench.strands), not algorithms")
 
 
+class RingAttentionRows(Workload):
+    """``ring_attention``: causal grouped-query attention over a sequence sharded over the ranks (context
+    parallelism), forward + backward, one row of ``config.RING_ATTENTION_ROWS`` per :meth:`step`
+    (``commfuse.bench.ring_attention`` times them).
+
+    q (b, s, heads, d), k and v (b, s, kv_heads, d) with d = hidden / heads are drawn whole from the seed (the
+    same on every rank), with the output gradient dy; the reference is the unsharded attention of the whole
+    sequence on every rank (torch's ``scaled_dot_product_attention``, causal) and its q, k, v
+    gradients. A row
+    takes this rank's shards in its layout (``commfuse.context.shard_sequence``) and is checked against the
+    same shards of the reference. Rows whose code this installation lacks are not run and say why
+    (:attr:`missing`).
+
+    The ``torch cp`` rows run the ring of torch's ``context_parallel``: ``_templated_ring_attention`` and its
+    backward, the functions ``context_parallel`` dispatches SDPA to, with its rotate method and head-tail load
+    balancing (the zigzag layout) set, and the device's flash kernel passed in. On a CPU the public
+    ``context_parallel`` refuses (DTensor has no sharding strategy for SDPA's CPU kernel), so the kernel is
+    passed in directly: :attr:`stock` says what the public API did here.
+    """
+
+    name = "ring_attention"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        from commfuse.bench.config import RING_ATTENTION_ROWS
+
+        s = self.config.shape
+        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads or s.heads, s.hidden // s.heads
+        g = torch.Generator().manual_seed(1_000_003 * self.config.seed + 7)  # the same whole tensors on every rank
+
+        def whole(heads: int) -> torch.Tensor:
+            t = torch.randn(s.batch, s.seq, heads, self.head_dim, generator=g, dtype=torch.float32)
+            return t.to(device=self.device, dtype=self.dtype)
+
+        self.whole = {"q": whole(self.heads), "k": whole(self.kv_heads), "v": whole(self.kv_heads),
+                      "dy": whole(self.heads)}
+        self.rows = list(RING_ATTENTION_ROWS)
+        self.missing = {row: why for row in self.rows if (why := self._missing(*RING_ATTENTION_ROWS[row]))}
+        self.stock = self._stock_probe() if any(RING_ATTENTION_ROWS[r][0] == "torch" for r in self.rows
+                                                if r not in self.missing) else ""
+        self.inputs = {row: self._inputs(*RING_ATTENTION_ROWS[row]) for row in self.rows if row not in self.missing}
+
+    # -- what each row needs ----------------------------------------------------------------------------------
+
+    def _missing(self, who: str, how: str, layout: str) -> str:
+        """Why a row cannot run here (empty: it can)."""
+        import commfuse
+
+        try:
+            import commfuse.context  # noqa: F401
+        except ImportError:
+            return "commfuse.context (the sequence layouts) is not in this installation"
+        if who == "commfuse" and not hasattr(commfuse, "ring_attention"):
+            return "commfuse.ring_attention is not in this installation"
+        if who == "torch":
+            if self.device.type != "cpu":
+                return (f"the bench passes torch's ring the CPU flash kernel only; on {self.device.type} run "
+                        "torch's context_parallel itself")
+            try:
+                from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
+            except ImportError as e:
+                return f"this torch has no context parallel ring ({e})"
+        return ""
+
+    def _stock_probe(self) -> str:
+        """What torch's public ``context_parallel`` does here with a small causal SDPA: ``""`` where it ran, else
+        its error's first line. Every rank fails alike (before any transfer: at DTensor's sharding propagation)."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        n = self.n
+        mesh = init_device_mesh(self.device.type, (n,))
+        q, k, v = (torch.randn(1, 2, 4 * n, 8, device=self.device) for _ in range(3))
+        try:
+            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            why = ""
+        except Exception as e:  # noqa: BLE001 - reported in the table, the exact error
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        dist.barrier()
+        return why
+
+    def _inputs(self, who: str, how: str, layout: str) -> dict:
+        """This rank's shards of q, k, v, dy and of the reference in the row's layout (torch's: (b, H, s/N, d))."""
+        from commfuse.context import shard_sequence
+
+        shards = {name: shard_sequence(t, self.rank, self.n, layout, dim=1) for name, t in self.whole.items()}
+        if who == "torch":
+            shards = {name: t.transpose(1, 2).contiguous() for name, t in shards.items()}
+        return shards
+
+    def reference(self) -> dict:
+        """The unsharded attention of the whole sequence and its gradients, (b, s, H, d) each: the output and
+        dq, dk, dv of torch's ``scaled_dot_product_attention`` (causal, grouped-query) under the output gradient
+        dy, in float32 (float64 for float64 rows), SDPA's CPU flash kernel holding no (s, s) scores."""
+        import torch.nn.functional as F
+
+        acc = torch.promote_types(self.dtype, torch.float32)
+        q, k, v = (self.whole[name].detach().to(acc).transpose(1, 2).requires_grad_() for name in ("q", "k", "v"))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y.backward(self.whole["dy"].to(acc).transpose(1, 2))
+        return {name: t.transpose(1, 2).to(self.dtype) for name, t in
+                (("y", y.detach()), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+
+    def expected(self, row: str, ref: dict) -> list[torch.Tensor]:
+        """The reference's shards this rank's row must give: output, dq, dk, dv, each (b, s/N, H, d)."""
+        from commfuse.bench.config import RING_ATTENTION_ROWS
+        from commfuse.context import shard_sequence
+
+        layout = RING_ATTENTION_ROWS[row][2]
+        return [shard_sequence(ref[name], self.rank, self.n, layout, dim=1) for name in ("y", "dq", "dk", "dv")]
+
+    # -- one row's run ----------------------------------------------------------------------------------------
+
+    def step(self, row: str) -> list[torch.Tensor]:
+        """One row's forward + backward on this rank's shards: the output and dq, dk, dv, (b, s/N, H, d) each."""
+        from commfuse.bench.config import RING_ATTENTION_ROWS
+
+        who, how, layout = RING_ATTENTION_ROWS[row]
+        x = self.inputs[row]
+        if who == "torch":
+            return self._torch_ring(how, x)
+        q, k, v = (x[name].detach().requires_grad_() for name in ("q", "k", "v"))
+        if who == "ulysses":
+            from commfuse.nn.attention import ulysses_attention
+
+            y = ulysses_attention(q, k, v, causal=True, algorithm=how)
+        else:
+            import commfuse
+
+            y = commfuse.ring_attention(q, k, v, causal=True, layout=layout, algorithm=how)
+        y.backward(x["dy"])
+        return [y.detach(), q.grad, k.grad, v.grad]
+
+    def _torch_ring(self, method: str, x: dict) -> list[torch.Tensor]:
+        """torch's context-parallel ring, forward then backward, as ``context_parallel``'s SDPA dispatch runs it:
+        ``_templated_ring_attention`` with rotate ``method`` and head-tail load balancing, the flash kernel's
+        logsumexp kept for ``_templated_ring_attention_backward`` (k, v rotated with kv_heads heads: the CPU kernel
+        takes grouped-query attention as it is)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+        aten = torch.ops.aten
+        options = cp._cp_options
+        before = (options.rotate_method, options.enable_load_balance)
+        cp.set_rotate_method(method)
+        options.enable_load_balance = True
+        group = dist.group.WORLD
+        try:
+            y, lse = cp._templated_ring_attention(group, 2, aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                                  x["q"], x["k"], x["v"], is_causal=True, dropout_p=0.0)[:2]
+            dq, dk, dv = cp._templated_ring_attention_backward(
+                group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, x["dy"], "grad_out",
+                x["q"], x["k"], x["v"], y, lse, True, dropout_p=0.0)[:3]
+        finally:
+            options.rotate_method, options.enable_load_balance = before
+        return [t.transpose(1, 2) for t in (y, dq, dk, dv)]
+
+    def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
+        raise CommfuseValueError("workload ring_attention times rows of its own (commfuse.bench.ring_attention), "
+                                 "not algorithms")
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's piece of a DTensor gradient (the blocks' parameters are DTensors); a tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 CLASSES = {c.name: c for c in (AllGatherMatmul, MatmulReduceScatter, MLP, Attention, Ulysses, FSDPLinear,
-                               LlamaBlock, TorchtitanBlock, MixtureOfExperts, TwoStrands)}
+                               LlamaBlock, TorchtitanBlock, MixtureOfExperts, TwoStrands,
+                               RingAttentionRows)}
 
 
 def make(name: str, config: BenchConfig, rank: int, world_size: int, device: torch.device) -> Workload:

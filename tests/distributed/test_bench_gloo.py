@@ -258,3 +258,36 @@ def test_strands_workload_times_its_rows_checked_against_ring(tmp_path, capsys):
     assert llama["ring_outside_only_ms"] > 0 and llama["ring_comm_ms"] <= llama["ring_comm_only_ms"], llama
     assert llama["limit_ms"] == max(llama["ring_compute_only_ms"], llama["ring_comm_ms"]), llama
     assert llama["searched_order"][0] == "F0.0" and len(llama["searched_order"]) == 4 * len(figures)
+
+
+def test_ring_attention_workload_times_its_rows_checked_against_the_unsharded_attention(tmp_path, capsys):
+    """`-w ring_attention`: causal grouped-query attention forward + backward on 2 ranks, every row (commfuse's ring,
+    bidirectional and vanilla on zigzag shards, its ring on contiguous shards, torch's context-parallel ring with
+    both rotate methods, Ulysses) run, checked against the unsharded attention of the whole sequence, with its
+    columns (exposed communication on the rows whose collectives are commfuse's, the ranks' compute balance, the
+    speed-up over torch, peak memory) and the targets printed."""
+    from commfuse.bench.config import RING_ATTENTION_ROWS
+
+    out = tmp_path / "records.json"
+    rc = main(["bench", *TINY, "--repeats", "1", "--kv-heads", "2", "-w", "ring_attention", "--json", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    for row in RING_ATTENTION_ROWS:
+        assert f"\n  {row} " in printed.out, row
+    assert "WRONG" not in printed.out and "the ring attention targets" in printed.out
+    recs = json.loads(out.read_text())
+    assert [r["row"] for r in recs] == list(RING_ATTENTION_ROWS)
+    for r in recs:
+        assert r["mode"] == "ring_attention" and r["world_size"] == 2 and r["not_run"] is None, r
+        assert r["correct"] is True and r["max_rel_error"] <= 1e-4, r  # against the unsharded attention
+        assert r["median_ms"] > 0 and r["speedup_vs_torch"] > 0 and (r["peak_mib"] is None or r["peak_mib"] >= 0)
+        assert r["shape"] == {"batch": 1, "seq": 32, "heads": 4, "kv_heads": 2, "head_dim": 8}
+        if r["who"] == "torch":  # torch's collectives: the measure modes cannot take them apart
+            assert r["compute_only_ms"] is None and r["exposed_ms"] is None and r["compute_balance"] is None
+            continue
+        assert r["compute_only_ms"] > 0 and len(r["rank_compute_only_ms"]) == 2 and r["compute_balance"] >= 1.0
+        assert r["exposed_ms"] == pytest.approx(r["median_ms"] - r["compute_only_ms"], abs=2e-3)
+        # comm is comm-only less outside-only; a mode the row fails in is reported instead of timed
+        assert r["comm_ms"] is not None or set(r["unmeasured"]) & {"comm_only", "outside_only"}, r
+    assert next(r for r in recs if r["row"] == "ring")["layout"] == "zigzag"
+    assert next(r for r in recs if r["row"] == "ring contiguous")["layout"] == "contiguous"
