@@ -50,6 +50,7 @@ from commfuse.planning.pipelined import (
     collect,
     configured,
     layer_config,
+    StandIn,
     produce_reduce_scatter_core,
 )
 from commfuse.runtime.programs import config_words
@@ -70,10 +71,25 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
     Returns ``(o, lse)``: o (b, Lq, Hq, d) and lse (b, Hq, Lq) in float32 (float64 for float64 inputs).
     ``mask`` (Lq, Lk) boolean, True attends; a row with no key allowed has lse -inf and o 0 (it merges as
-    nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded."""
+    nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded.
+
+    Where the device has a fused kernel that returns the log-sum-exp (:func:`_kernel`: the CPU's flash
+    attention), it computes the block in float32 tiles without the (Lq, Lk) scores; elsewhere the scores
+    are formed whole, in float32."""
+    acc = _acc(q.dtype)
+    kernel = _kernel(q, acc)
+    if kernel is not None:
+        qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
+        o, lse = kernel[0](qt, kt, vt, 0.0, False, attn_mask=_additive(mask, acc), scale=scale)
+        o = o.transpose(1, 2)
+        if mask is not None:  # the kernel gives a row without keys lse 0: make it the empty attention
+            empty = ~mask.any(-1)
+            if bool(empty.any()):
+                lse = lse.masked_fill(empty, float("-inf"))
+                o = o.masked_fill(empty[:, None, None], 0.0)
+        return o, lse
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
-    acc = _acc(q.dtype)
     qg = q.to(acc).view(b, lq, hkv, hq // hkv, d)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale
     if mask is not None:
@@ -82,6 +98,35 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(acc)).reshape(b, lq, hq, d)
     return o, lse.reshape(b, hq, lq)
+
+
+def _kernel(q: torch.Tensor, acc: torch.dtype):
+    """The fused block kernel for q's device and the compute dtype, as (forward, backward), or None: the CPU's
+    flash attention (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which take
+    grouped-query heads as they are and return the log-sum-exp; float32 and float64). Other devices take the
+    einsum path: their kernels (CUDA's flash and efficient attention) are unverified here."""
+    if q.device.type != "cpu" or acc not in (torch.float32, torch.float64) or _CPU_KERNEL is None:
+        return None
+    return _CPU_KERNEL
+
+
+def _cpu_kernel():
+    aten = torch.ops.aten
+    try:
+        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    except AttributeError:  # a torch without it: the einsum path
+        return None
+
+
+_CPU_KERNEL = _cpu_kernel()
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True attends) as the kernel takes it: 0 where allowed, -inf elsewhere."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -235,18 +280,37 @@ def _forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor | None, keep: bool,
     elif ring.gather is None:
         consume(kv, 0)
     else:
-        all_gather_consume_core(ring.gather, kv, consume, 1, keep=keep, label="ring_attention")
+        def kept(block: torch.Tensor, s: int) -> None:
+            # measure("comm_only") removes the compute but not the backward's need of every source's block
+            if keep:
+                blocks[s] = block
+
+        all_gather_consume_core(ring.gather, kv, StandIn(consume, kept), 1, keep=keep, label="ring_attention")
     return out, lse, blocks
 
 
 def _block_backward(ring: _Ring, plan: BlockPlan, q, block, out, lse, do, delta, dq) -> torch.Tensor:
     """This rank's gradient of one source's K/V block, (b, L, 2 * Hkv, d) float32 (zero outside the plan's
-    keys); adds the block's share of dQ into ``dq`` (float32)."""
+    keys); adds the block's share of dQ into ``dq`` (float32). With the whole call's output and log-sum-exp,
+    the block's own ``P = exp(S - lse)`` is its share of the softmax over every key, so the flash backward of
+    the block alone gives its exact share (the fused kernel where :func:`_kernel` has one)."""
     b, _, hq, d = q.shape
     hkv, g = ring.hkv, hq // ring.hkv
     r0, r1, c0, c1 = plan.r0, plan.r1, plan.c0, plan.c1
     lq = r1 - r0
     acc = out.dtype
+    partial = block.new_zeros(block.shape, dtype=acc)
+    kernel = _kernel(q, acc)
+    if kernel is not None:
+        qt = q[:, r0:r1].to(acc).transpose(1, 2)
+        kt, vt = block[:, c0:c1, :hkv].to(acc).transpose(1, 2), block[:, c0:c1, hkv:].to(acc).transpose(1, 2)
+        dq_b, dk_b, dv_b = kernel[1](do[:, r0:r1].transpose(1, 2), qt, kt, vt, out[:, r0:r1].transpose(1, 2),
+                                     lse[:, :, r0:r1], 0.0, False, attn_mask=_additive(plan.mask, acc),
+                                     scale=ring.scale)
+        dq[:, r0:r1] += dq_b.transpose(1, 2)
+        partial[:, c0:c1, :hkv] = dk_b.transpose(1, 2)
+        partial[:, c0:c1, hkv:] = dv_b.transpose(1, 2)
+        return partial
     qg = q[:, r0:r1].to(acc).view(b, lq, hkv, g, d)
     dog = do[:, r0:r1].view(b, lq, hkv, g, d)
     k, v = block[:, c0:c1, :hkv].to(acc), block[:, c0:c1, hkv:].to(acc)
@@ -257,7 +321,6 @@ def _block_backward(ring: _Ring, plan: BlockPlan, q, block, out, lse, do, delta,
     dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, v)
     ds = p * (dp - delta[:, :, r0:r1].reshape(b, hkv, g, lq, 1))
     dq[:, r0:r1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, k).reshape(b, lq, hq, d) * ring.scale
-    partial = block.new_zeros(block.shape, dtype=acc)
     partial[:, c0:c1, :hkv] = torch.einsum("bhgqk,bqhgd->bkhd", ds, qg) * ring.scale
     partial[:, c0:c1, hkv:] = torch.einsum("bhgqk,bqhgd->bkhd", p, dog)
     return partial
