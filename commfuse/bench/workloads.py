@@ -576,10 +576,9 @@ class RingAttentionRows(Workload):
             if self.device.type != "cpu":
                 return (f"the bench passes torch's ring the CPU flash kernel only; on {self.device.type} run "
                         "torch's context_parallel itself")
-            try:
-                from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
-            except ImportError as e:
-                return f"this torch has no context parallel ring ({e})"
+            found = torch_ring_module()
+            if isinstance(found, str):
+                return found
         return ""
 
     def _stock_probe(self) -> str:
@@ -593,12 +592,17 @@ class RingAttentionRows(Workload):
         n = self.n
         mesh = init_device_mesh(self.device.type, (n,))
         q, k, v = (torch.randn(1, 2, 4 * n, 8, device=self.device) for _ in range(3))
+        sdpa = F.scaled_dot_product_attention
         try:
             with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True)
             why = ""
         except Exception as e:  # noqa: BLE001 - reported in the table, the exact error
             why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        finally:
+            # torch 2.9's context manager leaves SDPA wrapped when its body raised: every later SDPA (the
+            # reference's) would go through the context-parallel dispatcher
+            F.scaled_dot_product_attention = sdpa
         dist.barrier()
         return why
 
@@ -660,8 +664,8 @@ class RingAttentionRows(Workload):
         logsumexp kept for ``_templated_ring_attention_backward`` (k, v rotated with kv_heads heads: the CPU kernel
         takes grouped-query attention as it is)."""
         import torch.distributed as dist
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
+        cp = torch_ring_module()
         aten = torch.ops.aten
         options = cp._cp_options
         before = (options.rotate_method, options.enable_load_balance)
@@ -681,6 +685,26 @@ class RingAttentionRows(Workload):
     def run(self, algorithm: str, compiled: bool = False) -> list[torch.Tensor]:
         raise CommfuseValueError("workload ring_attention times rows of its own (commfuse.bench.ring_attention), "
                                  "not algorithms")
+
+
+def torch_ring_module():
+    """torch's ring attention module, which its ``context_parallel`` dispatches SDPA to (private:
+    ``tensor.experimental._context_parallel._attention`` since torch 2.10, ``tensor.experimental._attention``
+    before, with the same ``_templated_ring_attention``, its backward, ``_cp_options`` and
+    ``set_rotate_method``), or why it cannot be run (a string)."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError:
+        try:
+            from torch.distributed.tensor.experimental import _attention as cp
+        except ImportError as e:
+            return f"this torch has no context parallel ring ({e})"
+    needed = ("_templated_ring_attention", "_templated_ring_attention_backward", "_cp_options", "set_rotate_method")
+    missing = [name for name in needed if not hasattr(cp, name)]
+    if missing or not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return (f"this torch's ring attention lacks {', '.join(missing) or 'the CPU flash kernel'}, which the "
+                "comparison calls")
+    return cp
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -83,19 +83,11 @@ def numerics(rank: int, n: int) -> dict:
 
 
 def _torch_ring():
-    """torch's ring attention module (private: ``_context_parallel._attention`` since torch 2.10, ``_attention``
-    before), or why it cannot be compared with."""
-    try:
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-    except ImportError:
-        try:
-            from torch.distributed.tensor.experimental import _attention as cp
-        except ImportError as e:
-            return f"this torch has no ring attention module to compare with ({e})"
-    if not hasattr(cp, "_templated_ring_attention") or not hasattr(cp, "_cp_options") or not hasattr(
-            torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        return "this torch's ring attention has no _templated_ring_attention/_cp_options or CPU flash kernel"
-    return cp
+    """torch's ring attention module, or why it cannot be compared with (the bench's finder: one place knows
+    where each torch keeps it)."""
+    from commfuse.bench.workloads import torch_ring_module
+
+    return torch_ring_module()
 
 
 def _bind(fn, *args):
