@@ -23,15 +23,11 @@ reported with the reason and never timed.
 
 from __future__ import annotations
 
-import random
-import time
-
 import torch
 import torch.distributed as dist
 
 from commfuse.bench.config import RING_ATTENTION_ROWS, BenchConfig
-from commfuse.bench.memory import peak_memory
-from commfuse.bench.shared import fingerprint_exchange, gather_objects
+from commfuse.bench.shared import fingerprint_exchange, gather_objects, peak_per_row, timed_rounds
 from commfuse.bench.workloads import RingAttentionRows, compare
 from commfuse.runtime import measure
 
@@ -55,7 +51,6 @@ def units(config: BenchConfig) -> int:
 def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.device, bar, sync) -> list[dict]:
     """The workload's one record (rank 0's; every figure gathered from every rank)."""
     n = dist.get_world_size()
-    clock = time.perf_counter
     rows = [row for row in workload.rows if row not in workload.missing]
     bar.note(f"commfuse bench: ring_attention on {n} ranks, {len(rows)} rows, {config.repeats} repeats")
     ref = workload.reference()
@@ -95,38 +90,14 @@ def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.de
     # the timed loop: every row, and the rows on commfuse's ops in the three measure modes, shuffled every repeat
     items = [(row, None) for row in rows] + [(row, mode) for row in rows if measured(row) for mode in MODES
                                              if mode not in unmeasured.get(row, {})]
-    reps, warm = config.repeats, config.warmup
-    wall = [[float("nan")] * len(items) for _ in range(reps)]  # this rank's seconds, [repeat][item]
-    with fingerprint_exchange(config.fingerprint):
-        for rep in range(warm + reps):
-            for i in random.Random(1_000_003 * config.seed + rep).sample(range(len(items)), len(items)):
-                row, mode = items[i]
-                dist.barrier()
-                sync()
-                with measure(mode):
-                    t0 = clock()
-                    workload.step(row)
-                    sync()
-                    t1 = clock()
-                if rep >= warm:
-                    wall[rep - warm][i] = t1 - t0
-                bar.advance(f"ring_attention {row}{' ' + mode if mode else ''} ({rep + 1}/{warm + reps})")
-    walls = gather_objects(wall, n, dev)  # [rank][repeat][item]
+    def advance(text: str) -> None:
+        bar.advance(f"ring_attention {text}")
+
+    walls = gather_objects(timed_rounds(config, items, workload.step, sync, advance), n, dev)  # [rank][repeat][item]
 
     # peak memory: every row once more, warm
-    peaks, how = {}, ""
-    with fingerprint_exchange(config.fingerprint):
-        for row in rows:
-            dist.barrier()
-            with peak_memory(dev) as peak:
-                workload.step(row)
-                sync()
-            peaks[row] = peak.bytes
-            how = peak.how
-            bar.advance(f"ring_attention {row}: memory")
-    all_peaks = gather_objects(peaks, n, dev)
-    peak_bytes = {row: None if any(p[row] is None for p in all_peaks) else max(p[row] for p in all_peaks)
-                  for row in rows}
+    peaks, how = peak_per_row(config, rows, workload.step, sync, dev, advance)
+    peak_bytes = dict(zip(rows, peaks))
 
     return [{
         "kind": "ring_attention",

@@ -11,11 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import random
 import shutil
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
+
+from commfuse.bench.memory import peak_memory
+from commfuse.runtime import measure
 
 
 def gather_objects(obj, world_size: int, device: torch.device) -> list:
@@ -108,3 +113,46 @@ def recompile_room(graphs: int):
         yield
     finally:
         setattr(config, name, before)
+
+
+def timed_rounds(config, items: list, step, sync, advance) -> list[list[float]]:
+    """This rank's seconds per [repeat][item] of a workload timed in rows of its own (``-w strands``,
+    ``-w ring_attention``). ``items`` are (row, measure mode or None); each of ``config.warmup`` +
+    ``config.repeats`` rounds runs every item once, in an order shuffled from ``config.seed`` and the round,
+    between a barrier and a drain of the device, under ``commfuse.runtime.measure(mode)``; the warm-up rounds
+    are not kept. ``step(row)`` runs a row, ``sync()`` drains the device, ``advance(text)`` reports progress."""
+    clock = time.perf_counter
+    reps, warm = config.repeats, config.warmup
+    wall = [[float("nan")] * len(items) for _ in range(reps)]
+    with fingerprint_exchange(config.fingerprint):
+        for rep in range(warm + reps):
+            for i in random.Random(1_000_003 * config.seed + rep).sample(range(len(items)), len(items)):
+                row, mode = items[i]
+                dist.barrier()
+                sync()
+                with measure(mode):
+                    t0 = clock()
+                    step(row)
+                    sync()
+                    t1 = clock()
+                if rep >= warm:
+                    wall[rep - warm][i] = t1 - t0
+                advance(f"{row}{' ' + mode if mode else ''} ({rep + 1}/{warm + reps})")
+    return wall
+
+
+def peak_per_row(config, rows: list, step, sync, device: torch.device, advance) -> tuple[list, str]:
+    """Every row once more, warm, for its peak memory: per row, the largest over the ranks (None where a rank
+    could not read it), and how it was read (``commfuse.bench.memory.peak_memory``)."""
+    peaks, how = [], ""
+    with fingerprint_exchange(config.fingerprint):
+        for row in rows:
+            dist.barrier()
+            with peak_memory(device) as peak:
+                step(row)
+                sync()
+            peaks.append(peak.bytes)
+            how = peak.how
+            advance(f"{row}: memory")
+    every = gather_objects(peaks, dist.get_world_size(), device)
+    return [None if any(p[k] is None for p in every) else max(p[k] for p in every) for k in range(len(rows))], how

@@ -20,17 +20,12 @@ What every rank runs, per block:
 
 from __future__ import annotations
 
-import random
-import time
-
 import torch
 import torch.distributed as dist
 
 from commfuse.bench.config import STRAND_ROWS, BenchConfig
-from commfuse.bench.memory import peak_memory
-from commfuse.bench.shared import fingerprint_exchange, gather_objects
+from commfuse.bench.shared import fingerprint_exchange, peak_per_row, timed_rounds
 from commfuse.bench.workloads import StrandBlock, TwoStrands, compare
-from commfuse.runtime import measure
 
 #: ``ring`` timed again under these, for the regime: its transfers alone (comm-only less outside-only, the
 #: code around the ops, which comm-only runs too: the attention core, norms, weight-gradient GEMMs) over its
@@ -67,7 +62,6 @@ def run_block(workload: TwoStrands, block: StrandBlock, config: BenchConfig, dev
     from commfuse.strands import order, profile
 
     n = dist.get_world_size()
-    clock = time.perf_counter
     rows = list(STRAND_ROWS)
     with fingerprint_exchange(config.fingerprint):
         profiled = profile(block.stages("ring"), block.batches[0][0])
@@ -89,37 +83,17 @@ def run_block(workload: TwoStrands, block: StrandBlock, config: BenchConfig, dev
 
     # the timed loop: every row, and ring in the two measure modes, shuffled every repeat
     items = [(row, None) for row in rows] + [("ring", mode) for mode in REGIME_MODES]
-    reps, warm = config.repeats, config.warmup
-    wall = torch.full((reps, len(items)), float("nan"), dtype=torch.float64)
-    with fingerprint_exchange(config.fingerprint):
-        for rep in range(warm + reps):
-            for i in random.Random(1_000_003 * config.seed + rep).sample(range(len(items)), len(items)):
-                row, mode = items[i]
-                dist.barrier()
-                sync()
-                with measure(mode):
-                    t0 = clock()
-                    workload.step(block, stages[row], STRAND_ROWS[row][1])
-                    sync()
-                    t1 = clock()
-                if rep >= warm:
-                    wall[rep - warm, i] = t1 - t0
-                bar.advance(f"strands {block.name} {row}{' ' + mode if mode else ''} ({rep + 1}/{warm + reps})")
-    wall = [_reduced(times, dist.ReduceOp.MAX, dev) for times in wall.tolist()]
+    def step(row: str):
+        return workload.step(block, stages[row], STRAND_ROWS[row][1])
+
+    def advance(text: str) -> None:
+        bar.advance(f"strands {block.name} {text}")
+
+    wall = timed_rounds(config, items, step, sync, advance)
+    wall = [_reduced(times, dist.ReduceOp.MAX, dev) for times in wall]
 
     # peak memory: every row once more, warm (the ring's buffer pools already built)
-    peaks, how = [], ""
-    with fingerprint_exchange(config.fingerprint):
-        for row in rows:
-            dist.barrier()
-            with peak_memory(dev) as peak:
-                workload.step(block, stages[row], STRAND_ROWS[row][1])
-                sync()
-            peaks.append(peak.bytes)
-            how = peak.how
-            bar.advance(f"strands {block.name} {row}: memory")
-    every = gather_objects(peaks, n, dev)
-    peak_bytes = [None if any(p[k] is None for p in every) else max(p[k] for p in every) for k in range(len(rows))]
+    peak_bytes, how = peak_per_row(config, rows, step, sync, dev, advance)
 
     return {
         "kind": "strands",
