@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 
+from _checks import Checks
+
 os.environ.setdefault("COMMFUSE_TRACE_DIR", os.path.join(os.environ.get("OUT", "."), "traces"))
 
 
@@ -61,13 +63,8 @@ def main() -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
     timed = dist.new_group(backend="nccl")
     plain = dist.new_group(backend="nccl")
-    failed = []
-
-    def report(name: str, ok: bool | None, text: str) -> None:
-        verdict = "INFO" if ok is None else ("PASS" if ok else "FAIL")
-        print(f"[rank {rank}] {verdict} {name}: {text}", flush=True)
-        if ok is False:
-            failed.append(name)
+    checks = Checks(rank)
+    report = checks.report
 
     dev = "cuda"
     a = torch.randn(args.tokens // 2, args.hidden, device=dev)
@@ -195,9 +192,9 @@ def main() -> int:
               + analysis.stderr[-1000:], flush=True)
         torch.cuda.synchronize()
     dist.barrier()
-    print(f"[rank {rank}] SUMMARY: {'FAIL ' + ', '.join(failed) if failed else 'all passed'}", flush=True)
+    status = checks.summary()
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return status
 
 
 def _name(group) -> str:

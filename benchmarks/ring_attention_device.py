@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from _checks import Checks
+
 
 def main() -> int:
     import torch
@@ -44,13 +46,8 @@ def main() -> int:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    failed = []
-
-    def report(name: str, ok: bool | None, text: str) -> None:
-        verdict = "INFO" if ok is None else ("PASS" if ok else "FAIL")
-        print(f"[rank {rank}] {verdict} {name}: {text}", flush=True)
-        if ok is False:
-            failed.append(name)
+    checks = Checks(rank)
+    report = checks.report
 
     b, s, hq, hkv, d = 2, (512 if dev == "cuda" else 64) * n, 8, 2, 64
 
@@ -126,9 +123,9 @@ def main() -> int:
         times[algorithm] = statistics.median(per)
     report("timing", None, f"forward + backward, {length} tokens per rank, 16/4 heads of 128, bf16, median ms: "
            + ", ".join(f"{a} {t:.2f}" for a, t in times.items()))
-    print(f"[rank {rank}] SUMMARY: {'FAIL ' + ', '.join(failed) if failed else 'all passed'}", flush=True)
+    status = checks.summary()
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return status
 
 
 if __name__ == "__main__":
