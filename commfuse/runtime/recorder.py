@@ -162,15 +162,21 @@ def device_waits(flat: list) -> list[int] | None:
     """A device-stamped call's steps as the host's are kept (index, 0, the wait in ns; flat), once the device
     has passed every event; None while it has not (an event is asked, never waited on)."""
     out = []
-    try:
-        for j in range(0, len(flat) - 2, 3):
-            began, done = flat[j + 1], flat[j + 2]
-            if not done.query():
-                return None
-            out += (flat[j], 0, int(began.elapsed_time(done) * 1e6))
-    except RuntimeError:  # an event the device never recorded (a call that failed before): not timed
-        return None
+    for j in range(0, len(flat) - 2, 3):
+        ns = _stalled_ns(flat[j + 1], flat[j + 2])
+        if ns is None:
+            return None
+        out += (flat[j], 0, ns)
     return out
+
+
+def _stalled_ns(began, done) -> int | None:
+    """How long the stream stalled between two of a step's events, in ns; None until the device has passed
+    ``done``, or where it never recorded them (a call that failed before)."""
+    try:
+        return int(began.elapsed_time(done) * 1e6) if done.query() else None
+    except RuntimeError:
+        return None
 
 
 class Recorder:
@@ -301,12 +307,7 @@ def _device_steps(out: dict, flat: list, plan) -> None:
     for j in range(0, len(flat), 3):
         entry = flat[j:j + 3]
         index = entry[0]
-        wait_ns = None
-        try:
-            if len(entry) == 3 and entry[2].query():
-                wait_ns = int(entry[1].elapsed_time(entry[2]) * 1e6)
-        except RuntimeError:  # an event the device never recorded
-            wait_ns = None
+        wait_ns = _stalled_ns(entry[1], entry[2]) if len(entry) == 3 else None
         send_to, recv_from = _peers(plan, steps.get(index))
         sent, received = sizes.get(index, (-1, -1))
         out["steps"].append({"step": index, "send_to": send_to, "recv_from": recv_from, "bytes_sent": sent,
