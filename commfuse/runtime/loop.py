@@ -423,10 +423,12 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
         begin = plan.begin
         if plan.digest is None:
             plan.learn_signature(program)
-        if rec is not None:  # the flight recorder's record of this call (runtime.recorder), written in place
-            call = rec.next()
-            call.head = (plan, seq, state.lane, _sites.active)
-            call.start = _clock_ns()
+        if rec is not None:  # the flight recorder's entry for this call (runtime.recorder)
+            if plan.stamps:
+                call = rec.begin((plan, seq, state.lane, _sites.active))
+            else:
+                call = (plan, seq, state.lane, _sites.active, _clock_ns())
+                rec.append(call)
         code = state.lane[1]
         if plan.checks and mode is None and (not plan.checked or state.dirty or plan.check == "always"):
             signature = plan.signature
@@ -446,7 +448,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
         posted = True
         _walk(plan, program, seq, mode is not None or events is not None or plan.trace or profiler_on(), mode,
               events, call)
-        if call is not None:
+        if call is not None and plan.stamps:
             call.end = _clock_ns()
     except BaseException as e:
         _after_failure(plan, state, seq, e, posted)
@@ -629,12 +631,14 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     :func:`execute`."""
     state = plan.state
     seq = _enter(plan, state)
-    rec, record = plan.recorder, None
+    rec, record, entry = plan.recorder, None, None
     try:
-        if rec is not None:
-            record = rec.next()
-            record.head = (plan, seq, state.lane, _sites.active)
-            record.start = _clock_ns()
+        if rec is not None:  # the flight recorder's entry (runtime.recorder): a record where the host stamps
+            if plan.stamps:
+                record = rec.begin((plan, seq, state.lane, _sites.active))
+            else:
+                entry = (plan, seq, state.lane, _sites.active, _clock_ns())
+                rec.append(entry)
         st, call = plan.whole
         begin = plan.begin
         if begin is not None:
@@ -654,7 +658,7 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
                 _into(plan, st, call, input, output)
 
             raise _compute_failed(plan, seq, 0, failed, finish)
-        _into(plan, st, call, input, output, record if plan.stamps else None)
+        _into(plan, st, call, input, output, record)
         if state.told is not None:
             raise _told(plan, seq, 0, lambda start: None)
         if record is not None:
@@ -662,7 +666,7 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     except BaseException as e:
         _after_failure(plan, state, seq, e, True)
         if rec is not None:
-            _recorded_failure(record, state, e)
+            _recorded_failure(record or entry, state, e)
         raise
     finally:
         _leave(plan, state)
@@ -776,14 +780,15 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
     ``may_skip_program(plan)``."""
     state = plan.state
     seq = _enter(plan, state)
-    rec, call, stamp = plan.recorder, None, None
+    rec, call, stamp, entry = plan.recorder, None, None, None
     try:
-        if rec is not None:
-            call = rec.next()
-            call.head = (plan, seq, state.lane, _sites.active)
-            call.start = _clock_ns()
+        if rec is not None:  # the flight recorder's entry (runtime.recorder): a record where the host stamps
             if plan.stamps:
+                call = rec.begin((plan, seq, state.lane, _sites.active))
                 stamp = stamper(call, plan)
+            else:
+                entry = (plan, seq, state.lane, _sites.active, _clock_ns())
+                rec.append(entry)
         begin = plan.begin
         if begin is not None:
             begin((seq + plan.digest + state.lane[1]) % SEQUENCE_WRAP, plan)
@@ -852,7 +857,7 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
     except BaseException as e:
         _after_failure(plan, state, seq, e, True)
         if rec is not None:
-            _recorded_failure(call, state, e)
+            _recorded_failure(call or entry, state, e)
         raise
     finally:
         _leave(plan, state)
@@ -944,8 +949,8 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
     """Walk the steps of one call with ``program``'s data. ``observed``: something watches the call (a
     measurement ``mode``, an ``events`` list, ``COMMFUSE_TRACE``, the profiler): then each step is timed, and
     is a ``record_function`` range while the profiler runs; otherwise the same loop reads no clock. ``call``:
-    the flight recorder's record of the call (``runtime.recorder``), which gets each wait's start and end,
-    and the plan's bytes per step on its first recorded call."""
+    the flight recorder's entry for the call (``runtime.recorder``): a record, which gets each wait's start
+    and end, where the plan stamps, else a tuple; the plan's bytes per step are learned on its first one."""
     stamp = sizes = None
     if call is not None:
         if plan.stamps:

@@ -1,22 +1,34 @@
 """The flight recorder: per group and rank, the last N calls, and the dump that outlives a failure.
 
 A recorder belongs to one process group on one rank (``GroupState.recorder``).
-It keeps a ring of :data:`DEFAULT_SIZE` (``COMMFUSE_RECORDER``) :class:`Call`
-records, made once and reused: each call takes the next record and writes
-into it, so the recorder never grows, however long the job runs.
+It keeps the last :data:`DEFAULT_SIZE` (``COMMFUSE_RECORDER``) calls in a
+bounded deque, whose records are reused or replaced in place, so the
+recorder never grows, however long the job runs.
 
 What the step loop (``runtime.loop``) writes, per call: the plan (op, algorithm
 and signature digest are read from it only when a dump is written), the
-call number and thread lane, the site (``runtime.sites``), the start and end
-(``time.perf_counter_ns``); and per step that communicates, three integers
-appended to the call's flat list: the step's index, the time the host began
-to wait for it, and the time the wait returned. The step's post time is the
-previous entry's completion (or the call's start): between the two there is
-only bookkeeping. A step whose wait has not returned is the last entry with
-two integers: the dump says the rank waits there. The peers and bytes of
-each step are the plan's, the same on every call of a signature, learned on
-its first call (``Plan.sizes``). Nothing is formatted and no dict is built
-while a call runs; the record's strings are made when a dump is written.
+call number and thread lane, the site (``runtime.sites``) and the start
+(``time.perf_counter_ns``). The recorder's entries are a ``deque`` bounded at
+N, oldest first. Where the host blocks in waits (gloo: ``Plan.stamps``), the
+entry is a reused :class:`Call` record that also gets the end and, per step
+that communicates, three integers appended to the call's flat list: the
+step's index, the time the host began to wait for it, and the time the wait
+returned. The step's post time is the previous entry's completion (or the
+call's start): between the two there is only bookkeeping. A step whose wait
+has not returned is the last entry with two integers: the dump says the rank
+waits there. Where it does not (a stream-ordered device, torch's ``fake``
+group), the entry is one tuple, ``(plan, call number, lane, site, start)``,
+appended in C: the host's enqueue has no end worth a second clock, so its end
+is its start, and its status is read when asked (failed: :func:`failed` kept
+its error by lane and call number; in progress: it is the newest entry and
+the group's call in progress). That is the whole per-call cost on a device's
+fast path: one tuple and one clock read (measured with
+``benchmarks/host_overhead.py --recorder``; the reused record's four
+attribute writes and second clock cost about 0.3 us more per call on a 2-core
+CPU host). The peers and bytes of each step are the plan's, the same on
+every call of a signature, learned on its first call (``Plan.sizes``).
+Nothing is formatted and no dict is built while a call runs; the record's
+strings are made when a dump is written.
 
 On a stream-ordered backend (NCCL, HCCL) the host neither blocks in a post
 nor in a wait, so host stamps would time nothing: there are none by default.
@@ -40,6 +52,7 @@ when the watchdog ends the process, and on demand (:func:`dump_all`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -182,21 +195,53 @@ def _stalled_ns(began, done) -> int | None:
 class Recorder:
     """The ring of one group's last ``size`` calls on this rank (see the module)."""
 
-    __slots__ = ("state", "size", "ring", "next", "dumps", "__weakref__")
+    __slots__ = ("state", "size", "entries", "append", "ring", "next", "errors", "dumps", "__weakref__")
 
     def __init__(self, state, size: int) -> None:
         self.state = state
         self.size = size
+        #: the last ``size`` calls, oldest first: :class:`Call` records (calls that stamp) and tuples
+        #: ``(plan, seq, lane, site, start)`` (calls that do not); ``append`` is the deque's own
+        self.entries: collections.deque = collections.deque(maxlen=size)
+        self.append = self.entries.append
+        # The records that stamping calls reuse, taken in turn: one is taken again only after ``size`` more
+        # calls were appended, so it has left ``entries`` by then.
         self.ring = [Call() for _ in range(size)]
-        self.next = itertools.cycle(self.ring).__next__  # the oldest record
+        self.next = itertools.cycle(self.ring).__next__
+        #: the errors of failed calls that have no record (tuple entries), by (lane code, call number)
+        self.errors: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.dumps = 0
 
-    # No method begins a call: the step loop writes the oldest record in place, ``call = rec.next()``, then
-    # its ``head`` and ``start`` (a method call there cost a measurable fraction of the +1 us budget).
+    def begin(self, head: tuple) -> Call:
+        """A stamping call's record (the host blocks in its waits, so a method call here costs nothing that
+        shows): the oldest reused :class:`Call`, its ``head`` (plan, seq, lane, site) and start written, and
+        appended to the entries."""
+        call = self.next()
+        call.head, call.start, call.end, call.error = head, _clock(), -1, None
+        self.append(call)
+        return call
 
     def calls(self) -> list[Call]:
-        """The records in use, oldest first."""
-        return sorted((c for c in self.ring if c.start), key=lambda c: c.start)
+        """The calls kept, oldest first, each as a :class:`Call` (a tuple entry is read into a new one: its
+        status decided now)."""
+        entries = list(self.entries)
+        state = self.state
+        last = len(entries) - 1
+        out = []
+        for i, e in enumerate(entries):
+            if type(e) is not tuple:
+                out.append(e)
+                continue
+            plan, seq, lane, site, start = e
+            c = Call()
+            c.head, c.start, c.end = (plan, seq, lane, site), start, start
+            error = self.errors.get((lane[1], seq))
+            if error is not None and error[2] == start:
+                c.error = error
+            elif i == last and state.busy is not None and state.now == seq and state.lane == lane:
+                c.end = -1  # the group's call in progress
+            out.append(c)
+        return out
 
     # -- dumps --------------------------------------------------------------------------------------------------
 
@@ -411,14 +456,24 @@ def dump_all(reason: str = "on demand", directory: str | None = None) -> list[st
     return paths
 
 
-def failed(call: Call | None, state, error: BaseException) -> None:
-    """A call failed on this rank: its record says so and, for an error that concerns the group (a timeout, a
-    ``CommunicationError``, a ``MismatchError``, an interruption), the group's recorder is dumped. An error of
-    the caller's own compute that was settled (its peers told, the call completed) is recorded, not dumped."""
-    if call is not None and call.status == "in progress":
-        text = str(error).strip()
-        call.error = (f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}", _clock(), call.start)
+def failed(call: Call | tuple | None, state, error: BaseException) -> None:
+    """A call failed on this rank: its record says so (a :class:`Call`'s ``error``; a tuple entry's error kept
+    by lane and call number) and, for an error that concerns the group (a timeout, a ``CommunicationError``, a
+    ``MismatchError``, an interruption), the group's recorder is dumped. An error of the caller's own compute
+    that was settled (its peers told, the call completed) is recorded, not dumped."""
     rec = state.recorder
+    text = str(error).strip()
+    what = f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    if type(call) is tuple:
+        if rec:
+            _, seq, lane, _, start = call
+            errors = rec.errors
+            if (lane[1], seq) not in errors:
+                errors[(lane[1], seq)] = (what, _clock(), start)
+                while len(errors) > rec.size:  # the oldest first (a dict keeps its insertion order)
+                    del errors[next(iter(errors))]
+    elif call is not None and call.status == "in progress":
+        call.error = (what, _clock(), call.start)
     if not rec:
         return
     from commfuse.errors import CommunicationError

@@ -80,6 +80,71 @@ def test_the_recorder_stays_bounded_over_ten_thousand_calls(tmp_path):
     assert out["growth"] < 16 * 1024, out  # 4000 more calls, and nothing more kept
 
 
+def test_calls_that_take_no_stamps_are_kept_as_tuples_and_stay_bounded(tmp_path):
+    # the fake group's waits return at once, so its calls take no stamps: the recorder keeps one tuple each
+    # (a device's fast path), read into records only when asked
+    done = _run("""
+        for i in range(3):
+            cf.all_gather_matmul(a, w, algorithm="ring", check=False)
+        (rec,) = recorders()
+        tracemalloc.start()
+        for i in range(3, 5000):
+            cf.all_gather_matmul(a, w, algorithm="ring" if i % 2 else "vanilla", check=False)
+        before = tracemalloc.take_snapshot()
+        for i in range(5000, 10000):
+            cf.all_gather_matmul(a, w, algorithm="ring" if i % 2 else "vanilla", check=False)
+        after = tracemalloc.take_snapshot()
+        runtime = [tracemalloc.Filter(True, "*commfuse/runtime/*")]
+        growth = sum(s.size_diff for s in after.filter_traces(runtime).compare_to(before.filter_traces(runtime),
+                                                                                  "filename"))
+        kinds = sorted({type(e).__name__ for e in rec.entries})
+        dumped = json.load(open(metrics.dump_trace()[0]))
+        print(json.dumps({"kinds": kinds, "growth": growth, "seqs": [c["seq"] for c in dumped["calls"]],
+                          "status": sorted({c["status"] for c in dumped["calls"]}),
+                          "ends": all(c["end_ns"] == c["start_ns"] for c in dumped["calls"]),
+                          "algs": sorted({c["algorithm"] for c in dumped["calls"]})}))
+    """, tmp_path, env={"COMMFUSE_RECORDER": "16"})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["kinds"] == ["tuple"], out
+    assert out["seqs"] == list(range(10000 - 16, 10000)), out["seqs"]
+    assert out["status"] == ["ok"] and out["ends"], out  # the host's enqueue: its end is its start
+    assert out["algs"] == ["ring", "vanilla"], out
+    assert out["growth"] < 16 * 1024, out
+
+
+def test_a_call_without_stamps_is_seen_in_progress_and_failed(tmp_path):
+    # a dump written inside a call shows it in progress; a call whose compute raised (its peers never hear,
+    # the fake group has none) shows as failed, by its error, and the call before it as ok
+    done = _run("""
+        inside = []
+
+        def consumer(part, s):
+            if s == 1 and not inside:
+                inside.append(metrics.dump_trace("from inside")[0])
+            return part
+
+        def broken(part, s):
+            raise ValueError("the consumer broke on purpose")
+
+        cf.all_gather_consume(a, consumer, algorithm="ring", check=False)
+        seen = json.load(open(inside[0]))["calls"]
+        try:
+            cf.all_gather_consume(a, broken, algorithm="ring", check=False, timeout=1)
+        except Exception as e:
+            print("raised", type(e).__name__)
+        after = json.load(open(metrics.dump_trace()[0]))["calls"]
+        print(json.dumps({"inside": [(c["seq"], c["status"]) for c in seen],
+                          "after": [(c["seq"], c["status"], c["error"]) for c in after]}))
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["inside"] == [[0, "in progress"]], out
+    (first, second) = out["after"]
+    assert first == [0, "ok", None], out
+    assert second[:2] == [1, "failed"] and "the consumer broke on purpose" in second[2], out
+
+
 def test_sigterm_dumps_the_recorder_and_still_ends_the_process(tmp_path):
     done = _run("""
         for _ in range(3):
