@@ -65,6 +65,8 @@ STRAND_ROWS = {
 #: size); ``ulysses`` is ``commfuse.nn.attention.ulysses_attention``.
 RING_ATTENTION_ROWS = {
     "ring": ("commfuse", "ring", "zigzag"),
+    "ring:2": ("commfuse", "ring:2", "zigzag"),
+    "ring:4": ("commfuse", "ring:4", "zigzag"),
     "bidirectional": ("commfuse", "bidirectional", "zigzag"),
     "vanilla": ("commfuse", "vanilla", "zigzag"),
     "ring contiguous": ("commfuse", "ring", "contiguous"),

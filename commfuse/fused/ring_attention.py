@@ -197,6 +197,36 @@ def _documents(lengths, seq: int, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return end - torch.tensor(lengths, dtype=torch.int64)[doc], end
 
 
+def _bounds(seq: int, rank: int, world_size: int, layout: str, causal: bool, documents=None):
+    """This rank's query positions, and the interval of key positions each may see (lo, hi: inclusive)."""
+    qpos = positions(seq, rank, world_size, layout)
+    if documents is None:
+        return qpos, torch.zeros_like(qpos), qpos if causal else torch.full_like(qpos, seq - 1)
+    start, end = documents
+    return qpos, start[qpos], qpos if causal else end[qpos] - 1
+
+
+def _block_plan(seq: int, queries, kpos: torch.Tensor, causal: bool, documents, device) -> BlockPlan | None:
+    """The :class:`BlockPlan` of this rank's queries (``queries``: :func:`_bounds`) over the keys at ``kpos``
+    (sorted positions), or None where no pair is allowed."""
+    qpos, lo_q, hi_q = queries
+    if documents is None:
+        lo_k, hi_k = kpos if causal else torch.zeros_like(kpos), torch.full_like(kpos, seq - 1)
+    else:
+        lo_k, hi_k = kpos if causal else documents[0][kpos], documents[1][kpos] - 1
+    per_row = torch.searchsorted(kpos, hi_q, right=True) - torch.searchsorted(kpos, lo_q)
+    per_key = torch.searchsorted(qpos, hi_k, right=True) - torch.searchsorted(qpos, lo_k)
+    rows, keys = per_row.nonzero().flatten(), per_key.nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    r0, r1, c0, c1 = rows[0].item(), rows[-1].item() + 1, keys[0].item(), keys[-1].item() + 1
+    mask = None
+    if not bool((per_row[r0:r1] == c1 - c0).all()):
+        k_sub = kpos[c0:c1].to(device)
+        mask = (k_sub[None, :] >= lo_q[r0:r1, None].to(device)) & (k_sub[None, :] <= hi_q[r0:r1, None].to(device))
+    return BlockPlan(r0, r1, c0, c1, mask)
+
+
 def block_plans(seq: int, rank: int, world_size: int, layout: str, causal: bool, documents=None,
                 device=None) -> list[BlockPlan | None]:
     """For every source rank s, the :class:`BlockPlan` of block (rank's queries, s's keys), or None where no
@@ -207,33 +237,34 @@ def block_plans(seq: int, rank: int, world_size: int, layout: str, causal: bool,
     So the rows and keys with any allowed pair are counted with two sorted searches, without the block's
     mask; the mask of the part kept is made only where that part is not fully allowed. ``documents``: what
     :func:`_documents` returns."""
-    qpos = positions(seq, rank, world_size, layout)
-    big = torch.full_like(qpos, seq - 1)
-    if documents is None:
-        lo_q, hi_q = torch.zeros_like(qpos), qpos if causal else big
-    else:
-        start, end = documents
-        lo_q, hi_q = start[qpos], qpos if causal else end[qpos] - 1
-    plans: list[BlockPlan | None] = []
-    for s in range(world_size):
-        kpos = positions(seq, s, world_size, layout)
-        if documents is None:
-            lo_k, hi_k = kpos if causal else torch.zeros_like(kpos), torch.full_like(kpos, seq - 1)
-        else:
-            lo_k, hi_k = kpos if causal else documents[0][kpos], documents[1][kpos] - 1
-        per_row = torch.searchsorted(kpos, hi_q, right=True) - torch.searchsorted(kpos, lo_q)
-        per_key = torch.searchsorted(qpos, hi_k, right=True) - torch.searchsorted(qpos, lo_k)
-        rows, keys = per_row.nonzero().flatten(), per_key.nonzero().flatten()
-        if rows.numel() == 0:
-            plans.append(None)
-            continue
-        r0, r1, c0, c1 = rows[0].item(), rows[-1].item() + 1, keys[0].item(), keys[-1].item() + 1
-        mask = None
-        if not bool((per_row[r0:r1] == c1 - c0).all()):
-            k_sub = kpos[c0:c1].to(device)
-            mask = (k_sub[None, :] >= lo_q[r0:r1, None].to(device)) & (k_sub[None, :] <= hi_q[r0:r1, None].to(device))
-        plans.append(BlockPlan(r0, r1, c0, c1, mask))
-    return plans
+    queries = _bounds(seq, rank, world_size, layout, causal, documents)
+    return [_block_plan(seq, queries, positions(seq, s, world_size, layout), causal, documents, device)
+            for s in range(world_size)]
+
+
+class _SlicePlans:
+    """The :class:`BlockPlan` of every slice of a source's block that the ring hands over (rows ``start:start
+    + rows`` of the source's keys), made on first use and kept: a ``ring:m`` ring delivers and takes back
+    each block in m slices, and each is attended to, or skipped, on its own."""
+
+    def __init__(self, seq: int, rank: int, world_size: int, layout: str, causal: bool, documents, device):
+        self.args = (seq, world_size, layout, causal, documents, device)
+        self.queries = _bounds(seq, rank, world_size, layout, causal, documents)
+        self.whole = block_plans(seq, rank, world_size, layout, causal, documents, device)
+        self.cut: dict[tuple[int, int, int], BlockPlan | None] = {}
+
+    def __call__(self, s: int, start: int, rows: int) -> BlockPlan | None:
+        whole = self.whole[s]
+        if whole is None:
+            return None
+        if start == 0 and rows == self.args[0] // self.args[1]:
+            return whole
+        key = (s, start, rows)
+        if key not in self.cut:
+            seq, n, layout, causal, documents, device = self.args
+            kpos = positions(seq, s, n, layout)[start:start + rows]
+            self.cut[key] = _block_plan(seq, self.queries, kpos, causal, documents, device)
+        return self.cut[key]
 
 
 # -- the autograd Function -------------------------------------------------------------------------------------
@@ -242,11 +273,11 @@ def block_plans(seq: int, rank: int, world_size: int, layout: str, causal: bool,
 @dataclasses.dataclass
 class _Ring:
     """What one ring attention call runs on: the two rings' calls (None: world size 1), the block plans by
-    source, the scores' scale, and the K/V heads (the gathered K/V shard is (b, L, 2 * Hkv, d))."""
+    source and slice, the scores' scale, and the K/V heads (the gathered K/V shard is (b, L, 2 * Hkv, d))."""
 
     gather: object
     scatter: object
-    plans: list
+    plans: _SlicePlans
     scale: float
     hkv: int
     rank: int
@@ -255,17 +286,25 @@ class _Ring:
 def _forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor | None, keep: bool,
              sources: Sequence[torch.Tensor] | None = None):
     """The merged float32 output (b, L, Hq, d), its log-sum-exp (b, Hq, L) and, with ``keep``, the K/V block of
-    every source (the consumer's own tensors, kept for the backward). ``sources`` (the reference): every
-    rank's K/V block, consumed in the ring's order here, in one process."""
+    every source (its slices as they arrived, joined: kept for the backward). ``sources`` (the reference):
+    every rank's K/V block, consumed in the ring's order here, in one process.
+
+    Each slice the ring hands over is attended to as it arrives (``by_slice``): under ``ring:m`` the
+    attention of a block's first slices runs while its last ones still fly."""
     b, length, hq, d = q.shape
     out = q.new_zeros((b, length, hq, d), dtype=_acc(q.dtype))
     lse = q.new_full((b, hq, length), float("-inf"), dtype=_acc(q.dtype))
-    blocks: list[torch.Tensor | None] = [None] * len(ring.plans)
+    n = len(ring.plans.whole)
+    pieces: list[list] = [[] for _ in range(n)]
 
-    def consume(block: torch.Tensor, s: int) -> None:
+    def kept(block: torch.Tensor, s: int, start: int = 0) -> None:
+        # measure("comm_only") removes the compute but not the backward's need of every source's block
         if keep:
-            blocks[s] = block
-        plan = ring.plans[s]
+            pieces[s].append((start, block))
+
+    def consume(block: torch.Tensor, s: int, start: int = 0) -> None:
+        kept(block, s, start)
+        plan = ring.plans(s, start, block.shape[1])
         if plan is None:  # fully masked: nothing to compute
             return
         r0, r1, c0, c1 = plan.r0, plan.r1, plan.c0, plan.c1
@@ -274,18 +313,18 @@ def _forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor | None, keep: bool,
         out[:, r0:r1], lse[:, :, r0:r1] = merge_lse(out[:, r0:r1], lse[:, :, r0:r1], o_blk, l_blk)
 
     if sources is not None:
-        n = len(sources)
         for step in range(n):
             consume(sources[(ring.rank - step) % n], (ring.rank - step) % n)
     elif ring.gather is None:
         consume(kv, 0)
     else:
-        def kept(block: torch.Tensor, s: int) -> None:
-            # measure("comm_only") removes the compute but not the backward's need of every source's block
-            if keep:
-                blocks[s] = block
-
-        all_gather_consume_core(ring.gather, kv, StandIn(consume, kept), 1, keep=keep, label="ring_attention")
+        all_gather_consume_core(ring.gather, kv, StandIn(consume, kept), 1, keep=keep, label="ring_attention",
+                                by_slice=True)
+    blocks: list[torch.Tensor | None] = [None] * n
+    for s, got in enumerate(pieces):
+        if got:
+            got.sort(key=lambda x: x[0])
+            blocks[s] = got[0][1] if len(got) == 1 else torch.cat([t for _, t in got], dim=1)
     return out, lse, blocks
 
 
@@ -367,17 +406,20 @@ class _RingAttention(torch.autograd.Function):
         delta = (do * out).sum(-1).transpose(1, 2)  # (b, Hq, L): rowsum(dO * O)
         dq = torch.zeros_like(out)
 
-        def producer(s: int) -> torch.Tensor:
-            plan = ring.plans[s]
+        def producer(s: int, start: int, rows: int) -> torch.Tensor:
+            # the slice of source s's partial that the ring sends in this step (all of it without ring:m)
+            block = blocks[s][:, start:start + rows]
+            plan = ring.plans(s, start, rows)
             if plan is None:
-                return blocks[s].new_zeros(blocks[s].shape, dtype=out.dtype)
-            return _block_backward(ring, plan, q, blocks[s], out, lse, do, delta, dq)
+                return block.new_zeros(block.shape, dtype=out.dtype)
+            return _block_backward(ring, plan, q, block, out, lse, do, delta, dq)
 
         if ring.scatter is None:
-            dkv = producer(0)
+            dkv = producer(0, 0, blocks[0].shape[1])
         else:
+            shape = tuple(blocks[ring.rank].shape)
             dkv = produce_reduce_scatter_core(ring.scatter, producer, 1, label="ring_attention.backward",
-                                              inplace=True)
+                                              inplace=True, slices=(shape, out.dtype))
         hkv = ring.hkv
         kd, vd = ctx.kdtype
         return None, dq.to(q.dtype), dkv[:, :, :hkv].to(kd), dkv[:, :, hkv:].to(vd)
@@ -434,11 +476,13 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     config = layer_config("ring_attention", causal=bool(causal), layout=layout, documents=documents is not None,
                           scale=float(scale))
     kv_bytes = 2 * k.numel() * k.element_size()
+    # halves: every slice of K/V is attended to as it arrives, every slice of dK/dV made just before it leaves
+    # (by_slice), so auto cuts each block in two on two ranks (planning.calls._halved)
     gather = resolve_call(Collective.ALL_GATHER, algorithm, group=group, device=q.device, slice_bytes=kv_bytes,
-                          timeout=timeout)
+                          timeout=timeout, halves=True)
     scatter = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, device=q.device,
-                           slice_bytes=2 * k.numel() * _acc(k.dtype).itemsize, timeout=timeout)
-    plans = block_plans(seq, rank, n, layout, bool(causal), documents, q.device)
+                           slice_bytes=2 * k.numel() * _acc(k.dtype).itemsize, timeout=timeout, halves=True)
+    plans = _SlicePlans(seq, rank, n, layout, bool(causal), documents, q.device)
     return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
 
 
@@ -537,7 +581,7 @@ def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tens
     kvs = [torch.cat([k, v], dim=2) for k, v in zip(ks, vs)]
     outs = []
     for r in range(n):
-        ring = _Ring(None, None, block_plans(seq, r, n, layout, causal, documents, qs[r].device), scale,
+        ring = _Ring(None, None, _SlicePlans(seq, r, n, layout, causal, documents, qs[r].device), scale,
                      ks[0].shape[2], r)
         out, _, _ = _forward(ring, qs[r], None, False, sources=kvs)
         outs.append(out.to(qs[r].dtype))

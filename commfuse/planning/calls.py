@@ -138,12 +138,14 @@ def _decide(collective, world_size, slice_bytes, capabilities, flops, backend) -
 
 
 def _halved(collective, world_size: int, slice_bytes: int, capabilities, name: str, reason: str) -> tuple[str, str]:
-    """``auto``'s ring as ``ring:2`` for an all-to-all on two ranks whose consumer takes half blocks (the caller
-    says so: ``halves``). There a ring has one hop per exchange, which hides behind the own block only; cut in
-    two, each half's compute leads the other half's hop (schedules/all_to_all/README.md). Taken while half a
+    """``auto``'s ring as ``ring:2`` on two ranks for a caller whose compute takes half blocks as they arrive
+    (the caller says so: ``halves``; an all-to-all's by-slice consumer, ring attention's K/V and dK/dV rings).
+    There a ring has one hop per exchange, which hides behind the own block only; cut in two, each half's
+    compute leads the other half's hop (schedules/all_to_all/README.md; the all-gather and reduce-scatter
+    rings compute a slice in the step after it arrives, or before it leaves, too). Taken while half a
     block still carries :data:`MIN_SLICE_BYTES` (or the backend's own bar, if higher): below it a step's fixed
     cost outweighs what the second half hides."""
-    if Collective(collective) is not Collective.ALL_TO_ALL or world_size != 2 or name != "ring":
+    if world_size != 2 or name != "ring":
         return name, reason
     bar = max(MIN_SLICE_BYTES, min_slice_bytes(capabilities))
     if slice_bytes // 2 < bar:

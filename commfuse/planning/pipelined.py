@@ -501,14 +501,40 @@ class _Assembler:
                 self.results[source] = consumer(whole, source)
 
 
+class _GatherBySlice:
+    """Calls ``consumer(slice, source, start)`` for every slice of every rank's shard as it arrives, never
+    joining a shard's slices (``start``: the slice's first row along the dim within the source's shard); in
+    ``comm_only`` runs its ``stand_in``, if it has one. Under ``ring:m`` the compute on slice j then runs
+    while slice j + 1 still flies, instead of waiting for the last slice of the shard."""
+
+    def __init__(self, layout, consumer: Callable) -> None:
+        self.layout, self.consumer = layout, consumer
+        shard_starts = [sum(layout.shard_sizes[:q]) for q in range(len(layout.shard_sizes))]
+        self.within = [layout.start[s] - shard_starts[layout.shard[s]] for s in range(len(layout.start))]
+
+    def __call__(self, slots, tensors, consumer=None) -> None:
+        layout, within = self.layout, self.within
+        consumer = consumer or self.consumer
+        for s, t in zip(slots, tensors):
+            consumer(t, layout.shard[s], within[s])
+
+    def skip(self, slots, tensors) -> None:
+        stand_in = getattr(self.consumer, "stand_in", None)
+        if stand_in is not None:
+            self(slots, tensors, stand_in)
+
+
 def _shards_meta(t: torch.Tensor, dim: int):
     return lambda: [dtype_code(t.dtype), dim, t.ndim, *t.shape]
 
 
 def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable, dim: int, *, keep: bool = True,
-                            label: str = "all_gather_consume", private: bool = False) -> list[Any]:
+                            label: str = "all_gather_consume", private: bool = False,
+                            by_slice: bool = False) -> list[Any] | None:
     """``commfuse.all_gather_consume`` on a resolved ``call``; ``keep=False`` lets buffers be reused (the
-    consumer then must not keep what it is given).
+    consumer then must not keep what it is given). ``by_slice`` (the library's own consumers):
+    ``consumer(slice, source, start)`` runs on each slice as it arrives (:class:`_GatherBySlice`), and
+    nothing is returned.
 
     ``private`` (the public op sets it; the library's own consumers, which
     never write to what they are given, do not) hands the consumer tensors
@@ -521,6 +547,10 @@ def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable,
     plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, (shard.shape[dim],) * n, label,
                                       _shards_meta(shard, dim))
     pieces = plan.schedule.pieces
+    if by_slice:
+        execute(plan, GatherProgram(layout, pool, shard, _GatherBySlice(layout, consumer), keep=keep,
+                                    meta=layout.meta))
+        return None
     assembler = _Assembler(layout, consumer, n, layout.shard, pieces)
     consume = assembler
     if private and pieces == 1:  # several slices: the assembler joins them with torch.cat, already fresh
@@ -593,7 +623,8 @@ class _Private:
 
 def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tensor], dim: int,
                                 early: dict[int, torch.Tensor] | None = None,
-                                label: str = "produce_reduce_scatter", inplace: bool = False) -> torch.Tensor:
+                                label: str = "produce_reduce_scatter", inplace: bool = False,
+                                slices: tuple[tuple[int, ...], torch.dtype] | None = None) -> torch.Tensor:
     """``commfuse.produce_reduce_scatter`` on a resolved ``call``; ``early`` holds partials already produced.
 
     The layout comes from the first partial, which is produced before the
@@ -601,7 +632,14 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
     later partial must have its shape and dtype. ``inplace`` lets the running
     sums be added into the partials, for producers that return fresh tensors
     nobody else holds (saves one buffer).
+
+    ``slices`` (the library's own producers): the partials' (shape, dtype), known before any is made; then
+    ``producer(dest, start, rows)`` makes each slice of the partial for ``dest`` in the step that sends it
+    (rows ``start:start + rows`` along the dim), so that under ``ring:m`` the first slice leaves while the
+    next is made, instead of after the whole partial.
     """
+    if slices is not None:
+        return _produce_slices(call, producer, dim, slices, label, inplace)
     rank, n = call.be.rank, call.be.world_size
     # the call's number first: a producer that raises on its first partial (which fixes the call's layout)
     # leaves this call on every peer's board, never an unnumbered gap (loop.Ticket)
@@ -637,6 +675,26 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
         owner, piece = layout.shard, layout.piece
         program = ReduceScatterProgram(layout, pool, lambda slots: [get(owner[s])[piece[s]] for s in slots],
                                        inplace=inplace, meta=layout.meta)
+        execute(plan, program, ticket=ticket)
+    out = program.result()
+    return out[0] if len(out) == 1 else torch.cat(out, dim=d)
+
+
+def _produce_slices(call: Call, producer: Callable, dim: int, slices: tuple, label: str,
+                    inplace: bool) -> torch.Tensor:
+    """:func:`produce_reduce_scatter_core` with ``slices``: each slice of each partial made in its own step."""
+    shape, dtype = tuple(slices[0]), slices[1]
+    d = dim % len(shape)
+    with enter_call(call.be, label) as ticket:
+        plan, layout, pool = _scatter_plan(call, shape, d, dtype, label,
+                                           lambda: [dtype_code(dtype), d, len(shape), *shape], whole=False)
+        shard_starts = [sum(layout.shard_sizes[:q]) for q in range(len(layout.shard_sizes))]
+        owner, size, start = layout.shard, layout.size, layout.start
+
+        def produce(slots):
+            return [producer(owner[s], start[s] - shard_starts[owner[s]], size[s]) for s in slots]
+
+        program = ReduceScatterProgram(layout, pool, produce, inplace=inplace, meta=layout.meta, check_shapes=True)
         execute(plan, program, ticket=ticket)
     out = program.result()
     return out[0] if len(out) == 1 else torch.cat(out, dim=d)

@@ -228,9 +228,9 @@ class Plan:
         self.whole_compute: tuple[int, ...] = ()
         steps = self.steps
         with_calls = [st for st in steps if st.collectives]
-        # Point-to-point steps only, each computing at most one slot, overlapped (ring, ring:m): such a call
-        # may take execute_one_by_one, with no program.
-        self.one_by_one = overlap and not with_calls and all(len(st.compute) <= 1 for st in steps)
+        # Point-to-point steps only, overlapped (ring, ring:m, bidirectional): such a call may take
+        # execute_one_by_one, with no program.
+        self.one_by_one = overlap and not with_calls
         if (len(steps) == 2 and len(with_calls) == 1 and len(with_calls[0].collectives) == 1
                 and not any(st.p2p for st in steps) and sum(bool(st.compute) for st in steps) == 1):
             self.whole = (with_calls[0], with_calls[0].collectives[0])

@@ -724,16 +724,15 @@ def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
       slot, receive's Transfer, the receive buffer's pool key)``, posted with no comprehension; else None;
     - ``sends``: ``(Transfer, slot)`` pairs of any other step with point-to-point transfers, else None;
     - ``recvs``: ``(Transfer, slot, key)``, ``key`` the receive buffer's pool key (for a ``pair`` too);
-    - ``compute``: ``(slot, start, size, key)`` of the one slice the step computes, or None;
+    - ``compute``: ``(slot, start, size, key)`` of each slice the step computes, in order (one in a ring
+      step; two where ``ring:m`` computes a slice beside the one that arrived, or the two halves of
+      ``bidirectional``), or None;
     - ``accumulate``, ``release``: ``(slot, key)`` pairs (``release`` less this rank's ``own`` slots).
 
     Plans with ``one_by_one`` only."""
     walk = []
     for st in plan.steps:
-        compute = None
-        if st.compute:
-            (s,) = st.compute
-            compute = (s, start[s], size[s], key[s])
+        compute = tuple((s, start[s], size[s], key[s]) for s in st.compute) or None
         sends, pair = (st.sends if st.p2p else None), None
         if sends is not None and len(sends) == 1 and len(st.recvs) == 1:
             (t, s), (r, q) = sends[0], st.recvs[0]
@@ -813,15 +812,16 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
                 except Exception as e:
                     raise posting_error(plan, st, None, e) from e
             if compute is not None:
-                s, at, length, _ = compute
-                try:
-                    made = on_slice(at, length, held[s])
-                except Exception as e:
-                    pending = None if handle is None else ((handle, None, [(t, s) for t, s, _ in recvs]),)
-                    raise _compute_failed(plan, seq, i, e, _ring_finisher(plan, seq, walk, held, pool, inbox, i),
-                                          st, pending, landing.__setitem__)
-                if made is not None:
-                    held[s] = made
+                for s, at, length, _ in compute:
+                    try:
+                        made = on_slice(at, length, held[s])
+                    except Exception as e:
+                        pending = None if handle is None else ((handle, None, [(t, q) for t, q, _ in recvs]),)
+                        raise _compute_failed(plan, seq, i, e,
+                                              _ring_finisher(plan, seq, walk, held, pool, inbox, i), st, pending,
+                                              landing.__setitem__)
+                    if made is not None:
+                        held[s] = made
             if handle is not None:
                 if FILLERS:
                     run_filler(handle)
@@ -883,8 +883,9 @@ def _ring_finisher(plan: Plan, seq: int, walk: tuple, held: list, pool, inbox: l
         post, get = plan.backend.post, pool.get
         landing = held if inbox is None else inbox
         if failed is not None and inbox is not None:
-            s, _, _, k = walk[failed][4]
-            held[s] = get(k)
+            for s, _, _, k in walk[failed][4]:  # the partials the failed step did not make
+                if held[s] is None:
+                    held[s] = get(k)
         for st, pair, sends, recvs, compute, accumulate, release in walk[start:]:
             peers = _step_peers(plan, st)
             if peers:
@@ -896,8 +897,8 @@ def _ring_finisher(plan: Plan, seq: int, walk: tuple, held: list, pool, inbox: l
                 except Exception as e:
                     raise posting_error(plan, st, None, e) from e
             if compute is not None and inbox is not None:
-                s, _, _, k = compute
-                held[s] = get(k)
+                for s, _, _, k in compute:
+                    held[s] = get(k)
             if handle is not None:
                 _land_ring(plan, st, handle, recvs, landing)
             for s, k in accumulate:

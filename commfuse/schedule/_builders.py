@@ -132,23 +132,42 @@ def _ring_all_gather(s: Schedule) -> list[Step]:
     At hop k rank r computes on shard (r - k) mod N while forwarding it to r + 1
     and receiving shard (r - k - 1) from r - 1; the backward ring does the mirror
     image with the second half of every slice. The last hop only computes.
+
+    With ``parts`` m > 1 every shard travels as m slices, one per step, in hop
+    order, and each received slice is computed in the very next step (as
+    :func:`_ring_all_to_all` does), while it waits m steps for its own forward:
+    the own shard's slices are spread over the first m steps, one each, beside
+    the received slices. So what is left after the last transfer is one
+    slice's compute, not a whole shard's; at two ranks, where the one hop could
+    otherwise hide only behind the own shard, the peer's slice j + 1 flies
+    while its slice j is computed ((N - 1) m + 1 steps instead of N m). With
+    m = 1 this is the schedule above. (The paper cuts the sequence into m N
+    slices; computing each on arrival rather than hop by hop is this
+    library's.)
     """
-    n, o, bidir = s.world_size, _offset(s.world_size), s.halves == 2
+    n, o, bidir, m = s.world_size, _offset(s.world_size), s.halves == 2, s.parts
     sl = _interned()
+    items = [(k, p) for k in range(n - 1) for p in range(m)]  # hop k's slice p, in the order they travel
     steps: list[Step] = []
-    for k in range(n):
-        for p in range(s.parts):
-            compute = [sl(o(-k), p, 0)]
-            sends, recvs = [], []
-            if k < n - 1:
-                sends.append(Transfer(sl(o(-k), p, 0), o(1), 1, 0))
-                recvs.append(Transfer(sl(o(-k - 1), p, 0), o(-1), 1, 0))
+    for t in range(len(items) + 1):
+        compute, sends, recvs = [], [], []
+        if t < m:  # the own shard, slice t
+            compute.append(sl(o(0), t, 0))
             if bidir:
-                compute.append(sl(o(k), p, 1))
-                if k < n - 1:
-                    sends.append(Transfer(sl(o(k), p, 1), o(-1), o(-1), 1))
-                    recvs.append(Transfer(sl(o(k + 1), p, 1), o(1), o(-1), 1))
-            steps.append(Step(len(steps), tuple(sends), tuple(recvs), (), tuple(compute)))
+                compute.append(sl(o(0), t, 1))
+        if t >= 1:  # the slices received in the step before
+            k, p = items[t - 1]
+            compute.append(sl(o(-k - 1), p, 0))
+            if bidir:
+                compute.append(sl(o(k + 1), p, 1))
+        if t < len(items):
+            k, p = items[t]
+            sends.append(Transfer(sl(o(-k), p, 0), o(1), 1, 0))
+            recvs.append(Transfer(sl(o(-k - 1), p, 0), o(-1), 1, 0))
+            if bidir:
+                sends.append(Transfer(sl(o(k), p, 1), o(-1), o(-1), 1))
+                recvs.append(Transfer(sl(o(k + 1), p, 1), o(1), o(-1), 1))
+        steps.append(Step(t, tuple(sends), tuple(recvs), (), tuple(compute)))
     return steps
 
 
@@ -160,24 +179,38 @@ def _ring_reduce_scatter(s: Schedule) -> list[Step]:
     r - 1 and adds it, while its own previous sum travels on to r + 1. Its own
     shard comes last, so after the last compute only the last receive and one
     add remain.
+
+    With ``parts`` m > 1, the mirror image of :func:`_ring_all_gather`'s: every
+    slice of the first partial is sent in the step after the one that made it
+    (as :func:`_ring_produce_all_to_all` does), so the first hop's slices are
+    spread over the first m steps beside the sums that arrive, and only the
+    first slice's compute has nothing to hide behind ((N - 1) m + 1 steps
+    instead of N m). Every later slice is computed, and its running sum added,
+    in the step it arrives, and travels on m steps later. With m = 1 this is
+    the schedule above.
     """
-    n, o, bidir = s.world_size, _offset(s.world_size), s.halves == 2
+    n, o, bidir, m = s.world_size, _offset(s.world_size), s.halves == 2, s.parts
     sl = _interned()
+    items = [(k, p) for k in range(1, n) for p in range(m)]  # hop k's slice p, in the order they travel
     steps: list[Step] = []
-    for k in range(n):
-        for p in range(s.parts):
-            compute = [sl(o(-1 - k), p, 0)]
-            sends, recvs = [], []
-            if k >= 1:
-                sends.append(Transfer(sl(o(-k), p, 0), o(1), 1, 0))
-                recvs.append(Transfer(sl(o(-1 - k), p, 0), o(-1), 1, 0))
+    for t in range(len(items) + 1):
+        compute, sends, recvs, accumulate = [], [], [], []
+        if t < m:  # the first partial (for r - 1), slice t: sent in the next step
+            compute.append(sl(o(-1), t, 0))
             if bidir:
-                compute.append(sl(o(1 + k), p, 1))
-                if k >= 1:
-                    sends.append(Transfer(sl(o(k), p, 1), o(-1), o(-1), 1))
-                    recvs.append(Transfer(sl(o(1 + k), p, 1), o(1), o(-1), 1))
-            accumulate = tuple(compute) if k >= 1 else ()
-            steps.append(Step(len(steps), tuple(sends), tuple(recvs), (), tuple(compute), accumulate))
+                compute.append(sl(o(1), t, 1))
+        if t >= 1:
+            k, p = items[t - 1]
+            sends.append(Transfer(sl(o(-k), p, 0), o(1), 1, 0))
+            recvs.append(Transfer(sl(o(-1 - k), p, 0), o(-1), 1, 0))
+            arrived = [sl(o(-1 - k), p, 0)]
+            if bidir:
+                sends.append(Transfer(sl(o(k), p, 1), o(-1), o(-1), 1))
+                recvs.append(Transfer(sl(o(1 + k), p, 1), o(1), o(-1), 1))
+                arrived.append(sl(o(1 + k), p, 1))
+            compute += arrived
+            accumulate += arrived
+        steps.append(Step(t, tuple(sends), tuple(recvs), (), tuple(compute), tuple(accumulate)))
     return steps
 
 

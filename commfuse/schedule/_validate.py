@@ -369,13 +369,15 @@ class _Engine:
             self.fail(r, last.index, f"the last step computes {', '.join(map(str, last.compute))}, not the rank's own shard")
         if s.world_size > 1 and set(last.accumulate) != set(last.compute):
             self.fail(r, last.index, "after the last compute there must be exactly one add per computed slice")
-        own_seen = False
+        # per part (and half): the own shard's slice comes after every other shard's (with parts > 1 the
+        # first partial's later slices are made beside the own shard's earlier ones, each sent a step later)
+        own_seen: set[tuple[int, int]] = set()
         for i in range(s.num_steps):
             for x in w.step(r, i).compute:
                 if x.shard == r:
-                    own_seen = True
-                elif own_seen:
-                    self.fail(r, i, f"computes {x} after starting on its own shard")
+                    own_seen.add((x.part, x.half))
+                elif (x.part, x.half) in own_seen:
+                    self.fail(r, i, f"computes {x} after starting on its own shard's part {x.part}")
 
 
 def _fmt(c: Counter) -> str:

@@ -23,7 +23,7 @@ from _tp_cases import _run, expect  # noqa: E402  (the shared rank-side runner)
 #: (atol, rtol) against the float64 reference: float32 merges in another order; bfloat16 is rounded once at
 #: the end (blocks are computed and merged in float32), so its bound is a few of its ulps at values ~1
 TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
-ALGORITHMS = ("ring", "bidirectional", "vanilla", "auto")
+ALGORITHMS = ("ring", "bidirectional", "vanilla", "auto", "ring:2", "ring:3")
 
 
 def documents(seq: int) -> list[int]:
