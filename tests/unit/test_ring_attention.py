@@ -141,3 +141,50 @@ def test_world_size_one_forward_and_backward_equal_attention(causal):
     dout = torch.randn(got.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
         torch.testing.assert_close(a, b)
+
+
+def test_auto_halves_ring_attentions_rings_on_two_ranks_only():
+    """ring attention asks resolve_call for halves: its K/V and dK/dV rings take ring:2 on two ranks (each slice
+    attended to as it arrives), while half a block still carries the smallest hop auto takes a ring for."""
+    from commfuse.planning.calls import MIN_SLICE_BYTES, _halved
+    from commfuse.schedule import Collective
+
+    for collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        assert _halved(collective, 2, 4 * MIN_SLICE_BYTES, None, "ring", "why")[0] == "ring:2"
+        assert _halved(collective, 3, 4 * MIN_SLICE_BYTES, None, "ring", "why")[0] == "ring"
+        assert _halved(collective, 2, MIN_SLICE_BYTES, None, "ring", "why")[0] == "ring"  # half is under the bar
+        assert _halved(collective, 2, 4 * MIN_SLICE_BYTES, None, "vanilla", "why")[0] == "vanilla"
+
+
+def test_slice_plans_cover_the_block_plan_and_bound_it_tighter():
+    """Each slice of a source's keys has its own plan: the slices' allowed pairs are exactly the block's, and
+    the slices' computed boxes are never larger than the block's, smaller on zigzag's diagonal."""
+    from commfuse.fused.ring_attention import _SlicePlans
+
+    seq, n = 32, 2
+    for layout in ("contiguous", "zigzag"):
+        for r in range(n):
+            plans = _SlicePlans(seq, r, n, layout, True, None, None)
+            length = seq // n
+            for s in range(n):
+                whole = plans.whole[s]
+                want = torch.zeros(length, length, dtype=torch.bool)
+                if whole is not None:
+                    want[whole.r0:whole.r1, whole.c0:whole.c1] = True if whole.mask is None else whole.mask
+                got = torch.zeros_like(want)
+                for start in range(0, length, 4):
+                    p = plans(s, start, 4)
+                    if p is None:
+                        continue
+                    got[p.r0:p.r1, start + p.c0:start + p.c1] = True if p.mask is None else p.mask
+                assert torch.equal(got, want), (layout, r, s)
+            # what is computed: the slices' boxes never exceed the block's, and on zigzag's diagonal they are
+            # smaller (a key slice of the later chunk is seen by that chunk's queries only)
+            def area(p):
+                return 0 if p is None else (p.r1 - p.r0) * (p.c1 - p.c0)
+
+            for s in range(n):
+                sliced = sum(area(plans(s, start, 4)) for start in range(0, length, 4))
+                assert sliced <= area(plans.whole[s]), (layout, r, s)
+                if layout == "zigzag" and s == r:
+                    assert sliced < area(plans.whole[s]), (layout, r)

@@ -345,3 +345,38 @@ def test_steps_are_frozen_and_shared_template_is_rank_zero():
         s.steps(1)[0].index = 3  # type: ignore[misc]
     assert isinstance(s.steps(1)[0], Step)
     assert s.steps(1) == build("reduce_scatter", 4).steps(1)
+
+
+@pytest.mark.parametrize("n", (2, 3, 5))
+@pytest.mark.parametrize("m", (2, 3))
+def test_ring_parts_compute_each_slice_next_to_its_transfer(n, m):
+    """ring:m all-gather: every received slice is computed in the step right after it arrived, so the step
+    after the last transfer computes one slice (per half), not a whole shard; reduce-scatter: every slice of
+    the first partial leaves in the step after the one that made it, so only step 0 computes with nothing in
+    flight. Both take (N - 1) m + 1 steps, where hop by hop took N m."""
+    for algorithm in RINGS:
+        halves = 2 if algorithm is Algorithm.BIDIRECTIONAL else 1
+        ag = build("all_gather", n, algorithm=algorithm, parts=m)
+        rs = build("reduce_scatter", n, algorithm=algorithm, parts=m)
+        assert len(ag.steps(0)) == len(rs.steps(0)) == (n - 1) * m + 1
+        for r in range(n):
+            steps = ag.steps(r)
+            arrived = {}
+            for st in steps:
+                for t in st.recvs:
+                    arrived[t.slice] = st.index
+            for st in steps:
+                for x in st.compute:
+                    if x in arrived:
+                        assert st.index == arrived[x] + 1, (algorithm, r, x, st.index, arrived[x])
+            assert not steps[-1].sends and len(steps[-1].compute) == halves
+            rsteps = rs.steps(r)
+            made = {}
+            for st in rsteps:
+                for x in st.compute:
+                    made.setdefault(x, st.index)
+            for st in rsteps:
+                for t in st.sends:
+                    if not any(t.slice in other.accumulate for other in rsteps):  # the first partial's slices
+                        assert st.index == made[t.slice] + 1, (algorithm, r, t.slice, st.index, made[t.slice])
+            assert [bool(st.sends) for st in rsteps] == [False] + [True] * (len(rsteps) - 1)
