@@ -68,6 +68,7 @@ rank (``MismatchError``) instead of computing something else.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 from torch import nn
@@ -83,6 +84,12 @@ from commfuse.nn._common import as_dtensor, config, replicated, replicated_linea
 from commfuse.runtime import sites
 from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
+
+#: a number per module a style was applied to, for the key under which ``counted_calls`` learns how many calls
+#: its forward makes: never an ``id()``, which a later module's forward may reuse once the first is freed (a
+#: rank whose new forward reused one would announce the old forward's count when it refuses, and its peers,
+#: whose did not, would not: the ranks' call numbers would part)
+_FORWARDS = itertools.count()
 
 __all__ = ["AttentionParallel", "ColwiseParallel", "RingAttentionParallel", "RowwiseParallel", "SwiGLUParallel"]
 
@@ -201,12 +208,14 @@ class _Style(ParallelStyle):
         site = sites.Site(f"commfuse.tp.{type(self).__name__}", self, mesh, mesh.size(),
                           f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}")
 
+        serial = next(_FORWARDS)
+
         def fused_forward(*args, **kwargs):
             if torch.compiler.is_compiling():
                 return forward(module, mesh, *args, **kwargs)
             # a hook of the user's that raises between the style's calls (the rope hook) leaves the calls
             # this rank will not make on the group's board, for the peers that wait in them
-            key = (id(fused_forward), tuple(getattr(a, "shape", None) for a in args[:1]), torch.is_grad_enabled())
+            key = ("commfuse.tp", serial, tuple(getattr(a, "shape", None) for a in args[:1]), torch.is_grad_enabled())
             with counted_calls(mesh.get_group() if mesh.size() > 1 else None, label, key), sites.at_site(site):
                 return forward(module, mesh, *args, **kwargs)
 
