@@ -248,22 +248,23 @@ class _SlicePlans:
     each block in m slices, and each is attended to, or skipped, on its own."""
 
     def __init__(self, seq: int, rank: int, world_size: int, layout: str, causal: bool, documents, device):
-        self.args = (seq, world_size, layout, causal, documents, device)
+        self.seq, self.n, self.layout, self.causal, self.documents = seq, world_size, layout, causal, documents
+        self.device, self.length = device, seq // world_size
         self.queries = _bounds(seq, rank, world_size, layout, causal, documents)
-        self.whole = block_plans(seq, rank, world_size, layout, causal, documents, device)
+        #: every source's whole block (what block_plans gives), on this one ``queries``
+        self.whole = [self._plan(positions(seq, s, world_size, layout)) for s in range(world_size)]
         self.cut: dict[tuple[int, int, int], BlockPlan | None] = {}
+
+    def _plan(self, kpos: torch.Tensor) -> BlockPlan | None:
+        return _block_plan(self.seq, self.queries, kpos, self.causal, self.documents, self.device)
 
     def __call__(self, s: int, start: int, rows: int) -> BlockPlan | None:
         whole = self.whole[s]
-        if whole is None:
-            return None
-        if start == 0 and rows == self.args[0] // self.args[1]:
+        if whole is None or (start == 0 and rows == self.length):
             return whole
         key = (s, start, rows)
         if key not in self.cut:
-            seq, n, layout, causal, documents, device = self.args
-            kpos = positions(seq, s, n, layout)[start:start + rows]
-            self.cut[key] = _block_plan(seq, self.queries, kpos, causal, documents, device)
+            self.cut[key] = self._plan(positions(self.seq, s, self.n, self.layout)[start:start + rows])
         return self.cut[key]
 
 

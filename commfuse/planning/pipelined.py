@@ -501,29 +501,6 @@ class _Assembler:
                 self.results[source] = consumer(whole, source)
 
 
-class _GatherBySlice:
-    """Calls ``consumer(slice, source, start)`` for every slice of every rank's shard as it arrives, never
-    joining a shard's slices (``start``: the slice's first row along the dim within the source's shard); in
-    ``comm_only`` runs its ``stand_in``, if it has one. Under ``ring:m`` the compute on slice j then runs
-    while slice j + 1 still flies, instead of waiting for the last slice of the shard."""
-
-    def __init__(self, layout, consumer: Callable) -> None:
-        self.layout, self.consumer = layout, consumer
-        shard_starts = [sum(layout.shard_sizes[:q]) for q in range(len(layout.shard_sizes))]
-        self.within = [layout.start[s] - shard_starts[layout.shard[s]] for s in range(len(layout.start))]
-
-    def __call__(self, slots, tensors, consumer=None) -> None:
-        layout, within = self.layout, self.within
-        consumer = consumer or self.consumer
-        for s, t in zip(slots, tensors):
-            consumer(t, layout.shard[s], within[s])
-
-    def skip(self, slots, tensors) -> None:
-        stand_in = getattr(self.consumer, "stand_in", None)
-        if stand_in is not None:
-            self(slots, tensors, stand_in)
-
-
 def _shards_meta(t: torch.Tensor, dim: int):
     return lambda: [dtype_code(t.dtype), dim, t.ndim, *t.shape]
 
@@ -533,7 +510,7 @@ def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable,
                             by_slice: bool = False) -> list[Any] | None:
     """``commfuse.all_gather_consume`` on a resolved ``call``; ``keep=False`` lets buffers be reused (the
     consumer then must not keep what it is given). ``by_slice`` (the library's own consumers):
-    ``consumer(slice, source, start)`` runs on each slice as it arrives (:class:`_GatherBySlice`), and
+    ``consumer(slice, source, start)`` runs on each slice as it arrives (:class:`_BySlice`), and
     nothing is returned.
 
     ``private`` (the public op sets it; the library's own consumers, which
@@ -547,8 +524,8 @@ def all_gather_consume_core(call: Call, shard: torch.Tensor, consumer: Callable,
     plan, layout, pool = _gather_plan(call, shard.shape, shard.dtype, dim, (shard.shape[dim],) * n, label,
                                       _shards_meta(shard, dim))
     pieces = plan.schedule.pieces
-    if by_slice:
-        execute(plan, GatherProgram(layout, pool, shard, _GatherBySlice(layout, consumer), keep=keep,
+    if by_slice:  # each slice as it arrives: under ring:m its compute runs while the next slice flies
+        execute(plan, GatherProgram(layout, pool, shard, _BySlice(layout, consumer, layout.shard), keep=keep,
                                     meta=layout.meta))
         return None
     assembler = _Assembler(layout, consumer, n, layout.shard, pieces)
@@ -688,11 +665,10 @@ def _produce_slices(call: Call, producer: Callable, dim: int, slices: tuple, lab
     with enter_call(call.be, label) as ticket:
         plan, layout, pool = _scatter_plan(call, shape, d, dtype, label,
                                            lambda: [dtype_code(dtype), d, len(shape), *shape], whole=False)
-        shard_starts = [sum(layout.shard_sizes[:q]) for q in range(len(layout.shard_sizes))]
-        owner, size, start = layout.shard, layout.size, layout.start
+        owner, size, offset = layout.shard, layout.size, layout.offset
 
         def produce(slots):
-            return [producer(owner[s], start[s] - shard_starts[owner[s]], size[s]) for s in slots]
+            return [producer(owner[s], offset[s], size[s]) for s in slots]
 
         program = ReduceScatterProgram(layout, pool, produce, inplace=inplace, meta=layout.meta, check_shapes=True)
         execute(plan, program, ticket=ticket)
@@ -749,17 +725,19 @@ def a2a_layout(plan: Plan, dim: int, shape, dtype, send_sizes, recv_sizes) -> Al
 
 
 class _BySlice:
-    """Calls ``consumer(slice, source, start)`` for every slice as it arrives (``start``: its first row within
-    the source's block); in ``comm_only`` runs its ``stand_in``, if it has one."""
+    """Calls ``consumer(slice, source, start)`` for every slice as it arrives, never joining a block's slices
+    (``start``: its first row within the source's block or shard; ``owners``: each slot's source, the
+    all-to-all's ``layout.source`` or the all-gather's ``layout.shard``); in ``comm_only`` runs its
+    ``stand_in``, if it has one."""
 
-    def __init__(self, layout, consumer: Callable) -> None:
-        self.layout, self.consumer = layout, consumer
+    def __init__(self, layout, consumer: Callable, owners: Sequence[int]) -> None:
+        self.layout, self.consumer, self.owners = layout, consumer, owners
 
     def __call__(self, slots, tensors, consumer=None) -> None:
-        layout = self.layout
+        owners, offset = self.owners, self.layout.offset
         consumer = consumer or self.consumer
         for s, t in zip(slots, tensors):
-            consumer(t, layout.source[s], layout.offset[s])
+            consumer(t, owners[s], offset[s])
 
     def skip(self, slots, tensors) -> None:
         stand_in = getattr(self.consumer, "stand_in", None)
@@ -789,7 +767,8 @@ def all_to_all_consume_core(call: Call, chunks: Sequence[torch.Tensor], consumer
     if uneven:
         layout = a2a_layout(plan, dim, first.shape, first.dtype, [c.shape[dim] for c in chunks], recv_sizes)
     if by_slice:
-        execute(plan, AllToAllProgram(layout, pool, chunks, _BySlice(layout, consumer), keep=True, meta=values))
+        execute(plan, AllToAllProgram(layout, pool, chunks, _BySlice(layout, consumer, layout.source), keep=True,
+                                      meta=values))
         return None
     pieces = plan.schedule.pieces
     assembler = _Assembler(layout, consumer, call.be.world_size, layout.source, pieces)

@@ -129,7 +129,8 @@ def _shape_with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
 
 
 class _SlotLayout:
-    """Per slot: shard, piece, size and offset in the whole tensor along ``dim``; this rank's own slots."""
+    """Per slot: shard, piece, size, offset in the whole tensor along ``dim`` (``start``) and within its
+    owner's shard or block (``offset``); this rank's own slots."""
 
     def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
                  dtype: torch.dtype, *, by_source: bool = False) -> None:
@@ -147,13 +148,15 @@ class _SlotLayout:
         self.piece = [0] * n_slots
         self.size = [0] * n_slots
         self.start = [0] * n_slots
+        self.offset = [0] * n_slots
         self.key: list[tuple] = [()] * n_slots  # (shape, dtype): the pool's key and the buffer's shape
         for s, x in enumerate(compiled.slices):
             owner = x.source if by_source else x.shard
             sizes = split_sizes(self.shard_sizes[owner], pieces)
             p = schedule.piece(x)
             self.shard[s], self.piece[s], self.size[s] = x.shard, p, sizes[p]
-            self.start[s] = shard_offsets[owner] + offsets(sizes)[p]
+            self.offset[s] = offsets(sizes)[p]
+            self.start[s] = shard_offsets[owner] + self.offset[s]
             self.key[s] = (_shape_with(shape, dim, sizes[p]), dtype)
         self.total = sum(self.shard_sizes)
         self.walk: tuple | None = None  # the plan's ring_walk, made on its first call without a program
@@ -465,8 +468,7 @@ class AllToAllLayout(_SlotLayout):
             self.send_sizes, self.recv_sizes = list(send_sizes), list(recv_sizes)
         else:
             self.send_sizes = self.recv_sizes = [shape[dim]] * n
-        #: where each slice starts within its block, along ``dim``
-        self.offset = [0] * len(self.size)
+        #: where each slice starts within its block, along ``dim`` (again: an uneven block's sizes are its own)
         for slots in (compiled.slots_of(d, q) for d in range(n) for q in range(n) if rank in (d, q)):
             at = 0
             for s in slots:
