@@ -28,15 +28,21 @@ n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
 ``--recorder``: the flight recorder's cost (``commfuse.runtime.recorder``).
 The ring and vanilla rows run again on one more group of the same ranks,
 passed by name, whose recorder is as ``COMMFUSE_RECORDER`` says (on, 64
-calls, by default): once with it and once with it taken off the same plans,
-in the same shuffled rounds (rows ``... recorder on`` and ``... recorder
-off``). The recorder's cost is
-the median over rounds of each round's on less off, printed against its
-target, +1 us per call. The fake group's waits return
-at once, so, as on a stream-ordered device, the recorder takes no per-step
-stamps here: what is timed is its per-call record.
+calls, by default), after the shuffled rounds and apart from them: per row,
+``--pairs`` pairs of blocks of ``--pair-calls`` calls, one block with the
+recorder on the group's plans and one with it taken off the same plans,
+which of the two runs first alternating from pair to pair. The recorder's
+cost is the median over the pairs of on less off, printed with the
+quartiles of those differences and against its target, +1 us per call.
+(Pairing blocks back to back matters: with the on and off rows as two more
+candidates of the shuffled rounds, each round's two figures lay up to 20
+candidates apart and the difference moved by up to 1 us between runs.)
+The fake group's waits return at once, so, as on a stream-ordered device,
+the recorder takes no per-step stamps here: what is timed is its per-call
+record.
 
     python benchmarks/host_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 200] [--recorder]
+        [--pairs 200] [--pair-calls 100]
 """
 
 from __future__ import annotations
@@ -84,18 +90,15 @@ def _floor_rs(x, w, bufs, n):
     return acc
 
 
-def _per_call_us(candidates: dict, calls: int, rounds: int, samples: dict | None = None) -> dict[str, float]:
+def _per_call_us(candidates: dict, calls: int, rounds: int) -> dict[str, float]:
     """Median over rounds of the mean us per call of each candidate; every round times every candidate,
-    in an order shuffled per round, so that load from elsewhere falls on all of them alike. ``samples``, if
-    given, gets each candidate's per-round means (for differences paired by round)."""
+    in an order shuffled per round, so that load from elsewhere falls on all of them alike."""
     import random
 
     for fn in candidates.values():
         for _ in range(20):
             fn()
-    if samples is None:
-        samples = {}
-    samples.update({name: [] for name in candidates})
+    samples: dict = {name: [] for name in candidates}
     order = list(candidates)
     rng = random.Random(0)
     for _ in range(rounds):
@@ -109,7 +112,32 @@ def _per_call_us(candidates: dict, calls: int, rounds: int, samples: dict | None
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def measure(n: int, calls: int, rounds: int, recorder: bool = False) -> dict[str, float]:
+def _paired(fn, plans, rec, pairs: int, calls: int) -> tuple[float, float, list[float]]:
+    """``fn`` timed in ``pairs`` pairs of blocks of ``calls`` calls, one block with ``rec`` on ``plans`` and
+    one without, the first of each pair alternating: the median us per call on and off, and each pair's on
+    less off."""
+    clock = time.perf_counter_ns
+    on_us, off_us, diffs = [], [], []
+    for k in range(pairs):
+        t = {}
+        for on in ((True, False) if k % 2 else (False, True)):
+            value = rec if on else None
+            for plan in plans:
+                plan.recorder = value
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            t[on] = (clock() - t0) / calls / 1e3
+        on_us.append(t[True])
+        off_us.append(t[False])
+        diffs.append(t[True] - t[False])
+    for plan in plans:
+        plan.recorder = rec
+    return statistics.median(on_us), statistics.median(off_us), diffs
+
+
+def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int = 200,
+            pair_calls: int = 100) -> dict:
     import commfuse as cf
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -157,13 +185,11 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False) -> dict[str
         candidates["cf ag ring, with grads"] = ag_grad
         candidates["cf rs ring, with grads"] = rs_grad
         if recorder:
-            import os
-
-            # One more group, passed by name, whose plans run with their recorder and without it: each
-            # candidate sets the plans' recorder before its call, so the on and off rows run the same plan
-            # objects, the same group, the same path. (Two groups, one made with COMMFUSE_RECORDER=0, were
-            # tried first: between two such groups with the recorder off on both, the rows differed by up to
-            # 0.8 us, more than the recorder's own cost.)
+            # One more group, passed by name, whose plans run with their recorder and without it (_paired sets
+            # it on the plans before each block), so on and off run the same plan objects, the same group, the
+            # same path. (Two groups, one made with COMMFUSE_RECORDER=0, were tried first: between two such
+            # groups with the recorder off on both, the rows differed by up to 0.8 us, more than the recorder's
+            # own cost.)
             import gc
 
             from commfuse.runtime.compiled import Plan
@@ -177,28 +203,20 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False) -> dict[str
             if rec is None:
                 raise SystemExit("--recorder: the recorder is off (COMMFUSE_RECORDER=0)")
 
-            def with_recorder(fn, on):
-                value = rec if on else None
-
-                def run():
-                    for plan in plans:
-                        plan.recorder = value
-                    return fn()
-                return run
-
+            recorded = {}
             for alg in ("ring", "vanilla"):
-                for on, label in ((True, "on"), (False, "off")):
-                    candidates[f"cf ag {alg} recorder {label}"] = with_recorder(
-                        lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False, group=own), on)
-                    candidates[f"cf rs {alg} recorder {label}"] = with_recorder(
-                        lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False, group=own), on)
-        samples: dict = {}
+                recorded[f"ag {alg}"] = lambda alg=alg: cf.all_gather_matmul(a, w, algorithm=alg, check=False,
+                                                                             group=own)
+                recorded[f"rs {alg}"] = lambda alg=alg: cf.matmul_reduce_scatter(x, w, algorithm=alg, check=False,
+                                                                                group=own)
         with torch.no_grad():
-            rows: dict = _per_call_us(candidates, calls, rounds, samples)
-        if recorder:  # the recorder's cost: the median over rounds of on less off, each round's pair
-            for row in ("ag ring", "rs ring", "ag vanilla", "rs vanilla"):
-                on, off = samples[f"cf {row} recorder on"], samples[f"cf {row} recorder off"]
-                rows[f"{row} recorder extra"] = statistics.median(x - y for x, y in zip(on, off))
+            rows: dict = _per_call_us(candidates, calls, rounds)
+        if recorder:
+            with torch.no_grad():
+                for row, fn in recorded.items():
+                    on, off, diffs = _paired(fn, plans, rec, pairs, pair_calls)
+                    rows[f"cf {row} recorder on"], rows[f"cf {row} recorder off"] = on, off
+                    rows[f"{row} recorder extra"] = diffs
         report: dict = {}
         cf.all_gather_matmul(a, w, algorithm="auto", check=False, report=report)
         rows["auto ag picks"] = report["algorithm"]
@@ -220,11 +238,13 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--recorder", action="store_true",
                    help="also time the commfuse rows on a group with the flight recorder off (see the module)")
+    p.add_argument("--pairs", type=int, default=200, help="--recorder: pairs of on and off blocks per row")
+    p.add_argument("--pair-calls", type=int, default=100, help="--recorder: calls per block")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"host us per call, fake process group, rank 0 of N, median of {args.rounds} rounds x {args.calls} calls")
     for n in args.world_sizes:
-        r = measure(n, args.calls, args.rounds, args.recorder)
+        r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls)
         print(f"\nworld size {n}")
         for name, value in r.items():
             if name.endswith("recorder extra"):
@@ -243,9 +263,11 @@ def main(argv=None) -> None:
             print(f"  {what:30s} {extra:+6.1f} us (target <= {limit} us) {'met' if extra <= limit else 'MISSED'}")
         if args.recorder:
             for row in ("ag ring", "rs ring", "ag vanilla", "rs vanilla"):
-                extra = r[f"{row} recorder extra"]
-                print(f"  {row + ' recorder on - off':30s} {extra:+6.1f} us (target <= 1 us) "
-                      f"{'met' if extra <= 1 else 'MISSED'}")
+                diffs = r[f"{row} recorder extra"]
+                extra = statistics.median(diffs)
+                q1, _, q3 = statistics.quantiles(diffs, n=4)
+                print(f"  {row + ' recorder on - off':30s} {extra:+6.2f} us (target <= 1 us) "
+                      f"{'met' if extra <= 1 else 'MISSED'}; quartiles of {len(diffs)} pairs {q1:+.2f} to {q3:+.2f}")
 
 
 if __name__ == "__main__":

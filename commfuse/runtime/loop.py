@@ -157,25 +157,27 @@ _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _AUTOGRAD_LANE = ("autograd", zlib.crc32(b"autograd") & 0xFFFF)
 
 
+#: each thread's lane, made on its first call (a thread-local: one attribute read per call)
+_LANES = threading.local()
+
+
 def lane() -> tuple[str, int]:
     """The thread a call comes from, as every rank can name it: ``(name, code)``. The code goes into every
     tag and fingerprint, so a call from one thread never pairs with a peer's call from another (two threads
     that share a group and reach it in different orders on different ranks). Autograd's backward (on
     whatever thread the engine runs it) is the lane ``autograd``; a thread Python did not start (a C++
-    thread) is ``native``; any other thread goes by its name (``MainThread``, ``Thread-2 (worker)``): threads
-    that call commfuse must be started in the same order on every rank, or be named."""
+    thread) is ``native``; any other thread goes by its name (``MainThread``, ``Thread-2 (worker)``), as it
+    was at the thread's first call: threads that call commfuse must be started in the same order on every
+    rank, or be named."""
     if _graph_task is not None and _graph_task() != -1:
         return _AUTOGRAD_LANE
-    t = threading.current_thread()
-    found = getattr(t, "_commfuse_lane", None)
-    if found is None:
+    try:
+        return _LANES.lane
+    except AttributeError:
+        t = threading.current_thread()
         name = "native" if isinstance(t, threading._DummyThread) else t.name
-        found = (name, zlib.crc32(name.encode()) & 0xFFFF)
-        try:
-            t._commfuse_lane = found
-        except AttributeError:
-            pass
-    return found
+        found = _LANES.lane = (name, zlib.crc32(name.encode()) & 0xFFFF)
+        return found
 
 
 class Ticket:
@@ -205,6 +207,15 @@ class Ticket:
         return False
 
 
+_get_ident = threading.get_ident
+
+
+#: whether torch.distributed's map of live groups (``_world.pg_map``, a property) is its module's ``_pg_map``:
+#: then a call reads that module attribute instead of calling the property (read on every call, never kept, so a
+#: map torch makes anew is seen)
+_PG_MAP_GLOBAL = _c10d is not None and getattr(_c10d, "_pg_map", None) is _c10d._world.pg_map
+
+
 def _number(state: GroupState, code: int) -> int:
     """The next call number of lane ``code`` on ``state``'s group, taken."""
     seq = state.seqs.get(code, 0)
@@ -218,13 +229,17 @@ def take_group(state: GroupState, label: str) -> int:
     torch.distributed destroyed. :func:`give_group` gives it back."""
     if not state.lock.acquire(False):
         raise _refused(label, state)
-    if state.error is not None or (state.group is not None and state.group not in _c10d._world.pg_map):
+    group = state.group
+    if state.error is not None or (group is not None and group not in (
+            _c10d._pg_map if _PG_MAP_GLOBAL else _c10d._world.pg_map)):
         state.lock.release()
         raise _dead_again(label, state) if state.error is not None else _destroyed(label, state)
-    state.busy = (label, threading.get_ident())
+    state.busy = (label, _get_ident())
     state.told = None
     state.lane = which = lane()
-    seq = state.now = _number(state, which[1])
+    seqs, code = state.seqs, which[1]  # _number, inline
+    seq = state.now = seqs.get(code, 0)
+    seqs[code] = seq + 1
     return seq
 
 
