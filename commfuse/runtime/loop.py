@@ -237,9 +237,7 @@ def take_group(state: GroupState, label: str) -> int:
     state.busy = (label, _get_ident())
     state.told = None
     state.lane = which = lane()
-    seqs, code = state.seqs, which[1]  # _number, inline
-    seq = state.now = seqs.get(code, 0)
-    seqs[code] = seq + 1
+    seq = state.now = _number(state, which[1])
     return seq
 
 
