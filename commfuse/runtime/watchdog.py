@@ -54,6 +54,7 @@ call are never handed to the watchdog at all (``runtime.c10d``).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import os
@@ -106,6 +107,7 @@ class Watchdog:
         self._count_lock = threading.Lock()  # guards the count of holds (paused())
         self._pauses = 0
         self._paused_at = 0.0
+        self._stopped = threading.Event()  # set by stop(): the thread leaves its loop
 
     def watch(self, works, deadline: float, describe: Callable[[str | None], str],
               on_expiry: Callable[[BaseException], None],
@@ -133,11 +135,25 @@ class Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="commfuse-watchdog", daemon=True)
                 self._thread.start()
+                atexit.register(self.stop)
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
+        stopped = self._stopped
+        while not stopped.wait(self.poll_s):
             self.poll()
+
+    def stop(self) -> None:
+        """End the polling thread and wait for it, at most :data:`DRAIN_S` (registered to run at interpreter
+        exit). Python ends a daemon thread that wakes after finalisation began by unwinding it, and an unwind
+        through C++ that released the GIL (c10d's ``work.wait()`` or ``is_completed()`` in a poll) aborts the
+        process after the job's work is done: "terminate called without an active exception", exit code 134
+        (every ``commfuse bench --fake-pg`` run on an H100 ended so). So the thread must be out of its polls
+        before finalisation starts. A poll held inside a transport call cannot be waited out: the join gives
+        up then."""
+        self._stopped.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(DRAIN_S)
 
     @contextlib.contextmanager
     def paused(self):

@@ -213,3 +213,40 @@ def test_a_coalesced_step_posts_its_sends_and_receives_as_one_group(fake_world):
     recvs = [(Transfer(slice=SliceId(3, 0), peer=3, shift=1, channel=3), y)]
     assert len(_coalesced(group, sends, recvs, 2048, torch.device("cpu"))) == 1  # one work for the group
     assert len(_send_recv(group, sends, recvs, 2048)) == 2  # one per message
+
+
+_EXIT_WHILE_POLLING = r"""
+import time, torch
+from commfuse.runtime.watchdog import watchdog
+
+x = torch.randn(384, 384)
+
+class Busy:
+    '''A pending transfer whose poll spends its time inside torch's C++ with the GIL released, as c10d's
+    work.wait() and is_completed() can.'''
+    def is_completed(self):
+        for _ in range(4):
+            torch.mm(x, x)
+        return False
+    def wait(self):
+        pass
+
+dog = watchdog()
+dog.poll_s = 0.0
+dog.watch([Busy() for _ in range(4)], time.monotonic() + 3600, lambda cause: "never", lambda e: None)
+time.sleep(0.3)
+print("leaving", flush=True)
+"""
+
+
+def test_the_process_exits_cleanly_while_the_watchdog_polls():
+    """A process ends while the watchdog's thread is polling inside torch's C++ (on a GPU host: every job
+    whose last steps were still being polled). Python ends a daemon thread that wakes after finalisation
+    began by unwinding it, and an unwind through C++ that released the GIL aborts the process ("terminate
+    called without an active exception", exit code 134: seen on an H100 after every commfuse bench --fake-pg
+    run). The watchdog stops its thread at interpreter exit, before finalisation, so the process exits 0."""
+    for _ in range(3):  # the abort was a race the thread lost nearly every time; three tries make it certain
+        done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_POLLING], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr)
+        assert "leaving" in done.stdout
