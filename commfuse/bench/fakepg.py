@@ -111,8 +111,8 @@ def _backend(device: torch.device):
     base = type(chosen)
 
     class FakeGroup(base):
-        def _handle(self, works, outputs, inflight, what):
-            return base._handle(self, [_Completed(w) for w in works], outputs, inflight, what)
+        def _handle(self, works, *rest, **named):  # whatever else the base takes, passed on as it is
+            return base._handle(self, [_Completed(w) for w in works], *rest, **named)
 
     FakeGroup.__name__ = FakeGroup.__qualname__ = f"FakeGroup{base.__name__}"
     chosen.__class__ = FakeGroup

@@ -84,3 +84,30 @@ def test_fake_pg_refuses_layer_workloads():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "--fake-pg times the bare ops only" in done.stderr and "mlp" in done.stderr
+
+
+_DEVICE_POST = r"""
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import commfuse as cf
+from commfuse.bench import fakepg
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+be = fakepg._backend(torch.device("cpu"))
+be._coalesce = True  # post as on a device (coalesced, or one by one through _handle), as --device cuda does
+for alg in ("ring", "bidirectional", "vanilla"):
+    got = cf.all_gather_matmul(torch.randn(8, 16), torch.randn(16, 4), algorithm=alg, backend=be, check=False)
+    assert got.shape == (32, 4), got.shape
+    got = cf.matmul_reduce_scatter(torch.randn(32, 16), torch.randn(16, 4), algorithm=alg, backend=be, check=False)
+    assert got.shape == (8, 4), got.shape
+print("posted through", type(be).__name__)
+"""
+
+
+def test_fake_pg_backend_posts_as_a_device_does():
+    """The fake group's backend passes every argument of the device post path on to its base class: a device's
+    post hands its works over through ``_handle`` (on CPU a step posts without it), so this is the path
+    ``--device cuda`` takes, reached here by posting as a device would. (Its signature once fell behind the base's
+    and every CUDA run of the mode failed at its first step.)"""
+    done = subprocess.run([sys.executable, "-c", _DEVICE_POST], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "posted through FakeGroupC10dBackend" in done.stdout
