@@ -245,7 +245,7 @@ def test_the_process_exits_cleanly_while_the_watchdog_polls():
     began by unwinding it, and an unwind through C++ that released the GIL aborts the process ("terminate
     called without an active exception", exit code 134: seen on an H100 after every commfuse bench --fake-pg
     run). The watchdog stops its thread at interpreter exit, before finalisation, so the process exits 0."""
-    for _ in range(3):  # the abort was a race the thread lost nearly every time; three tries make it certain
+    for _ in range(3):  # the abort is a race the thread lost 5 of 5 times here; three tries make a lucky pass unlikely
         done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_POLLING], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0 and "terminate called" not in done.stderr, (done.returncode, done.stderr)
