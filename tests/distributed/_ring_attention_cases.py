@@ -346,11 +346,14 @@ def _titan_rope(q, k, positions=None, *, module):
     return module.rope(q, k, positions)
 
 
-def _style_case(rank, n, layout, kind, dtype=torch.float64, autocast=False, sum_grads=True, ddp=False):
+def _style_case(rank, n, layout, kind, dtype=torch.float64, autocast=False, sum_grads=True, ddp=False,
+                fsdp=False):
     """The block with commfuse.tp.RingAttentionParallel on this rank's shard against the same block unsharded on
     the whole sequence: output, input gradient and every weight gradient (the whole loss's, summed over the
-    ranks; with DDP over the group and sum_grads=False, DDP's average of it)."""
+    ranks; with DDP, or torch's fully_shard, over the group and sum_grads=False, their average of it: each
+    rank's own gradient is its shard's part, and the average of the parts is 1/N of the whole)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from commfuse import tp
@@ -386,6 +389,10 @@ def _style_case(rank, n, layout, kind, dtype=torch.float64, autocast=False, sum_
         from torch.nn.parallel import DistributedDataParallel
 
         run = DistributedDataParallel(block, process_group=mesh.get_group())
+    if fsdp:  # the style first, then FSDP2 over the same ranks (torchtitan's dp_shard_cp): weights Shard(0)
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(block, mesh=mesh["cp"])
     mine = shard_sequence(x, rank, n, layout).requires_grad_()
     with ctx():
         got = run(mine, *args)
@@ -400,11 +407,16 @@ def _style_case(rank, n, layout, kind, dtype=torch.float64, autocast=False, sum_
                 raise AssertionError(f"{what}: max diff {(a - b).abs().max().item():.3g}")
     close(got, shard_sequence(want, rank, n, layout), "output")
     close(mine.grad, shard_sequence(xx.grad, rank, n, layout), "input grad")
-    factor = 1.0 / n if ddp and not sum_grads else 1.0  # DDP averages the ranks' own gradients
+    factor = 1.0 / n if (ddp or fsdp) and not sum_grads else 1.0  # DDP and FSDP average the ranks' gradients
     for (name, p), (_, w) in zip(block.named_parameters(), base.named_parameters()):
         if p.grad is None or p.grad.dtype != w.dtype:
             raise AssertionError(f"{name}.grad is {None if p.grad is None else p.grad.dtype}, want {w.dtype}")
-        close(p.grad, w.grad * factor, f"{name}.grad")
+        grad = p.grad
+        if fsdp:  # FSDP2 leaves each rank its Shard(0) rows of the reduce-scattered gradient
+            if not isinstance(grad, DTensor):
+                raise AssertionError(f"under fully_shard {name}.grad is a {type(grad).__name__}, not a DTensor")
+            grad = grad.full_tensor()
+        close(grad, w.grad * factor, f"{name}.grad")
 
 
 def _style_refusals(rank, n):
@@ -484,6 +496,11 @@ def style(rank: int, n: int) -> dict:
                                                      False, True))
     _run(results, "style-ddp-sum_grads=True", _bind(_style_case, rank, n, "contiguous", "llama", torch.float64,
                                                     False, True, True))
+    # the same rule with FSDP2 (torch's fully_shard after the style, over the cp ranks)
+    _run(results, "style-fsdp-sum_grads=False", _bind(_style_case, rank, n, "zigzag", "llama", torch.float64,
+                                                      False, False, False, True))
+    _run(results, "style-fsdp-sum_grads=True", _bind(_style_case, rank, n, "contiguous", "titan", torch.float64,
+                                                     False, True, False, True))
     _run(results, "style-refusals", lambda: _style_refusals(rank, n))
     return results
 

@@ -75,8 +75,9 @@ def test_ring_attention_parallel_style_equals_unsharded_block(n):
     this rank's positions), contiguous and zigzag, and to torchtitan's shape (fused wqkv, its RoPE module via
     rope_takes_module), equals the unsharded block on the whole sequence in float64: output, input gradient and
     every weight gradient (summed over the cp ranks by the style); documents via document_lengths=; with DDP
-    over the cp group, sum_grads=False gives DDP's average and sum_grads=True the style's sum unchanged; a
-    rope hook without positions=, masks other than documents, the block's own positions, a Replicate() DTensor
+    over the cp group, sum_grads=False gives DDP's average and sum_grads=True the style's sum unchanged, and
+    the same with torch's fully_shard (FSDP2) applied after the style over the cp ranks (its reduce-scattered
+    Shard(0) gradients, gathered, against the whole block's); a rope hook without positions=, masks other than documents, the block's own positions, a Replicate() DTensor
     input and a zigzag shard that does not cut are refused by name, and the group stays in step."""
     _check("style", n)
 
