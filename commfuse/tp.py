@@ -732,7 +732,7 @@ class RingAttentionParallel(_AttentionStyle):
       hook that rotated by the shard's row numbers would be silently wrong on every rank but the first;
     - ``commfuse.ring_attention`` in place of the block's attention core (``causal``, ``layout``,
       ``algorithm``), and ``document_lengths=`` given to the block's call (lengths over the whole sequence,
-      as ``ring_attention`` takes them) for documents;
+      as ``ring_attention`` takes them: one list, or one per batch row) for documents;
     - ``wo`` on this rank's attention output.
 
     **The weights' gradients.** Each rank's projections see other tokens, so the gradient of the whole is

@@ -70,30 +70,31 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d) in float32, and its log-sum-exp.
 
     Returns ``(o, lse)``: o (b, Lq, Hq, d) and lse (b, Hq, Lq) in float32 (float64 for float64 inputs).
-    ``mask`` (Lq, Lk) boolean, True attends; a row with no key allowed has lse -inf and o 0 (it merges as
-    nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded.
+    ``mask`` (Lq, Lk), or (b, Lq, Lk) per batch row, boolean, True attends; a row with no key allowed has lse
+    -inf and o 0 (it merges as nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded.
 
     Where the device has a fused kernel that returns the log-sum-exp (:func:`_kernel`: the CPU's flash
     attention), it computes the block in float32 tiles without the (Lq, Lk) scores; elsewhere the scores
     are formed whole, in float32."""
     acc = _acc(q.dtype)
     kernel = _kernel(q, acc)
+    mask = _rows_mask(mask)
     if kernel is not None:
         qt, kt, vt = (t.to(acc).transpose(1, 2) for t in (q, k, v))
         o, lse = kernel[0](qt, kt, vt, 0.0, False, attn_mask=_additive(mask, acc), scale=scale)
         o = o.transpose(1, 2)
         if mask is not None:  # the kernel gives a row without keys lse 0: make it the empty attention
-            empty = ~mask.any(-1)
+            empty = ~mask.any(-1)  # (1 or b, Lq)
             if bool(empty.any()):
-                lse = lse.masked_fill(empty, float("-inf"))
-                o = o.masked_fill(empty[:, None, None], 0.0)
+                lse = lse.masked_fill(empty[:, None, :], float("-inf"))
+                o = o.masked_fill(empty[:, :, None, None], 0.0)
         return o, lse
     b, lq, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.to(acc).view(b, lq, hkv, hq // hkv, d)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k.to(acc)) * scale
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
     o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.to(acc)).reshape(b, lq, hq, d)
@@ -122,11 +123,17 @@ def _cpu_kernel():
 _CPU_KERNEL = _cpu_kernel()
 
 
+def _rows_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A block's mask as (1 or b, Lq, Lk): one for every batch row, or one per row (per-row documents)."""
+    return mask if mask is None or mask.ndim == 3 else mask[None]
+
+
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True attends) as the kernel takes it: 0 where allowed, -inf elsewhere."""
+    """A boolean mask (1 or b, Lq, Lk), True attends, as the kernel takes it: (1 or b, 1, Lq, Lk), 0 where
+    allowed and -inf elsewhere."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -168,62 +175,104 @@ class BlockPlan:
     mask: torch.Tensor | None
 
 
-def _documents(lengths, seq: int, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(start, end) of the document of every position of the whole sequence, int64 (seq,); None without
-    documents. Refuses lengths that are not positive ints summing to ``seq``, naming the rank and sums."""
+def _documents(lengths, seq: int, rank: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(start, end) of the document of every position of the whole sequence, int64: (seq,) for one list of
+    lengths that every batch row shares, (batch, seq) for one list per row; None without documents.
+
+    ``lengths``: ints (a list, or a 1-D integer tensor) summing to ``seq``; or one such list per batch row (a
+    list of lists or of 1-D tensors, or a 2-D integer tensor whose rows are the lists), for packed rows whose
+    documents differ. Refuses lengths that are not positive ints summing to ``seq``, and a row count that is
+    not ``batch``, naming the rank, the row and the sums."""
     if lengths is None:
         return None
     if isinstance(lengths, torch.Tensor):
-        if lengths.ndim != 1 or lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        if lengths.ndim not in (1, 2) or lengths.is_floating_point() or lengths.is_complex() \
+                or lengths.dtype == torch.bool:
             raise CommfuseValueError(
-                f"rank {rank}: document_lengths must be a 1-D integer tensor or a list of ints (one length per "
-                f"document, the same for every batch row), got {lengths.dtype} of shape {list(lengths.shape)}")
+                f"rank {rank}: document_lengths must be integer lengths: a 1-D tensor or a list of ints (one "
+                "length per document, the same for every batch row), or one such list per row (a 2-D tensor "
+                f"or a list of lists), got {lengths.dtype} of shape {list(lengths.shape)}")
         lengths = lengths.tolist()
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
         raise CommfuseTypeError(f"rank {rank}: document_lengths must be a list of ints or a 1-D integer tensor, "
-                                f"got {type(lengths).__name__}")
+                                f"or one per batch row, got {type(lengths).__name__}")
+    rows = [_row(x, rank, i) for i, x in enumerate(lengths)] if lengths and not _is_int(lengths[0]) else None
+    if rows is None:
+        return _spans(lengths, seq, rank, "document_lengths")
+    if batch is not None and len(rows) != batch:
+        raise CommfuseValueError(
+            f"rank {rank}: document_lengths has {len(rows)} rows of lengths but the batch has {batch} rows; give "
+            "one list per batch row, or one list of ints that every row shares")
+    spans = [_spans(row, seq, rank, f"document_lengths[{i}]") for i, row in enumerate(rows)]
+    return torch.stack([a for a, _ in spans]), torch.stack([b for _, b in spans])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _row(x, rank: int, i: int) -> list:
+    """Row ``i`` of per-row document lengths, as a list (from a list, a tuple or a 1-D integer tensor)."""
+    if isinstance(x, torch.Tensor) and x.ndim == 1 and not x.is_floating_point() and not x.is_complex() \
+            and x.dtype != torch.bool:
+        return x.tolist()
+    if isinstance(x, (list, tuple)):
+        return list(x)
+    raise CommfuseValueError(f"rank {rank}: document_lengths[{i}] = {x!r} is neither a document length (an int >= "
+                             "1) nor a row's list of lengths; give ints, or one list of ints per batch row")
+
+
+def _spans(lengths: Sequence, seq: int, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) (seq,) int64 of every position's document, from one row's lengths (checked)."""
     for i, x in enumerate(lengths):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise CommfuseValueError(f"rank {rank}: document_lengths[{i}] = {x!r} is not a document length (an "
-                                     "int >= 1); per-row lengths are not supported, give one list for every row")
+        if not _is_int(x) or x < 1:
+            raise CommfuseValueError(f"rank {rank}: {name}[{i}] = {x!r} is not a document length (an int >= 1)")
     total = sum(lengths)
     if total != seq:
         raise CommfuseValueError(
-            f"rank {rank}: document_lengths sum to {total}, but the whole sequence has {seq} positions (world "
-            "size times this rank's shard); the lengths describe the whole (unsharded) sequence")
-    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            f"rank {rank}: {name} sum to {total}, but the whole sequence has {seq} positions (world size times "
+            "this rank's shard); the lengths describe the whole (unsharded) sequence")
+    sizes = torch.tensor(lengths, dtype=torch.int64)
+    ends = sizes.cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), sizes)
     end = ends[doc]
-    return end - torch.tensor(lengths, dtype=torch.int64)[doc], end
+    return end - sizes[doc], end
 
 
 def _bounds(seq: int, rank: int, world_size: int, layout: str, causal: bool, documents=None):
-    """This rank's query positions, and the interval of key positions each may see (lo, hi: inclusive)."""
+    """This rank's query positions (L,), and the interval of key positions each may see (lo, hi: inclusive;
+    (L,), or (batch, L) with per-row documents)."""
     qpos = positions(seq, rank, world_size, layout)
     if documents is None:
         return qpos, torch.zeros_like(qpos), qpos if causal else torch.full_like(qpos, seq - 1)
     start, end = documents
-    return qpos, start[qpos], qpos if causal else end[qpos] - 1
+    lo = start[..., qpos]
+    return qpos, lo, qpos.expand_as(lo).contiguous() if causal else end[..., qpos] - 1
 
 
 def _block_plan(seq: int, queries, kpos: torch.Tensor, causal: bool, documents, device) -> BlockPlan | None:
     """The :class:`BlockPlan` of this rank's queries (``queries``: :func:`_bounds`) over the keys at ``kpos``
-    (sorted positions), or None where no pair is allowed."""
+    (sorted positions), or None where no pair is allowed. With per-row documents the part kept bounds every
+    row's allowed pairs, and its mask is per row, (batch, rows, keys)."""
     qpos, lo_q, hi_q = queries
     if documents is None:
         lo_k, hi_k = kpos if causal else torch.zeros_like(kpos), torch.full_like(kpos, seq - 1)
     else:
-        lo_k, hi_k = kpos if causal else documents[0][kpos], documents[1][kpos] - 1
+        hi_k = documents[1][..., kpos] - 1
+        lo_k = kpos.expand_as(hi_k).contiguous() if causal else documents[0][..., kpos]
     per_row = torch.searchsorted(kpos, hi_q, right=True) - torch.searchsorted(kpos, lo_q)
     per_key = torch.searchsorted(qpos, hi_k, right=True) - torch.searchsorted(qpos, lo_k)
-    rows, keys = per_row.nonzero().flatten(), per_key.nonzero().flatten()
+    if per_row.ndim == 2:  # per-row documents: a query row or key is kept where any batch row needs it
+        rows, keys = per_row.amax(0).nonzero().flatten(), per_key.amax(0).nonzero().flatten()
+    else:
+        rows, keys = per_row.nonzero().flatten(), per_key.nonzero().flatten()
     if rows.numel() == 0:
         return None
     r0, r1, c0, c1 = rows[0].item(), rows[-1].item() + 1, keys[0].item(), keys[-1].item() + 1
     mask = None
-    if not bool((per_row[r0:r1] == c1 - c0).all()):
+    if not bool((per_row[..., r0:r1] == c1 - c0).all()):
         k_sub = kpos[c0:c1].to(device)
-        mask = (k_sub[None, :] >= lo_q[r0:r1, None].to(device)) & (k_sub[None, :] <= hi_q[r0:r1, None].to(device))
+        mask = (k_sub >= lo_q[..., r0:r1, None].to(device)) & (k_sub <= hi_q[..., r0:r1, None].to(device))
     return BlockPlan(r0, r1, c0, c1, mask)
 
 
@@ -341,11 +390,12 @@ def _block_backward(ring: _Ring, plan: BlockPlan, q, block, out, lse, do, delta,
     acc = out.dtype
     partial = block.new_zeros(block.shape, dtype=acc)
     kernel = _kernel(q, acc)
+    mask = _rows_mask(plan.mask)
     if kernel is not None:
         qt = q[:, r0:r1].to(acc).transpose(1, 2)
         kt, vt = block[:, c0:c1, :hkv].to(acc).transpose(1, 2), block[:, c0:c1, hkv:].to(acc).transpose(1, 2)
         dq_b, dk_b, dv_b = kernel[1](do[:, r0:r1].transpose(1, 2), qt, kt, vt, out[:, r0:r1].transpose(1, 2),
-                                     lse[:, :, r0:r1], 0.0, False, attn_mask=_additive(plan.mask, acc),
+                                     lse[:, :, r0:r1], 0.0, False, attn_mask=_additive(mask, acc),
                                      scale=ring.scale)
         dq[:, r0:r1] += dq_b.transpose(1, 2)
         partial[:, c0:c1, :hkv] = dk_b.transpose(1, 2)
@@ -355,8 +405,8 @@ def _block_backward(ring: _Ring, plan: BlockPlan, q, block, out, lse, do, delta,
     dog = do[:, r0:r1].view(b, lq, hkv, g, d)
     k, v = block[:, c0:c1, :hkv].to(acc), block[:, c0:c1, hkv:].to(acc)
     s = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * ring.scale
-    if plan.mask is not None:
-        s = s.masked_fill(~plan.mask, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
     p = torch.exp(s - lse[:, :, r0:r1].reshape(b, hkv, g, lq, 1))
     dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, v)
     ds = p * (dp - delta[:, :, r0:r1].reshape(b, hkv, g, lq, 1))
@@ -473,7 +523,7 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise CommfuseValueError(f"rank {rank}: scale must be a finite number or None, got {scale!r}")
-    documents = _documents(document_lengths, seq, rank)
+    documents = _documents(document_lengths, seq, rank, q.shape[0])
     config = layer_config("ring_attention", causal=bool(causal), layout=layout, documents=documents is not None,
                           scale=float(scale))
     kv_bytes = 2 * k.numel() * k.element_size()
@@ -578,7 +628,7 @@ def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tens
     n = len(qs)
     seq = qs[0].shape[1] * n
     scale = 1.0 / math.sqrt(qs[0].shape[-1]) if scale is None else float(scale)
-    documents = _documents(document_lengths, seq, 0)
+    documents = _documents(document_lengths, seq, 0, qs[0].shape[0])
     kvs = [torch.cat([k, v], dim=2) for k, v in zip(ks, vs)]
     outs = []
     for r in range(n):

@@ -31,12 +31,26 @@ def documents(seq: int) -> list[int]:
     return [3, seq - 5, 2]
 
 
+def row_documents(seq: int) -> list[list[int]]:
+    """Per-row document lengths for a batch of 2 (packed rows whose documents differ): row 0 as
+    :func:`documents`, row 1 cut elsewhere, with a one-position document."""
+    return [documents(seq), [seq // 2 - 1, 1, seq - seq // 2]]
+
+
+def _same_document(lengths) -> torch.Tensor:
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[:, None] == ids[None, :]
+
+
 def reference(q, k, v, causal: bool, lengths):
-    """Plain attention of the whole sequence (``attend``: SDPA with K/V heads repeated), masked to documents."""
+    """Plain attention of the whole sequence (``attend``: SDPA with K/V heads repeated), masked to documents
+    (one list for every row, or one per row)."""
     mask = None
     if lengths is not None:
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        mask = (ids[:, None] == ids[None, :])[None, None]
+        if isinstance(lengths[0], int):
+            mask = _same_document(lengths)[None, None]
+        else:
+            mask = torch.stack([_same_document(row) for row in lengths])[:, None]
     return attend(q, k, v, causal=causal, mask=mask)
 
 
@@ -70,8 +84,10 @@ def numerics(rank: int, n: int) -> dict:
                     for dtype in (torch.float32, torch.bfloat16):
                         algorithm = ALGORITHMS[i % len(ALGORITHMS)]
                         i += 1
+                        if docs:  # documents shared by the batch's rows, or per row: zigzag float32, contiguous bf16
+                            docs = "rowdocs" if (layout == "zigzag") == (dtype == torch.float32) else "docs"
                         name = (f"{layout}-{'causal' if causal else 'full'}-{hq}x{hkv}-"
-                                f"{'docs' if docs else 'nodocs'}-{str(dtype)[6:]}-{algorithm}")
+                                f"{docs or 'nodocs'}-{str(dtype)[6:]}-{algorithm}")
                         _run(results, name, _bind(_one, rank, n, layout, causal, hq, hkv, docs, dtype, algorithm,
                                                   i))
     cp = _torch_ring()
@@ -96,7 +112,7 @@ def _bind(fn, *args):
 
 def _one(rank, n, layout, causal, hq, hkv, docs, dtype, algorithm, seed):
     q, k, v = _inputs(n, 4, hq, hkv, dtype, seed)
-    lengths = documents(q.shape[1]) if docs else None
+    lengths = None if not docs else row_documents(q.shape[1]) if docs == "rowdocs" else documents(q.shape[1])
     want = reference(q, k, v, causal, lengths)
     dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1000), dtype=torch.float64)
     want_grads = torch.autograd.grad(want, (q, k, v), dout)

@@ -11,14 +11,23 @@ import commfuse as cf
 from commfuse.context import chunks_of, positions, rope, shard_sequence, unshard_sequence
 from commfuse.errors import CommfuseError
 from commfuse.fused.attention import attend
+from commfuse.fused import ring_attention as ring_attention_module
 from commfuse.fused.ring_attention import block_attention, block_plans, merge_lse, ring_attention_reference
 
 
+def _same_document(lengths):
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[:, None] == ids[None, :]
+
+
 def _reference(q, k, v, causal, lengths=None):
+    """Attention of the whole sequence, masked to documents: one list for every batch row, or one per row."""
     mask = None
     if lengths is not None:
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        mask = (ids[:, None] == ids[None, :])[None, None]
+        if isinstance(lengths[0], int):
+            mask = _same_document(lengths)[None, None]
+        else:
+            mask = torch.stack([_same_document(row) for row in lengths])[:, None]
     return attend(q, k, v, causal=causal, mask=mask)
 
 
@@ -113,6 +122,76 @@ def test_reference_ring_equals_unsharded_attention(n, layout):
             got = unshard_sequence(ring_attention_reference(*cut, causal=causal, layout=layout,
                                                             document_lengths=lengths), layout)
             torch.testing.assert_close(got, _reference(q, k, v, causal, lengths))
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag"))
+@pytest.mark.parametrize("n", (1, 2, 3, 4))
+def test_per_row_documents_equal_attention_masked_row_by_row(n, layout):
+    """Packed rows whose documents differ (one list of lengths per batch row, as lists, 1-D tensors or a 2-D
+    tensor): the ring equals each row's own document mask. A block that one row needs and another does not is
+    computed for both, the other masked."""
+    g = torch.Generator().manual_seed(10 + n)
+    seq = 8 * n
+    rows = [[3, seq - 5, 2], [seq], [1] * seq, [seq // 2, seq - seq // 2]]
+    for causal in (True, False):
+        q = torch.randn(4, seq, 4, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(4, seq, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        cut = [[shard_sequence(t, r, n, layout) for r in range(n)] for t in (q, k, v)]
+        got = unshard_sequence(ring_attention_reference(*cut, causal=causal, layout=layout,
+                                                        document_lengths=rows), layout)
+        torch.testing.assert_close(got, _reference(q, k, v, causal, rows))
+        as_tensors = [torch.tensor(row) for row in rows]
+        again = unshard_sequence(ring_attention_reference(*cut, causal=causal, layout=layout,
+                                                          document_lengths=as_tensors), layout)
+        assert torch.equal(again, got)
+    # rows of equal document counts as one 2-D tensor, against the same lists
+    two = [[seq // 2, seq - seq // 2], [1, seq - 1]]
+    cut2 = [[shard_sequence(t[:2], r, n, layout) for r in range(n)] for t in (q, k, v)]
+    from_tensor = ring_attention_reference(*cut2, causal=True, layout=layout, document_lengths=torch.tensor(two))
+    from_lists = ring_attention_reference(*cut2, causal=True, layout=layout, document_lengths=two)
+    assert all(torch.equal(a, b) for a, b in zip(from_tensor, from_lists))
+    torch.testing.assert_close(unshard_sequence(from_lists, layout), _reference(q[:2], k[:2], v[:2], True, two))
+
+
+@pytest.mark.parametrize("kernel", (True, False), ids=("cpu-flash-kernel", "einsum-blocks"))
+def test_per_row_documents_forward_and_backward_at_world_size_one(kernel, monkeypatch):
+    """Both block paths: the CPU's flash kernel, and the float32 einsums that every other device runs (taken
+    here by hiding the kernel)."""
+    if not kernel:
+        monkeypatch.setattr(ring_attention_module, "_CPU_KERNEL", None)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 8, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for causal, rows in ((True, [[3, 5], [1, 1, 6]]), (False, [[3, 5], [1, 1, 6]]), (True, [2, 6]), (True, None)):
+        got = cf.ring_attention(q, k, v, causal=causal, document_lengths=rows)
+        want = _reference(q, k, v, causal, rows)
+        torch.testing.assert_close(got, want)
+        dout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(a, b)
+    if not kernel:  # and the ring's blocks at 3 ranks, per-row documents, zigzag
+        seq, n = 12, 3
+        q3, k3, v3 = (torch.randn(2, seq, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        rows = [[5, 7], [1, 4, 7]]
+        cut = [[shard_sequence(t, r, n, "zigzag") for r in range(n)] for t in (q3, k3, v3)]
+        got = unshard_sequence(ring_attention_reference(*cut, causal=True, layout="zigzag",
+                                                        document_lengths=rows), "zigzag")
+        torch.testing.assert_close(got, _reference(q3, k3, v3, True, rows))
+
+
+@pytest.mark.parametrize("lengths,words", (
+    ([[3, 5]], ("1 rows of lengths", "batch has 2 rows")),
+    ([[3, 5], [3, 4]], ("document_lengths[1] sum to 7", "8 positions")),
+    ([[3, 5], [8, 0]], ("document_lengths[1][1] = 0",)),
+    ([[3, 5], 8], ("document_lengths[1] = 8", "one list of ints per batch row")),
+    (torch.ones(2, 2, 2, dtype=torch.int64), ("integer lengths", "[2, 2, 2]")),
+))
+def test_per_row_documents_refused_by_name(lengths, words):
+    q = torch.randn(2, 8, 4, 8)
+    k = torch.randn(2, 8, 2, 8)
+    with pytest.raises(CommfuseError) as e:
+        cf.ring_attention(q, k, k, document_lengths=lengths)
+    assert all(w in str(e.value) for w in ("rank 0", *words)), str(e.value)
 
 
 @pytest.mark.parametrize("dtype,bound", ((torch.float32, 32 * 2.0**-23), (torch.bfloat16, 2 * 2.0**-8 + 2e-3)))
