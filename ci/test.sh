@@ -10,6 +10,9 @@
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Ranks that commfuse.launch starts (the suites' gloo ranks, and the conformance runs below) fork from a server
+# that has imported torch, instead of each importing it: about 2 s less per launch on two cores.
+export COMMFUSE_LAUNCH_START="${COMMFUSE_LAUNCH_START:-forkserver}"
 bash ci/setup.sh
 venv="${COMMFUSE_VENV:-.venv}"
 PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
 
 import pytest
@@ -542,19 +541,10 @@ def _judge_one_rank(case: str, out: list, limit: float) -> list[str]:
 
 
 def _children() -> set[int]:
-    """Child processes of this process, zombies included, but for multiprocessing's resource tracker
-    (started with the first launch and meant to outlive it): no rank may outlive its launch."""
-    try:
-        text = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True,
-                              text=True).stdout
-    except FileNotFoundError:  # pragma: no cover - no ps
-        return set()
-    pids = set()
-    for line in text.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if pid and "resource_tracker" not in args and not args.startswith("ps "):
-            pids.add(int(pid))
-    return pids
+    """The ranks of this process's launches still there (``commfuse.launch.running_ranks``)."""
+    from commfuse.launch import running_ranks
+
+    return running_ranks()
 
 
 class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, CaptureTests,

@@ -39,8 +39,16 @@ def _abandoned_collective(rank: int, world_size: int, how: str) -> str:
     return "rank 0 done"
 
 
+@pytest.fixture(params=["spawn", "forkserver"])
+def start(request, monkeypatch):
+    """Both ways ranks start (``commfuse.launch.START_ENV``): a fresh interpreter each, or forked from a server
+    that has torch imported (what this suite's conftest picks, to launch quickly)."""
+    monkeypatch.setenv(launch_module.START_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("how", ["raise", "return", "raise, and teardown fails"])
-def test_results_survive_a_teardown_that_would_hang(how):
+def test_results_survive_a_teardown_that_would_hang(how, start):
     start = time.monotonic()
     out = launch(_abandoned_collective, 2, how, timeout=120, allow_failures=True)
     took = time.monotonic() - start
@@ -66,7 +74,9 @@ def _nccl_env(rank, n):
                                            "NCCL_SOCKET_IFNAME")}
 
 
-def test_each_launched_rank_can_look_like_its_own_nccl_host(monkeypatch):
+def test_each_launched_rank_can_look_like_its_own_nccl_host(monkeypatch, start):
+    """Also: a rank sees the launcher's environment as it is at the launch, under a forkserver too, whose server
+    started with the environment of an earlier launch."""
     from commfuse.launch import ONE_GPU_ENV
 
     monkeypatch.delenv("NCCL_HOSTID", raising=False)
@@ -78,3 +88,64 @@ def test_each_launched_rank_can_look_like_its_own_nccl_host(monkeypatch):
     assert [e["NCCL_HOSTID"] for e in one_gpu] == ["commfuse-rank-0", "commfuse-rank-1", "commfuse-rank-2"]
     assert all(e["NCCL_P2P_DISABLE"] == e["NCCL_SHM_DISABLE"] == "1" and e["NCCL_SOCKET_IFNAME"] == "lo"
                for e in one_gpu)
+
+
+def _started_how(rank, n):
+    import multiprocessing
+    import os
+
+    ppid = os.getppid()
+    with open(f"/proc/{ppid}/cmdline", "rb") as f:
+        parent_command = f.read().replace(b"\0", b" ").decode()
+    return {"parent is the launcher": ppid == multiprocessing.parent_process().pid,
+            "parent is a forkserver": "multiprocessing.forkserver" in parent_command}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the parent's command line in /proc")
+def test_the_start_method_is_what_the_environment_says(start):
+    out = launch(_started_how, 2, timeout=60)
+    spawned = start == "spawn"
+    assert all(o["parent is the launcher"] == spawned for o in out), out
+    assert all(o["parent is a forkserver"] == (not spawned) for o in out), out
+
+
+def test_an_unknown_start_method_is_refused_by_name(monkeypatch):
+    from commfuse.errors import CommfuseError
+
+    monkeypatch.setenv(launch_module.START_ENV, "fork")
+    with pytest.raises(CommfuseError, match="COMMFUSE_LAUNCH_START='fork'.*'spawn'.*'forkserver'"):
+        launch(_started_how, 2, timeout=60)
+
+
+def _pid_then_sleep(rank, n, folder):
+    import os
+    from pathlib import Path
+
+    Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(4)
+    return os.getpid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks processes up with ps")
+def test_the_conformance_suites_leftover_check_sees_the_ranks_either_way(start, tmp_path):
+    """``commfuse.launch.running_ranks``, with which the conformance suite's robustness tier checks that no rank
+    outlives its launch, finds running ranks whether they are this process's children (spawn) or its forkserver's, and leaves out
+    the helpers that outlive a launch by design (the forkserver, the resource tracker)."""
+    import threading
+
+    from commfuse.launch import running_ranks as _children
+
+    got: list = []
+    runner = threading.Thread(target=lambda: got.append(launch(_pid_then_sleep, 2, str(tmp_path), timeout=120)))
+    runner.start()
+    files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = {int(f.read_text()) for f in files}
+    seen = _children()
+    runner.join(120)
+    assert got and set(got[0]) == ranks
+    assert ranks <= seen, (ranks, seen)
+    assert not seen - ranks, f"helpers counted as ranks: {seen - ranks}"
+    assert not _children() & ranks

@@ -77,13 +77,26 @@ def _wait(condition, seconds: float) -> bool:
     return True
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (a forkserver's ranks are its launcher's grandchildren)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks processes up in /proc")
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
-def test_launched_ranks_die_with_a_killed_parent(sig, tmp_path):
+def test_launched_ranks_die_with_a_killed_parent(sig, start, tmp_path):
+    """Either way ranks start (commfuse.launch.START_ENV): spawned, the ranks are the launcher's children;
+    forked from a forkserver, its grandchildren, and the forkserver goes with them."""
     script = tmp_path / "launch_and_sleep.py"
     script.write_text(LAUNCHER)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                              stderr=subprocess.DEVNULL, env={**os.environ, "COMMFUSE_LAUNCH_START": start})
     pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
     survivors: list[int] = []
     try:
@@ -91,8 +104,9 @@ def test_launched_ranks_die_with_a_killed_parent(sig, tmp_path):
                         300)
         assert started and parent.poll() is None, "the ranks did not start"
         ranks = [int(p.read_text()) for p in pid_files]
-        children = sorted(set(_children(parent.pid)) | set(ranks))  # the ranks, and multiprocessing's helpers
-        assert set(ranks) <= set(_children(parent.pid))
+        # the ranks, and multiprocessing's helpers (the forkserver, the resource tracker)
+        children = sorted(set(_descendants(parent.pid)) | set(ranks))
+        assert set(ranks) <= set(_children(parent.pid) if start == "spawn" else _descendants(parent.pid))
         parent.send_signal(sig)
         parent.wait(timeout=120)
         _wait(lambda: not any(_alive(c) for c in children), 60)
