@@ -205,7 +205,7 @@ def test_sigterm_to_the_bench_stops_the_benchmark_in_the_namespace(tmp_path):
     cmd = [sys.executable, "-m", "commfuse.bench", "--preset", "tiny", "--repeats", "100000", "--warmup", "0",
            "-w", "ag_matmul", "-a", "vanilla", "--link-rate", "1gbit", "--json", str(tmp_path / "never.json")]
     outer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+                             env=dict(os.environ, OMP_NUM_THREADS="1", COMMFUSE_LAUNCH_START="spawn"))  # as users run it
     seen: set[int] = set()
     try:
         inner, ranks = None, []
