@@ -71,7 +71,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
     Returns ``(o, lse)``: o (b, Lq, Hq, d) and lse (b, Hq, Lq) in float32 (float64 for float64 inputs).
     ``mask`` (Lq, Lk), or (b, Lq, Lk) per batch row, boolean, True attends; a row with no key allowed has lse
-    -inf and o 0 (it merges as nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are never expanded.
+    -inf and o 0 (it merges as nothing). Grouped-query: query head h uses K/V head h // (Hq / Hkv); K/V are
+    never expanded.
 
     Where the device has a fused kernel that returns the log-sum-exp (:func:`_kernel`: the CPU's flash
     attention), it computes the block in float32 tiles without the (Lq, Lk) scores; elsewhere the scores
@@ -186,8 +187,7 @@ def _documents(lengths, seq: int, rank: int, batch: int | None = None) -> tuple[
     if lengths is None:
         return None
     if isinstance(lengths, torch.Tensor):
-        if lengths.ndim not in (1, 2) or lengths.is_floating_point() or lengths.is_complex() \
-                or lengths.dtype == torch.bool:
+        if lengths.ndim not in (1, 2) or not _integer(lengths):
             raise CommfuseValueError(
                 f"rank {rank}: document_lengths must be integer lengths: a 1-D tensor or a list of ints (one "
                 "length per document, the same for every batch row), or one such list per row (a 2-D tensor "
@@ -211,10 +211,14 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _integer(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (not floats, complex numbers or booleans)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def _row(x, rank: int, i: int) -> list:
     """Row ``i`` of per-row document lengths, as a list (from a list, a tuple or a 1-D integer tensor)."""
-    if isinstance(x, torch.Tensor) and x.ndim == 1 and not x.is_floating_point() and not x.is_complex() \
-            and x.dtype != torch.bool:
+    if isinstance(x, torch.Tensor) and x.ndim == 1 and _integer(x):
         return x.tolist()
     if isinstance(x, (list, tuple)):
         return list(x)

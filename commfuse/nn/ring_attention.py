@@ -34,8 +34,9 @@ class RingAttention(nn.Module):
     Input and output (b, L, hidden): this rank's L positions. ``layout``: "contiguous" or "zigzag" (how the
     sequence was cut: ``commfuse.context.shard_sequence``). ``rope_theta``: RoPE's base (None: no rotary
     embedding). ``forward(x, document_lengths=None)``: document lengths over the whole sequence, one list for
-    every batch row or one per row (a query sees its own document only). ``ulysses_group`` (the 2-D form: Ulysses inside, ring across ``group``): x is this
-    rank's piece of its cp rank's shard (``commfuse.fused.ring_attention.ulysses_positions``)."""
+    every batch row or one per row (a query sees its own document only). ``ulysses_group`` (the 2-D form:
+    Ulysses inside, ring across ``group``): x is this rank's piece of its cp rank's shard
+    (``commfuse.fused.ring_attention.ulysses_positions``)."""
 
     algorithm = algorithm_option(Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
 

@@ -41,6 +41,7 @@ import time
 
 import pytest
 
+from commfuse.launch import running_ranks
 from commfuse.schedule import parse_algorithm
 from commfuse.testing import _bodies
 from commfuse.testing.capabilities import Capabilities
@@ -243,7 +244,7 @@ class RobustnessTests(_Tier):
         if n < need:
             pytest.skip(_WORLD_REASONS.get(commfuse_case, f"needs world size >= {need}") + f" (world size {n})")
         limit = caps.timeout_s
-        before = _children()
+        before = running_ranks()
         out = _execute(_bodies.robustness, n, self.backend, caps.as_dict(), commfuse_case,
                        timeout=_LAUNCH_BOUNDS.get(commfuse_case, lambda t: 4 * t + 60)(limit), allow_failures=True)
         record_property("seconds_per_rank", [round(o["seconds"], 2) if isinstance(o, dict) else None for o in out])
@@ -251,11 +252,11 @@ class RobustnessTests(_Tier):
             if isinstance(o, dict):
                 for name, value in o["figures"].items():
                     record_property(f"rank{rank}.{name}", value)
-        leftover = _children() - before
+        leftover = running_ranks() - before
         deadline = time.monotonic() + 30  # a loaded machine may still be reaping ranks that just exited
         while leftover and time.monotonic() < deadline:
             time.sleep(0.5)
-            leftover = _children() - before
+            leftover = running_ranks() - before
         assert not leftover, f"processes left behind 30 s after the launch returned: {sorted(leftover)}"
         failures = judge_robustness(commfuse_case, out, limit)
         if failures:
@@ -538,13 +539,6 @@ def _judge_one_rank(case: str, out: list, limit: float) -> list[str]:
             if not 0.8 * limit <= seconds <= 1.5 * limit + 5:
                 failures.append(f"rank {rank} raised after {seconds:.1f} s, not at the timeout ({limit:g} s)")
     return failures
-
-
-def _children() -> set[int]:
-    """The ranks of this process's launches still there (``commfuse.launch.running_ranks``)."""
-    from commfuse.launch import running_ranks
-
-    return running_ranks()
 
 
 class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, CaptureTests,

@@ -49,9 +49,9 @@ def start(request, monkeypatch):
 
 @pytest.mark.parametrize("how", ["raise", "return", "raise, and teardown fails"])
 def test_results_survive_a_teardown_that_would_hang(how, start):
-    start = time.monotonic()
+    began = time.monotonic()
     out = launch(_abandoned_collective, 2, how, timeout=120, allow_failures=True)
-    took = time.monotonic() - start
+    took = time.monotonic() - began
     assert took < 60, (took, out)
     if how != "return":
         assert out[0].startswith("FAILED: ") and "ValueError" in out[0], out[0]
@@ -129,11 +129,12 @@ def _pid_then_sleep(rank, n, folder):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks processes up with ps")
 def test_the_conformance_suites_leftover_check_sees_the_ranks_either_way(start, tmp_path):
     """``commfuse.launch.running_ranks``, with which the conformance suite's robustness tier checks that no rank
-    outlives its launch, finds running ranks whether they are this process's children (spawn) or its forkserver's, and leaves out
-    the helpers that outlive a launch by design (the forkserver, the resource tracker)."""
+    outlives its launch, finds running ranks whether they are this process's children (spawn) or its
+    forkserver's, and leaves out the helpers that outlive a launch by design (the forkserver, the resource
+    tracker)."""
     import threading
 
-    from commfuse.launch import running_ranks as _children
+    from commfuse.launch import running_ranks
 
     got: list = []
     runner = threading.Thread(target=lambda: got.append(launch(_pid_then_sleep, 2, str(tmp_path), timeout=120)))
@@ -143,9 +144,9 @@ def test_the_conformance_suites_leftover_check_sees_the_ranks_either_way(start, 
     while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
         time.sleep(0.1)
     ranks = {int(f.read_text()) for f in files}
-    seen = _children()
+    seen = running_ranks()
     runner.join(120)
     assert got and set(got[0]) == ranks
     assert ranks <= seen, (ranks, seen)
     assert not seen - ranks, f"helpers counted as ranks: {seen - ranks}"
-    assert not _children() & ranks
+    assert not running_ranks() & ranks

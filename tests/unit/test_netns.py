@@ -204,8 +204,9 @@ def test_sigterm_to_the_bench_stops_the_benchmark_in_the_namespace(tmp_path):
     """The outer `commfuse bench --link-rate` gets SIGTERM while its ranks run: they all stop, promptly."""
     cmd = [sys.executable, "-m", "commfuse.bench", "--preset", "tiny", "--repeats", "100000", "--warmup", "0",
            "-w", "ag_matmul", "-a", "vanilla", "--link-rate", "1gbit", "--json", str(tmp_path / "never.json")]
+    # the bench's ranks start as users run it (spawn, launch's default), not as this suite's do
     outer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                             env=dict(os.environ, OMP_NUM_THREADS="1", COMMFUSE_LAUNCH_START="spawn"))  # as users run it
+                             env=dict(os.environ, OMP_NUM_THREADS="1", COMMFUSE_LAUNCH_START="spawn"))
     seen: set[int] = set()
     try:
         inner, ranks = None, []
