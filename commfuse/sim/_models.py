@@ -64,6 +64,24 @@ class Model:
     dense_layers: int = 0
     mla: MLA | None = None
 
+    def parameters(self) -> tuple[int, int]:
+        """The model's parameters, all of them and those one token uses (the routed experts it is sent to):
+        the embedding and the untied output projection, per layer the attention's projections and the MLP's or
+        MoE's (router included), and the norms (two per layer, MLA's two latent norms, the final one)."""
+        h, m = self.hidden, self.mla
+        if m is not None:
+            attention = (h * m.q_lora + m.q_lora * self.heads * (m.nope + m.rope) + h * (m.kv_lora + m.rope)
+                         + m.kv_lora * self.heads * (m.nope + m.v) + self.heads * m.v * h + m.q_lora + m.kv_lora)
+        else:
+            attention = h * self.heads * self.head_dim + 2 * h * self.kv_heads * self.head_dim \
+                + self.heads * self.head_dim * h
+        expert = 3 * h * self.expert_ffn
+        dense = self.dense_layers if self.experts else self.layers
+        moe = self.layers - dense
+        fixed = 2 * self.vocab * h + h + self.layers * (attention + 2 * h) + dense * 3 * h * self.ffn \
+            + moe * (self.shared_experts * expert + self.experts * h)
+        return fixed + moe * self.experts * expert, fixed + moe * self.topk * expert
+
     def describe(self) -> str:
         if self.mla is not None:
             m = self.mla
@@ -77,7 +95,9 @@ class Model:
                      f"(top-{self.topk}) and {self.shared_experts} shared, expert ffn {self.expert_ffn} (SwiGLU)")
         else:
             text += f"ffn {self.ffn} (SwiGLU)"
-        return text + f", vocab {self.vocab}"
+        total, used = self.parameters()
+        params = f"{total / 1e9:.1f}B parameters" + (f" ({used / 1e9:.1f}B a token)" if used != total else "")
+        return text + f", vocab {self.vocab}; {params}"
 
 
 _LLAMA3 = "Llama 3 (Meta, 'The Llama 3 Herd of Models', 2024) and its released config.json"
