@@ -110,7 +110,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "a .toml file (see `commfuse simulate profiles`)")
     g.add_argument("--workload", "-w", choices=WORKLOADS, help="the layer (moe: one mixture-of-experts layer under "
                    "expert parallelism, its dispatch and combine fused with the expert GEMMs)")
-    g.add_argument("--model", "-m", choices=MODELS,
+    g.add_argument("--model", choices=MODELS,
                    help="one training step of a whole model's tensor-parallel layers instead of one workload: the "
                    "model's attention (causal, its K/V heads or latent attention), MLP or MoE layers and LM head, "
                    "forward and backward (--pass), batch 1 x its pretraining context (--seq, --batch) under --tp "
