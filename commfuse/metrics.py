@@ -38,7 +38,7 @@ its excess is at least ``COMMFUSE_STRAGGLER_MS`` (1 ms) and at least
 peers spend half their calls waiting for it. The threshold is relative to the
 call's own time because a loaded host slows every rank's compute unevenly: two
 healthy ranks sharing two cores with other work differed by up to a third of
-the call's time (7 to 24 ms on 50 to 80 ms calls), more than a fixed 5 ms.
+the call's time (24 ms on 78 ms calls), far more than a fixed 5 ms.
 Where the call's time is not known (device stamps time the waits only, on
 the device), the excess must be a quarter of the others' wait instead. The
 verdict is in the snapshot (``commfuse/<group>/straggler_rank``, -1 for none,
