@@ -12,5 +12,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
+# pyproject.toml's package-dir makes the editable install a path entry for the clone's root, so commfuse imports
+# from any folder, also from the one that holds the clone (tests/unit/test_editable_install.py)
 "$venv/bin/python" -m pip install --quiet -e ".[test,bench]"
 echo "commfuse environment ready: $venv ($("$venv/bin/python" -c 'import torch, commfuse; print("torch", torch.__version__, "commfuse", commfuse.__version__)'))"

@@ -33,6 +33,6 @@ if ! have; then
 fi
 # Core and the backend without re-resolving torch (already pinned above).
 "$venv/bin/python" -m pip install --quiet "pluggy>=1.3,<2" "tomli>=1.1; python_version < '3.11'" \
-    "pytest>=7.4" "hypothesis>=6.80" numpy "matplotlib>=3.7" "import-linter>=2.1"
+    "pytest>=7.4" "hypothesis>=6.80" numpy "matplotlib>=3.7" "import-linter>=2.1" "setuptools>=77"
 "$venv/bin/python" -m pip install --quiet --no-deps -e . -e backends/xla
 echo "commfuse XLA environment ready: $venv ($(PJRT_DEVICE=CPU "$venv/bin/python" -c 'import torch, torch_xla, commfuse; print("torch", torch.__version__, "torch_xla", torch_xla.__version__, "commfuse", commfuse.__version__)'))"

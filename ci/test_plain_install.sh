@@ -57,8 +57,9 @@ quiet "$bin/commfuse" schedule show all_gather -n 4
 step "commfuse backends"
 quiet "$bin/commfuse" backends
 
-step "commfuse simulate (mlp, tp 8, h100-sxm) and its subcommands"
+step "commfuse simulate (mlp, tp 8, h100-sxm; llama3-70b at tp 8) and its subcommands"
 quiet "$bin/commfuse" simulate --profile h100-sxm --workload mlp --tp 8 --seq 8192 --hidden 4096
+quiet "$bin/commfuse" simulate --profile h100-sxm --model llama3-70b --tp 8
 quiet "$bin/commfuse" simulate profiles
 quiet "$bin/commfuse" simulate calibrate --help
 

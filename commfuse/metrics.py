@@ -27,13 +27,20 @@ the wait (``commfuse.runtime.recorder.DeviceStamps``). A snapshot reads only
 events the device has passed and never blocks; calls it has not reached yet
 are counted by a later snapshot.
 
-The straggler: each rank publishes its own waiting over its last
-:data:`WINDOW` calls in the group's store (one key per rank, written by
-:func:`snapshot`) and reads its peers'. In a ring every rank waits for the
+The straggler: each rank publishes its own waiting and its calls' time over
+its last :data:`WINDOW` calls in the group's store (one key per rank, written
+by :func:`snapshot`) and reads its peers'. In a ring every rank waits for the
 slowest one, directly or through the ranks between, except the slowest one
-itself: so the rank that waits least, by at least ``COMMFUSE_STRAGGLER_MS``
-(5 ms) and a quarter of what the others wait (median), per call, is named,
-with its excess (the others' median wait per call less its own). The
+itself: so the rank that waits least is the candidate, and its excess is the
+others' median wait per call less its own. It is named (:func:`verdict`) when
+its excess is at least ``COMMFUSE_STRAGGLER_MS`` (1 ms) and at least
+``COMMFUSE_STRAGGLER_SHARE`` (0.5) of the others' median time per call: its
+peers spend half their calls waiting for it. The threshold is relative to the
+call's own time because a loaded host slows every rank's compute unevenly: two
+healthy ranks sharing two cores with other work differed by up to a third of
+the call's time (24 ms on 78 ms calls), far more than a fixed 5 ms.
+Where the call's time is not known (device stamps time the waits only, on
+the device), the excess must be a quarter of the others' wait instead. The
 verdict is in the snapshot (``commfuse/<group>/straggler_rank``, -1 for none,
 and ``.../straggler_excess_ms``) and, each time it changes, a WARNING on the
 ``commfuse`` logger (``COMMFUSE_LOG=info`` shows it with the rank in front).
@@ -48,12 +55,13 @@ import json
 import logging
 import statistics
 import weakref
+from dataclasses import dataclass
 
 from commfuse.runtime.board import board_of
 from commfuse.runtime.env import number
 from commfuse.runtime.recorder import DEVICE, device_waits, dump_all, group_name, recorders
 
-__all__ = ["WINDOW", "dump_trace", "snapshot", "straggler_threshold_ms"]
+__all__ = ["WINDOW", "Verdict", "dump_trace", "snapshot", "straggler_share", "straggler_threshold_ms", "verdict"]
 
 log = logging.getLogger("commfuse")
 
@@ -61,9 +69,11 @@ log = logging.getLogger("commfuse")
 WINDOW = 16
 #: Calls every rank must have published before a straggler is named.
 MIN_CALLS = 4
-#: Default of ``COMMFUSE_STRAGGLER_MS``.
-STRAGGLER_MS = 5.0
-#: A straggler's excess must also be this fraction of the others' median wait per call.
+#: Default of ``COMMFUSE_STRAGGLER_MS``: the least excess per call, whatever the call's time (clock noise).
+STRAGGLER_MS = 1.0
+#: Default of ``COMMFUSE_STRAGGLER_SHARE``: the least share of the others' time per call their excess wait is.
+STRAGGLER_SHARE = 0.5
+#: Where the calls' time is not known (device stamps): the excess must be this fraction of the others' wait.
 RELATIVE = 0.25
 _KEY = "commfuse/metrics/"
 
@@ -71,6 +81,50 @@ _KEY = "commfuse/metrics/"
 def straggler_threshold_ms() -> float:
     """``COMMFUSE_STRAGGLER_MS`` (milliseconds, >= 0), else :data:`STRAGGLER_MS`."""
     return number("COMMFUSE_STRAGGLER_MS", STRAGGLER_MS, 0.0, 1e9, unit="milliseconds")
+
+
+def straggler_share() -> float:
+    """``COMMFUSE_STRAGGLER_SHARE`` (a fraction from 0 to 1), else :data:`STRAGGLER_SHARE`."""
+    return number("COMMFUSE_STRAGGLER_SHARE", STRAGGLER_SHARE, 0.0, 1.0, unit="a fraction of the call's time")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What :func:`verdict` found, per call and in ns: the candidate ``rank`` (the one that waits least), the
+    others' median wait (``others``), its own wait (``own``), their difference (``excess``), the others' median
+    time per call (``call``, None where not known), the ``threshold`` the excess was held to, and whether the
+    candidate is ``named`` a straggler."""
+
+    rank: int
+    others: float
+    own: float
+    excess: float
+    call: float | None
+    threshold: float
+    named: bool
+
+
+def verdict(published: list[dict], *, floor_ms: float | None = None, share: float | None = None) -> Verdict | None:
+    """The straggler among the ranks' published figures, one dict per rank in rank order: ``calls``, and over
+    those calls ``wait_ns``, the time waited, and ``call_ns``, the time they took (None where not known). None
+    until every rank has :data:`MIN_CALLS` calls. ``floor_ms`` and ``share`` default to ``COMMFUSE_STRAGGLER_MS``
+    and ``COMMFUSE_STRAGGLER_SHARE`` (see the module)."""
+    if len(published) < 2 or any(p.get("calls", 0) < MIN_CALLS for p in published):
+        return None
+    floor = (straggler_threshold_ms() if floor_ms is None else floor_ms) * 1e6
+    share = straggler_share() if share is None else share
+    waits = [p["wait_ns"] / p["calls"] for p in published]
+    slowest = min(range(len(waits)), key=waits.__getitem__)
+    peers = [p for q, p in enumerate(published) if q != slowest]
+    others = statistics.median(p["wait_ns"] / p["calls"] for p in peers)
+    excess = others - waits[slowest]
+    if all(p.get("call_ns") is not None for p in peers):
+        call = statistics.median(p["call_ns"] / p["calls"] for p in peers)
+        threshold = max(floor, share * call)
+    else:
+        call = None
+        threshold = max(floor, RELATIVE * others)
+    return Verdict(slowest, others, waits[slowest], excess, call, threshold, excess >= threshold)
 
 
 def dump_trace(reason: str = "on demand", directory: str | None = None) -> list[str]:
@@ -218,18 +272,20 @@ def _straggler(rec, m: _Group, group: str, out: dict) -> None:
     calls = [c for c in rec.calls() if c.head[0] is not None and c.head[0].stamps and c.status == "ok"][-WINDOW:]
     if not calls:
         return
-    wait = 0
+    wait, took = 0, 0
     for c in calls:
         waits = _waits(c, c.head[0])
         if waits is None:  # the device has not passed it yet: its successors neither
             calls = calls[:calls.index(c)]
             break
         wait += waits[0]
+        if took is not None:  # a device-stamped call's host start and end time the enqueue, not the call
+            took = None if c.head[0].stamps is DEVICE else took + c.end - c.start
     if not calls:
         return
     store, rank, n = board.store, state.rank, state.world_size
     try:
-        store.set(f"{_KEY}{rank}", json.dumps({"calls": len(calls), "wait_ns": wait}))
+        store.set(f"{_KEY}{rank}", json.dumps({"calls": len(calls), "wait_ns": wait, "call_ns": took}))
         keys = [f"{_KEY}{q}" for q in range(n)]
         if not store.check(keys):
             return  # a peer has not published yet
@@ -237,21 +293,19 @@ def _straggler(rec, m: _Group, group: str, out: dict) -> None:
         published = [json.loads(v) for v in values]
     except Exception:  # noqa: BLE001 - a store that cannot be read names no straggler
         return
-    if any(p.get("calls", 0) < MIN_CALLS for p in published):
+    found = verdict(published)
+    if found is None:
         return
-    means = {q: p["wait_ns"] / p["calls"] for q, p in enumerate(published)}
-    slowest = min(means, key=means.get)
-    others = statistics.median(v for q, v in means.items() if q != slowest)
-    excess = others - means[slowest]
-    named = excess >= max(straggler_threshold_ms() * 1e6, RELATIVE * others)
-    out[f"commfuse/{group}/straggler_rank"] = slowest if named else -1
-    out[f"commfuse/{group}/straggler_excess_ms"] = excess / 1e6 if named else 0.0
-    verdict = slowest if named else None
-    if verdict != m.named:
-        m.named = verdict
+    named = found.named
+    out[f"commfuse/{group}/straggler_rank"] = found.rank if named else -1
+    out[f"commfuse/{group}/straggler_excess_ms"] = found.excess / 1e6 if named else 0.0
+    now = found.rank if named else None
+    if now != m.named:
+        m.named = now
         if named:
+            of = "per call (median)" if found.call is None else f"of their {found.call / 1e6:.1f} ms per call (medians)"
             log.warning("commfuse: rank %d is a straggler on group %s: over their last calls its peers waited "
-                        "%.1f ms per call (median) and it waited %.1f ms; its excess is %.1f ms per call",
-                        slowest, group, others / 1e6, means[slowest] / 1e6, excess / 1e6)
+                        "%.1f ms %s and it waited %.1f ms; its excess is %.1f ms per call",
+                        found.rank, group, found.others / 1e6, of, found.own / 1e6, found.excess / 1e6)
         else:
             log.info("commfuse: no straggler on group %s any more", group)

@@ -1,6 +1,7 @@
 """The ``commfuse simulate`` subcommand (also ``python -m commfuse.sim``). Imports no torch at module level.
 
     commfuse simulate --profile NAME|FILE --workload W --tp N --seq S --hidden H [--batch B] [--dp N] ...
+    commfuse simulate --profile NAME|FILE --model llama3-8b|llama3-70b|llama3-405b|deepseek-v3 --tp N [--seq S ...]
     commfuse simulate --profile NAME|FILE --preset mixtral-8x7b|deepseek-v3 [--ep N --experts E --topk K ...]
     commfuse simulate --profile NAME|FILE -w ring_attention --cp N --seq S --hidden H [--heads Q --kv-heads K ...]
     commfuse simulate calibrate [--link-rate RATE] [--output FILE] [--install]
@@ -9,8 +10,9 @@
 The first prints the predicted table for vanilla, sliced:c, ring and
 bidirectional (``--json`` gives ``commfuse bench --json``'s records,
 ``--plot``/``--trace`` its chart and trace, ``--explain`` the reasons and
-crossovers); ``calibrate`` measures this machine and writes a profile;
-``profiles`` lists the profiles there are.
+crossovers); ``--model`` the same for one training step of a whole model's
+tensor-parallel layers (``commfuse.sim.MODELS``); ``calibrate`` measures this
+machine and writes a profile; ``profiles`` lists the profiles there are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ RING_ATTENTION_ALGORITHMS = ("vanilla", "ring", "bidirectional", "ulysses")
 LAYOUTS = ("zigzag", "contiguous", "none")
 #: ``commfuse.sim.MOE_PRESETS``'s names (repeated here: parsing imports no simulator).
 MOE_PRESETS = ("mixtral-8x7b", "deepseek-v3")
+#: ``commfuse.sim.MODELS``'s names (repeated here for the same reason; a unit test keeps them equal).
+MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3")
+#: The flags a ``--model`` fixes itself (its shapes, its workloads), by dest.
+MODEL_FIXES = ("workload", "preset", "hidden", "ffn", "heads", "kv_heads", "head_dim", "causal", "gated", "cp",
+               "layout", "kv_replicate", "experts", "topk", "skew", "grouping", "dp")
+#: The flags that shape a head count or a head: the attention and ring_attention workloads take them.
+HEAD_FLAGS = ("heads", "kv_heads", "head_dim")
 #: The flags only the moe workload takes (their dests), and its defaults when neither they nor a preset say.
 MOE_FLAGS = ("ep", "experts", "topk", "skew", "grouping")
 MOE_DEFAULTS = {"ep": 1, "experts": 8, "topk": 2, "skew": 1.0, "grouping": "step"}
@@ -68,6 +77,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = (
         "examples:\n"
         "  commfuse simulate --profile paper-table1 --workload mlp --tp 4 --batch 32 --seq 4096 --hidden 4096\n"
+        "  commfuse simulate --profile h100-sxm --model llama3-70b --tp 8\n"
         "  commfuse simulate --profile h100-sxm --workload fsdp_linear --dp 1024 --seq 4096 --hidden 8192 --explain\n"
         "  commfuse simulate --profile ascend-910b --preset deepseek-v3\n"
         "  commfuse simulate --profile h100-sxm --workload moe --ep 8 --experts 8 --topk 2 --seq 8192 --hidden 4096 "
@@ -100,7 +110,14 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "a .toml file (see `commfuse simulate profiles`)")
     g.add_argument("--workload", "-w", choices=WORKLOADS, help="the layer (moe: one mixture-of-experts layer under "
                    "expert parallelism, its dispatch and combine fused with the expert GEMMs)")
-    g.add_argument("--tp", type=integer(1), default=1, help="tensor-parallel degree (the ring of the TP workloads)")
+    g.add_argument("--model", choices=MODELS,
+                   help="one training step of a whole model's tensor-parallel layers instead of one workload: the "
+                   "model's attention (causal, its K/V heads or latent attention), MLP or MoE layers and LM head, "
+                   "forward and backward (--pass), batch 1 x its pretraining context (--seq, --batch) under --tp "
+                   "with sequence parallelism; deepseek-v3's routed experts over --ep (default --tp) "
+                   "(docs/simulator.md)")
+    g.add_argument("--tp", type=integer(1), default=None,
+                   help="tensor-parallel degree (the ring of the TP workloads; default 1, and --model needs it)")
     g.add_argument("--dp", type=integer(1), default=1, help="data-parallel degree (the ring of fsdp_linear)")
     g.add_argument("--seq", "-s", type=integer(1),
                    help="sequence length (the whole sequence; each TP rank holds seq/tp; "
@@ -111,14 +128,21 @@ def arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn", type=integer(1), help="MLP inner size (default 4 x hidden; moe: each expert's)")
     g.add_argument("--dtype", help="element type (default: the profile's)")
     g.add_argument("--pass", dest="passes", choices=("forward", "backward", "both"), default=None,
-                   help="which pass of the layer (default forward, moe both; attention, ag_matmul and matmul_rs: "
-                   "forward)")
-    g = p.add_argument_group("context-parallel attention (--workload ring_attention)")
-    g.add_argument("--cp", type=integer(1), help="context-parallel degree: the ranks the sequence is split over")
-    g.add_argument("--heads", type=integer(1), help="query heads (default hidden / 128)")
+                   help="which pass of the layer (default forward; moe and --model both)")
+    g.add_argument("--swiglu", dest="gated", action="store_true", default=None,
+                   help="-w mlp: a SwiGLU MLP, as Llama's (the gate and up projections in one gathered GEMM of "
+                   "2 x ffn columns)")
+    g = p.add_argument_group("attention (--workload attention, ring_attention)")
+    g.add_argument("--heads", type=integer(1), help="query heads (default: attention, heads of hidden / tp columns "
+                   "per rank; ring_attention, hidden / 128)")
     g.add_argument("--kv-heads", dest="kv_heads", type=integer(1), help="key/value heads (default --heads; fewer: "
                    "grouped-query attention)")
     g.add_argument("--head-dim", dest="head_dim", type=integer(1), help="head dim (default hidden / heads)")
+    g.add_argument("--no-causal", dest="causal", action="store_false", default=None,
+                   help="-w attention: every query attends to the whole sequence (default: causal; ring_attention's "
+                   "is --layout none)")
+    g.add_argument("--cp", type=integer(1), help="ring_attention: context-parallel degree, the ranks the sequence is "
+                   "split over")
     g.add_argument("--layout", choices=LAYOUTS, help="how the sequence is laid out over the ranks: zigzag (default, "
                    "causal, every ring step equal), contiguous (causal, unbalanced) or none (not causal)")
     g.add_argument("--kv-replicate", dest="kv_replicate", action="store_true", default=None,
@@ -186,6 +210,10 @@ def _simulate(args: argparse.Namespace) -> int:
     from commfuse import sim
     from commfuse.bench import sim_report as _report
 
+    if args.model:
+        return _model(args)
+    if args.tp is None:
+        args.tp = 1
     moe = _moe_arguments(args)
     _need(args, "profile", "workload", "seq", "hidden")
     check_outputs(args, "json", "plot", "trace")  # before any work
@@ -194,17 +222,19 @@ def _simulate(args: argparse.Namespace) -> int:
         profile = profile.replace(**dict(args.settings))
     if args.strands:
         return _strands(args, profile, moe)
+    _check_workload_flags(args)
     if args.workload == "ring_attention":
         return _ring_attention(args, profile)
-    given = [f for f in ("cp", "heads", "kv_heads", "head_dim", "layout", "kv_replicate")
-             if getattr(args, f) is not None]
-    if given:
-        flags = ", ".join("--" + f.replace("_", "-") for f in given)
-        raise CommfuseValueError(f"{flags} apply to --workload ring_attention only, not {args.workload}")
     passes = args.passes or ("both" if args.workload == "moe" else "forward")
     batch = 1 if args.batch is None else args.batch
+    extra = {}
+    if args.workload == "attention":
+        extra = {f: getattr(args, f) for f in (*HEAD_FLAGS, "causal")}
+    elif args.workload == "mlp":
+        extra = {"gated": bool(args.gated)}
     workload = sim.Workload(args.workload, tp=args.tp, seq=args.seq, hidden=args.hidden, batch=batch,
-                            dp=args.dp, ffn=args.ffn, dtype=args.dtype or profile.compute.dtype, passes=passes, **moe)
+                            dp=args.dp, ffn=args.ffn, dtype=args.dtype or profile.compute.dtype, passes=passes, **moe,
+                            **extra)
     if args.algorithms:
         algorithms = [a for item in args.algorithms for a in item.split(",") if a]
     elif args.workload == "moe":  # all-to-all has no bidirectional form; ring:2 shows the parts instead
@@ -217,7 +247,9 @@ def _simulate(args: argparse.Namespace) -> int:
     alike = not args.full and all(phase.cost.uniform for a in algorithms for phase in workload.phases(a))
     head = (f"{workload.describe()} on profile {profile.name} ({profile.description or profile.source}); "
             f"{workload.world_size} ranks, " + ("every rank alike (simulated once)" if alike else
-                                                "each simulated" + ("" if args.full else " (unequal shards)")))
+                                                "each simulated" + ("" if args.full else
+                                                                    " (causal: unequal steps)" if workload.causal
+                                                                    else " (unequal shards)")))
     text = head + "\n" + _report.table(predictions) + "\n"
     if workload.name == "moe":
         text += _comet_lines(predictions) + "\n"
@@ -239,6 +271,143 @@ def _simulate(args: argparse.Namespace) -> int:
         path = _report.write_plot(predictions, args.plot, args.ranks)
         print(f"wrote the predicted Gantt chart to {path}", file=sys.stderr)
     return 0
+
+
+def _flags(dests, singular: str = "", plural: str = "") -> str:
+    """The flags of ``dests`` (argparse dests), comma-separated, then ``singular`` or ``plural`` by their number."""
+    text = ", ".join({"gated": "--swiglu", "causal": "--no-causal", "grouping": "--moe-grouping",
+                      "passes": "--pass"}.get(f, "--" + f.replace("_", "-")) for f in dests)
+    verb = singular if len(dests) == 1 else plural
+    return f"{text} {verb}" if verb else text
+
+
+def _check_workload_flags(args: argparse.Namespace) -> None:
+    """Refuse, naming the flags, those the workload does not take (checked here so that the message names the
+    command's flags, not the Python API's keywords)."""
+    w = args.workload
+    only = {"cp": ("ring_attention",), "layout": ("ring_attention",), "kv_replicate": ("ring_attention",),
+            "heads": ("ring_attention", "attention"), "kv_heads": ("ring_attention", "attention"),
+            "head_dim": ("ring_attention", "attention"), "causal": ("attention",), "gated": ("mlp",)}
+    wrong: dict[tuple, list[str]] = {}
+    for f, takes in only.items():
+        if getattr(args, f) is not None and w not in takes:
+            wrong.setdefault(takes, []).append(f)
+    if wrong:
+        said = "; ".join(f"{_flags(fs, 'applies', 'apply')} to --workload {' or '.join(sorted(takes))} only"
+                         for takes, fs in wrong.items())
+        hint = " (ring_attention's causal mask is its --layout: --layout none)" if w == "ring_attention" and \
+            args.causal is not None else ""
+        raise CommfuseValueError(f"{said}, not {w}{hint}")
+    if w == "attention" and args.heads is None:
+        needs = [f for f in ("kv_heads", "head_dim") if getattr(args, f) is not None]
+        if needs:
+            raise CommfuseValueError(f"{_flags(needs, 'needs', 'need')} --heads (the query heads) with --workload "
+                                     "attention")
+
+
+def _model(args: argparse.Namespace) -> int:
+    """``--model``: one training step of a model preset's tensor-parallel layers, every algorithm."""
+    from commfuse import sim
+
+    fixed = [f for f in MODEL_FIXES if getattr(args, f) not in (None, 1 if f == "dp" else None)]
+    if fixed:
+        raise CommfuseValueError(f"--model {args.model} fixes its own shapes and layers; "
+                                 f"{_flags(fixed, 'does', 'do')} not apply (give --workload with your own sizes "
+                                 "instead)")
+    for flag in ("plot", "trace", "explain", "strands"):
+        if getattr(args, flag):
+            raise CommfuseValueError(f"--model prints its table (and --json); --{flag} is not supported for it yet")
+    _need(args, "profile")
+    if args.tp is None:
+        raise CommfuseValueError(f"--model {args.model} needs --tp, the tensor-parallel degree (e.g. --tp 8: the "
+                                 "GPUs of one server)")
+    model = sim.MODELS[args.model]
+    if args.ep is not None and not model.experts:
+        raise CommfuseValueError(f"--ep applies to a mixture-of-experts model (deepseek-v3), not {args.model}")
+    check_outputs(args, "json")
+    profile = sim.load_profile(args.profile)
+    if args.settings:
+        profile = profile.replace(**dict(args.settings))
+    algorithms = ([a for item in args.algorithms for a in item.split(",") if a] if args.algorithms else
+                  ["vanilla", *(f"sliced:{c}" for c in args.chunks), "ring", "bidirectional"])
+    predictions = sim.compare_model(profile, model, algorithms, tp=args.tp, seq=args.seq,
+                                    batch=1 if args.batch is None else args.batch, ep=args.ep, dtype=args.dtype,
+                                    passes=args.passes or "both", symmetric=False if args.full else None,
+                                    check=args.fingerprint)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    out.write(model_table(predictions, profile) + "\n")
+    if args.json:
+        data = json.dumps([p.record() for p in predictions], indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(data)
+        else:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(data)
+            print(f"wrote {len(predictions)} records to {args.json}", file=sys.stderr)
+    return 0
+
+
+def model_table(predictions, profile) -> str:
+    """The ``--model`` table: per algorithm each part's time in the step (one of it times its count), the step's
+    time, compute-only time, exposed communication, speed-up over vanilla and MFU; then the gain, the best
+    algorithm of each part, and what is modelled."""
+    first = predictions[0]
+    model, parts = first.model, [part for part, _ in first.parts]
+    w = parts[0].workload
+    passes = {"both": "forward + backward", "forward": "forward", "backward": "backward"}[w.passes]
+    lines = [model.describe(),
+             f"one training step ({passes}) of its tensor-parallel layers: TP {w.tp} with sequence parallelism, "
+             f"batch {w.batch} x seq {w.seq} tokens, {w.dtype}, on profile {profile.name} "
+             f"({profile.description or profile.source})", ""]
+    cols = ("algorithm", *(f"{part.name} x{part.count}" for part in parts), "step ms", "compute-only", "exposed",
+            "vs vanilla", "MFU")
+    rows = [cols]
+    for p in predictions:
+        rows.append((p.algorithm, *(f"{1e3 * part.count * q.time:.2f}" for part, q in p.parts), f"{1e3 * p.time:.2f}",
+                     f"{1e3 * p.compute_only:.2f}", f"{1e3 * p.exposed:.2f}", f"{p.speedup_vs_vanilla:.3f}x",
+                     f"{100 * p.mfu:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    for i, r in enumerate(rows):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(wd) for c, wd in zip(r[1:], widths[1:])]))
+        if i == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    vanilla = next(p for p in predictions if p.algorithm == "vanilla")
+    best = min(predictions, key=lambda p: p.time)
+    ms = 1e3
+    lines.append("")
+    if best is vanilla:
+        lines.append(f"gain: none; vanilla is fastest at {ms * vanilla.time:.2f} ms a step")
+    else:
+        saved = vanilla.time - best.time
+        lines.append(f"gain: {best.algorithm} takes {ms * best.time:.2f} ms a step against vanilla's "
+                     f"{ms * vanilla.time:.2f} ms: {ms * saved:.2f} ms ({100 * saved / vanilla.time:.1f}%) less, "
+                     f"{best.speedup_vs_vanilla:.3f}x; vanilla leaves {ms * vanilla.exposed:.2f} ms of communication "
+                     f"exposed, {best.algorithm} {ms * best.exposed:.2f} ms")
+    each = []
+    step = 0.0
+    for i, part in enumerate(parts):
+        if part.workload.world_size == 1:
+            step += part.count * predictions[0].parts[i][1].time
+            each.append(f"{part.name} (no communication)")
+            continue
+        t, _, a = min((p.parts[i][1].time, k, p.algorithm) for k, p in enumerate(predictions))  # ties: the first
+        step += part.count * t
+        each.append(f"{part.name} {a}")
+    lines.append(f"best of each part: {', '.join(each)}: {ms * step:.2f} ms a step "
+                 f"({vanilla.time / step:.3f}x vanilla)")
+    lines.append("exposed: the step's time less its compute-only time (the same ops with transfers that take no "
+                 "time), as commfuse bench measures it")
+    notes = ["modelled: each kind of layer part simulated once and multiplied by its count; left out: the "
+             "embedding, norms, residual adds, RoPE, the softmax's and the loss's elementwise work, data-parallel "
+             "gradient reduction, pipeline stages and the optimizer"]
+    moe = next((part for part in parts if part.workload.name == "moe"), None)
+    if moe is not None:
+        notes.append(f"moe: the routed experts over ep {moe.workload.ep} ranks, each rank's {moe.workload.tokens} "
+                     "tokens (seq / tp) dispatched and combined; the all-to-all has no bidirectional form, so that "
+                     "row runs the experts' ring; the shared expert runs on each rank's own tokens, with no "
+                     "communication; DeepSeek-V3's multi-token-prediction module is left out")
+    lines += notes
+    return "\n".join(lines)
 
 
 def _strands(args: argparse.Namespace, profile, moe: dict) -> int:

@@ -1,5 +1,6 @@
 """Numbers that commfuse reads from the environment: one place that parses them and refuses, by name, a value
-that is not a number or is out of range (``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``, ``COMMFUSE_STRAGGLER_MS``)."""
+that is not a number or is out of range (``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``, ``COMMFUSE_STRAGGLER_MS``,
+``COMMFUSE_STRAGGLER_SHARE``)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ hardware :class:`Profile` in place of a backend; see ``docs/simulator.md``.
 
 from commfuse.sim._engine import MODES, Engine, OpCost, Phase, StepRecord, Timeline, simulate_phases
 from commfuse.sim._model import Kernel, collective_time, efficiency, kernel_time, ring_step_rate
+from commfuse.sim._models import MODELS, Model, ModelPart, ModelPrediction, compare_model, model_parts
 from commfuse.sim._planner import choose, crossovers, explain, op_times, plan, profile_for
 from commfuse.sim._predict import DEFAULT_ALGORITHMS, Prediction, compare, predict
 from commfuse.sim._profile import (
@@ -28,22 +29,29 @@ from commfuse.sim._profile import (
     user_dir,
 )
 from commfuse.sim._workloads import (
+    MLA,
     MOE_PRESETS,
     PASSES,
     WORKLOADS,
+    AttentionWidths,
     ComputeOnly,
     ExpertOp,
+    QuerySliceOp,
     ShardedOp,
     Workload,
+    attention_widths,
     parse_algorithm,
 )
 
 __all__ = [
     "DEFAULT_ALGORITHMS",
+    "MLA",
+    "MODELS",
     "MODES",
     "MOE_PRESETS",
     "PASSES",
     "WORKLOADS",
+    "AttentionWidths",
     "CollectiveSpec",
     "ComputeOnly",
     "ComputeSpec",
@@ -53,24 +61,31 @@ __all__ = [
     "HostSpec",
     "Kernel",
     "LinkSpec",
+    "Model",
+    "ModelPart",
+    "ModelPrediction",
     "OpCost",
     "Phase",
     "Prediction",
     "Profile",
     "ProfileError",
+    "QuerySliceOp",
     "ShardedOp",
     "StepRecord",
     "Timeline",
     "Workload",
+    "attention_widths",
     "choose",
     "collective_time",
     "compare",
+    "compare_model",
     "crossovers",
     "efficiency",
     "explain",
     "from_dict",
     "kernel_time",
     "load_profile",
+    "model_parts",
     "op_times",
     "parse_algorithm",
     "plan",

@@ -84,6 +84,11 @@ class Prediction:
                  "passes": w.passes}
         if w.name == "moe":
             shape.update(ep=w.ep, experts=w.experts, topk=w.topk, skew=w.skew, grouping=w.grouping)
+        if w.name == "attention":
+            shape.update(heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim, causal=w.causal,
+                         mla=None if w.mla is None else vars(w.mla))
+        if w.name == "mlp":
+            shape.update(gated=w.gated)
         if w.name == "ring_attention":
             shape.update(cp=w.cp, heads=w.heads, kv_heads=w.kv_heads, head_dim=w.head_dim, layout=w.layout,
                          kv_replicate=w.kv_replicate)

@@ -13,14 +13,29 @@ Shapes (T = batch * seq tokens, N = tp, f = ffn, h = hidden, d = bytes per eleme
 ========== ================================================================
 ag_matmul  column-parallel linear: all_gather(X (T/N, h)) @ W (h, f/N)
 matmul_rs  row-parallel linear: reduce_scatter(X (T, f/N) @ W (f/N, h))
+ag_matmul  backward: dX = dY @ W^T fused with the reduce-scatter (a
+           matmul_rs of f/N columns), and the weight gradient X^T @ dY
+matmul_rs  backward: all-gather of dY with the dgrad and the wgrad per shard
 mlp        ag_matmul (fc1), activation, matmul_rs (fc2). Backward: all-gather
            of dY with fc2's dgrad and wgrad, activation backward, fc1's dgrad
-           + reduce-scatter, fc1's wgrad (on the gathered X kept from forward)
+           + reduce-scatter, fc1's wgrad (on the gathered X kept from forward).
+           ``gated``: SwiGLU, fc1 the gate and up projections (W (h, 2f/N)) in
+           one gather, as Llama's MLP
 attention  query-split attention under TPSP (paper Algorithm 4): all-gather
-           of X with the QKV projection (W (h, 3h/N)), then per output shard
-           its queries' attention over the whole sequence plus the
-           out-projection, as the producer of a reduce-scatter. Forward only;
-           not causal
+           of X with the QKV projection, then per output shard its queries'
+           attention plus the out-projection, as the producer of a
+           reduce-scatter. ``causal`` (default): query position p attends to
+           the p + 1 keys up to itself, so the shards of later positions cost
+           more and the ring's steps are unequal across ranks (every rank is
+           simulated). Heads (:func:`attention_widths`): ``heads`` query heads
+           of ``head_dim``, ``kv_heads`` K/V heads (grouped-query: the QKV
+           projection has (heads + 2 kv_heads) head_dim columns, split by head;
+           K/V heads fewer than tp are copied, one to each rank), or ``mla``
+           (DeepSeek's multi-head latent attention). Backward: all-gather of dY
+           with the out-projection's dgrad and wgrad and each query slice's
+           attention backward (:data:`ATTENTION_BACKWARD_RATIO` times its
+           forward), then the QKV projection's dgrad + reduce-scatter and its
+           wgrad
 fsdp_linear ZeRO-3 linear over N = dp ranks: Y = X (T, h) @ W (h, f/tp), W
            sharded by output column; forward: all-gather of W fused with the
            GEMM; backward: all-gather of W with dX, reduce-scatter of dW with
@@ -67,6 +82,7 @@ from commfuse.schedule import parse_algorithm as _parse_algorithm
 from commfuse.sim._engine import Phase
 from commfuse.sim._model import Kernel
 from commfuse.sim._profile import DTYPES
+from commfuse.sim._ring_attention import BACKWARD_FLOPS_RATIO as ATTENTION_BACKWARD_RATIO
 from commfuse.sim._ring_attention import LAYOUTS as _LAYOUTS
 from commfuse.sim import _ring_attention
 
@@ -109,6 +125,41 @@ MOE_PRESETS = {
     "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, topk=2, ep=8, batch=1, seq=8192),
     "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, topk=8, ep=8, batch=1, seq=8192),
 }
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3): queries through a ``q_lora``-wide latent, keys and
+    values through a ``kv_lora``-wide one plus a ``rope``-wide key part shared by every head; per head a query
+    and key of ``nope + rope`` and a value of ``v``."""
+
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+
+    def __post_init__(self) -> None:
+        for f in ("q_lora", "kv_lora", "nope", "rope", "v"):
+            _positive(f"mla.{f}", getattr(self, f))
+
+
+@dataclass(frozen=True)
+class AttentionWidths:
+    """One TP rank's widths of the attention workload, in elements (:func:`attention_widths`): ``qk``, the
+    query (and key) width its heads' scores take (query heads x their dim); ``vw``, the value width (the
+    out-projection's input); ``kv``, the K/V elements read per key; ``proj``, the columns of the GEMM fused
+    with the all-gather of X (split by head, or with ``mla`` the latents, which every rank computes whole);
+    ``up_flops`` and ``up_weights``, per token row the flops and the weight elements of MLA's up-projections
+    (0 without), done after the gather on every row."""
+
+    qk: int
+    vw: int
+    kv: int
+    proj: int
+    up_flops: float = 0.0
+    up_weights: float = 0.0
+    up_width: int = 0
 
 
 def parse_algorithm(text: str) -> tuple[str, int, int]:
@@ -240,6 +291,51 @@ class ShardedOp:
 
     def flops(self, rank: int) -> float:
         return self.rows * self.row_flops
+
+
+class QuerySliceOp(ShardedOp):
+    """The query-split attention's ops: a slice is the queries of sequence positions [start, end) of every batch
+    row (the sequence split as ``torch.tensor_split`` splits it, into shards, then each shard into the schedule's
+    pieces), and one query row costs ``row_flops`` plus ``key_flops`` per key it attends to: all ``seq``, or with
+    ``causal`` the positions up to its own. A step's kernel reads ``kv_key_bytes`` per key of every batch row,
+    up to the last key its slices see. With ``causal`` the ranks' steps differ (each computes another shard at
+    each step), so the engine simulates every rank."""
+
+    def __init__(self, schedule: Schedule, *, batch: int, seq: int, causal: bool, key_flops: float,
+                 kv_key_bytes: float, **kw) -> None:
+        super().__init__(schedule, rows=batch * seq, **kw)
+        n, pieces = schedule.world_size, schedule.pieces
+        self.batch, self.seq, self.causal = batch, seq, causal
+        self.key_flops, self.kv_key_bytes = key_flops, kv_key_bytes
+        lengths = [split_sizes(s, pieces) for s in split_sizes(seq, n)]
+        self.piece_rows = [[batch * x for x in sizes] for sizes in lengths]
+        self.shard_rows = [batch * sum(sizes) for sizes in lengths]
+        self.uniform = not causal and seq % n == 0 and (seq // n) % pieces == 0
+        self._offsets = None
+
+    def span(self, x: SliceId) -> tuple[int, int]:
+        """The sequence positions [start, end) of slice ``x``."""
+        start = self.offset(x) // self.batch
+        return start, start + self.slice_rows(x) // self.batch
+
+    def keys(self, start: int, end: int) -> int:
+        """Keys attended to by the queries of positions [start, end) of one batch row, summed over the rows."""
+        if not self.causal:
+            return (end - start) * self.seq
+        return (end * (end + 1) - start * (start + 1)) // 2
+
+    def _gemm(self, slices: Sequence[SliceId]) -> tuple[Kernel, ...]:
+        kernels = list(super()._gemm(slices))
+        spans = [self.span(x) for x in slices]
+        pairs = self.batch * sum(self.keys(a, b) for a, b in spans)
+        seen = max(b for _, b in spans) if self.causal else self.seq
+        main = kernels[-1]
+        kernels[-1] = Kernel(main.flops + pairs * self.key_flops,
+                             main.bytes + self.batch * seen * self.kv_key_bytes, main.name)
+        return tuple(kernels)
+
+    def flops(self, rank: int) -> float:
+        return self.rows * self.row_flops + self.batch * self.keys(0, self.seq) * self.key_flops
 
 
 class ComputeOnly:
@@ -405,6 +501,11 @@ class Workload:
     hidden / 128), ``kv_heads`` (default ``heads``), ``head_dim`` (default hidden / heads), ``layout``
     (zigzag, contiguous or none: not causal) and ``kv_replicate`` (let Ulysses run over more ranks than
     K/V heads). ``tp`` and ``dp`` stay 1.
+
+    ``attention`` only: ``causal`` (None: True), ``heads`` (None: multi-head attention whose heads times
+    head dim make ``hidden``, split over tp), ``kv_heads`` (default ``heads``; fewer: grouped-query),
+    ``head_dim`` (default hidden / heads) or ``mla`` (:class:`MLA`, with ``heads``; its own head dims).
+    ``mlp`` only: ``gated`` (SwiGLU: fc1 holds the gate and up projections, 2 ffn columns).
     """
 
     name: str
@@ -427,6 +528,9 @@ class Workload:
     head_dim: int | None = None
     layout: str = "zigzag"
     kv_replicate: bool = False
+    causal: bool | None = None
+    gated: bool = False
+    mla: MLA | None = None
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -449,12 +553,16 @@ class Workload:
             raise CommfuseValueError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(DTYPES)}")
         if self.passes not in PASSES:
             raise CommfuseValueError(f"passes must be one of {', '.join(PASSES)}, got {self.passes!r}")
-        if self.name == "attention" and self.passes != "forward":
-            raise CommfuseValueError("the attention workload models the forward pass only; use passes='forward'")
-        if self.name in ("ag_matmul", "matmul_rs") and self.passes != "forward":
-            raise CommfuseValueError(f"{self.name} is one forward op; its backward is the other op "
-                                     f"(use workload 'mlp' with passes={self.passes!r})")
-        if self.name in ("moe", "ring_attention"):
+        if self.name == "attention":
+            self._check_attention()
+        elif self.causal is not None or self.mla is not None:
+            what = "causal" if self.causal is not None else "mla"
+            raise CommfuseValueError(f"{self.name}: {what} applies to the attention workload only"
+                                     + (" (ring_attention: layout='none' is not causal)"
+                                        if self.name == "ring_attention" and what == "causal" else ""))
+        if self.gated and self.name != "mlp":
+            raise CommfuseValueError(f"{self.name}: gated (SwiGLU) applies to the mlp workload only")
+        if self.name in ("moe", "ring_attention", "attention"):
             pass
         elif self.name == "fsdp_linear":
             if self.ffn % self.tp:
@@ -465,6 +573,40 @@ class Workload:
                 if getattr(self, f) % self.tp:
                     raise CommfuseValueError(f"{self.name}: {f} {getattr(self, f)} must divide by tp {self.tp} "
                                              f"(weights are split evenly across TP ranks)")
+
+    def _check_attention(self) -> None:
+        if self.causal is None:
+            object.__setattr__(self, "causal", True)
+        if self.heads is None:
+            for f in ("kv_heads", "head_dim", "mla"):
+                if getattr(self, f) is not None:
+                    raise CommfuseValueError(f"attention: {f} needs heads (the query heads)")
+            if self.hidden % self.tp:
+                raise CommfuseValueError(f"attention: hidden {self.hidden} must divide by tp {self.tp} (without "
+                                         f"heads, the heads times their dim are the hidden size, split over tp)")
+            return
+        heads = _positive("heads", self.heads)
+        if heads % self.tp:
+            raise CommfuseValueError(f"attention: {heads} query heads do not split over tp {self.tp}")
+        if self.mla is not None:
+            if self.kv_heads not in (None, heads) or self.head_dim is not None:
+                raise CommfuseValueError("attention: with mla the heads' dims are mla's and every query head has "
+                                         "its own key and value: give no kv_heads or head_dim")
+            object.__setattr__(self, "kv_heads", heads)
+            return
+        kv = heads if self.kv_heads is None else _positive("kv_heads", self.kv_heads)
+        if heads % kv:
+            raise CommfuseValueError(f"attention: {heads} query heads must be a multiple of the {kv} K/V heads "
+                                     f"(grouped-query attention)")
+        if kv % self.tp and self.tp % kv:
+            raise CommfuseValueError(f"attention: {kv} K/V heads neither split over tp {self.tp} nor copy evenly "
+                                     f"to its ranks (tp a multiple of them)")
+        if self.head_dim is None and self.hidden % heads:
+            raise CommfuseValueError(f"attention: hidden {self.hidden} does not divide by {heads} heads; give "
+                                     f"head_dim")
+        object.__setattr__(self, "kv_heads", kv)
+        object.__setattr__(self, "head_dim", self.hidden // heads if self.head_dim is None else
+                           _positive("head_dim", self.head_dim))
 
     def _check_ring_attention(self) -> None:
         if self.tp != 1 or self.dp != 1:
@@ -562,7 +704,15 @@ class Workload:
         text = (f"{self.name} {self.passes}, tp {self.tp}" + (f", dp {self.dp}" if self.dp > 1 else "")
                 + f", (b, s, h) = ({self.batch}, {self.seq}, {self.hidden})")
         if self.name in ("mlp", "ag_matmul", "matmul_rs", "fsdp_linear"):
-            text += f", ffn {self.ffn}"
+            text += f", ffn {self.ffn}" + (" (SwiGLU)" if self.gated else "")
+        if self.name == "attention":
+            if self.mla is not None:
+                m = self.mla
+                text += (f", {self.heads} heads of MLA (latents q {m.q_lora}, kv {m.kv_lora}; head dims "
+                         f"{m.nope} + {m.rope} rope, v {m.v})")
+            elif self.heads is not None:
+                text += f", {self.heads} query heads, {self.kv_heads} K/V heads, head dim {self.head_dim}"
+            text += ", causal" if self.causal else ", not causal"
         return text + f", {self.dtype}"
 
     def phases(self, algorithm: str) -> list[Phase]:
@@ -582,56 +732,162 @@ def _op(collective: str, w: Workload, algorithm: str, name: str, **kw) -> Phase:
     return Phase(name, ShardedOp(schedule, name=name, **kw), schedule)
 
 
-def _ag_matmul(w: Workload, algorithm: str, name: str = "ag_matmul", extra: int = 1) -> Phase:
-    d, h, cols = w.dtype_bytes, w.hidden, w.ffn // w.tp
+def _ag_matmul(w: Workload, algorithm: str, name: str = "ag_matmul", extra: int = 1,
+               cols: int | None = None) -> Phase:
+    """All-gather of X (T/N, h) fused with X @ W (h, cols); ``extra`` 2: also the weight gradient per shard (the
+    backward of a row-parallel linear: dY gathered, its dgrad and wgrad)."""
+    d, h = w.dtype_bytes, w.hidden
+    cols = w.ffn // w.tp if cols is None else cols
     return _op("all_gather", w, algorithm, name, rows=w.tokens, row_bytes=h * d, row_flops=2.0 * h * cols * extra,
                row_mem=(h + cols) * d * extra, fixed_mem=h * cols * d * extra, cat_row_bytes=2.0 * h * d)
 
 
-def _matmul_rs(w: Workload, algorithm: str, name: str = "matmul_rs") -> Phase:
-    d, h, cols = w.dtype_bytes, w.hidden, w.ffn // w.tp
+def _matmul_rs(w: Workload, algorithm: str, name: str = "matmul_rs", cols: int | None = None) -> Phase:
+    """X (T, cols) @ W (cols, h) fused with the reduce-scatter of the product (T/N, h) per rank."""
+    d, h = w.dtype_bytes, w.hidden
+    cols = w.ffn // w.tp if cols is None else cols
     return _op("reduce_scatter", w, algorithm, name, rows=w.tokens, row_bytes=h * d, row_flops=2.0 * cols * h,
                row_mem=(cols + h) * d, fixed_mem=cols * h * d, cat_row_bytes=2.0 * cols * d, cat="gaps",
                add_row_bytes=h * d)
+
+
+def _wgrad(w: Workload, name: str, cols: int) -> Phase:
+    """A column-parallel linear's weight gradient, X^T (h, T) @ dY (T, cols), on the X gathered in the forward."""
+    d, h, t = w.dtype_bytes, w.hidden, w.tokens
+    return Phase(name, ComputeOnly(Kernel(2.0 * t * h * cols, (t * (h + cols) + h * cols) * d, name)))
+
+
+def _column_backward(w: Workload, algorithm: str, name: str, cols: int) -> list[Phase]:
+    """The backward of a column-parallel linear (h -> cols) with SP: dX = dY @ W^T fused with its reduce-scatter,
+    then the weight gradient."""
+    return [_matmul_rs(w, algorithm, f"{name}.dgrad", cols), _wgrad(w, f"{name}.wgrad", cols)]
 
 
 def _elementwise(name: str, elements: float, d: int, flops_per: float) -> Phase:
     return Phase(name, ComputeOnly(Kernel(elements * flops_per, 2.0 * elements * d, name)))
 
 
-def _mlp(w: Workload, algorithm: str) -> list[Phase]:
-    cols, d = w.ffn // w.tp, w.dtype_bytes
+def _swiglu(name: str, elements: float, d: int, backward: bool) -> Phase:
+    """SwiGLU on ``elements`` outputs: silu(a) * b reads two elements and writes one; its backward reads three
+    (a, b and the output gradient) and writes two."""
+    if backward:
+        return Phase(name, ComputeOnly(Kernel(elements * SWIGLU_BACKWARD_FLOPS, 5.0 * elements * d, name)))
+    return Phase(name, ComputeOnly(Kernel(elements * SWIGLU_FLOPS, 3.0 * elements * d, name)))
+
+
+def _forward(w: Workload) -> bool:
+    return w.passes in ("forward", "both")
+
+
+def _backward(w: Workload) -> bool:
+    return w.passes in ("backward", "both")
+
+
+def _linear(w: Workload, algorithm: str, collective: str) -> list[Phase]:
+    """The ag_matmul (column-parallel) or matmul_rs (row-parallel) workload, forward and/or backward."""
+    cols = w.ffn // w.tp
     phases = []
-    if w.passes in ("forward", "both"):
+    if collective == "all_gather":
+        if _forward(w):
+            phases.append(_ag_matmul(w, algorithm))
+        if _backward(w):
+            phases += _column_backward(w, algorithm, "ag_matmul", cols)
+    else:
+        if _forward(w):
+            phases.append(_matmul_rs(w, algorithm))
+        if _backward(w):
+            phases.append(_ag_matmul(w, algorithm, "matmul_rs.backward", extra=2))
+    return phases
+
+
+def _mlp(w: Workload, algorithm: str) -> list[Phase]:
+    cols, d, t = w.ffn // w.tp, w.dtype_bytes, w.tokens
+    up = 2 * cols if w.gated else cols  # SwiGLU: the gate and up projections in one GEMM
+    phases = []
+    if _forward(w):
         phases += [
-            _ag_matmul(w, algorithm, "fc1"),
-            _elementwise("act", w.tokens * cols, d, ACTIVATION_FLOPS),
+            _ag_matmul(w, algorithm, "fc1", cols=up),
+            _swiglu("act", t * cols, d, False) if w.gated else _elementwise("act", t * cols, d, ACTIVATION_FLOPS),
             _matmul_rs(w, algorithm, "fc2"),
         ]
-    if w.passes in ("backward", "both"):
-        h = w.hidden
+    if _backward(w):
         phases += [
             # all-gather dY; per shard: dgrad dH_rows = dY_rows @ W2^T and wgrad dW2 += H_rows^T @ dY_rows
             _ag_matmul(w, algorithm, "fc2.backward", extra=2),
-            _elementwise("act.backward", w.tokens * cols, d, ACTIVATION_FLOPS),
-            _matmul_rs(w, algorithm, "fc1.dgrad"),
-            Phase("fc1.wgrad", ComputeOnly(Kernel(2.0 * w.tokens * h * cols, (w.tokens * (h + cols) + h * cols) * d,
-                                                  "fc1.wgrad"))),
+            _swiglu("act.backward", t * cols, d, True) if w.gated
+            else _elementwise("act.backward", t * cols, d, ACTIVATION_FLOPS),
+            *_column_backward(w, algorithm, "fc1", up),
         ]
     return phases
 
 
+def attention_widths(w: Workload) -> AttentionWidths:
+    """One TP rank's widths of the attention workload ``w`` (:class:`AttentionWidths`).
+
+    Without ``heads``: multi-head attention of hidden / tp query, key and value columns per rank. With
+    ``heads``, ``kv_heads`` and ``head_dim``: heads / tp query heads per rank and kv_heads / tp K/V heads, or
+    one where tp exceeds kv_heads (each K/V head copied to tp / kv_heads ranks). With ``mla``: heads / tp
+    heads of ``nope + rope`` query/key and ``v`` value dims; the gathered X feeds the down-projections to the
+    latents (q_lora + kv_lora + rope columns, the same on every rank); the up-projections (q_lora -> the
+    queries, kv_lora -> the keys' nope part and the values) run on every gathered row; a key is its heads'
+    nope parts plus the one shared rope part.
+    """
+    if w.heads is None:
+        cols = w.hidden // w.tp
+        return AttentionWidths(qk=cols, vw=cols, kv=2 * cols, proj=3 * cols)
+    q = w.heads // w.tp
+    if w.mla is not None:
+        m = w.mla
+        q_out, kv_out = q * (m.nope + m.rope), q * (m.nope + m.v)  # the up-projections' columns
+        up = m.q_lora * q_out + m.kv_lora * kv_out  # and their weights' elements
+        return AttentionWidths(qk=q_out, vw=q * m.v, kv=q * (m.nope + m.v) + m.rope,
+                               proj=m.q_lora + m.kv_lora + m.rope, up_flops=2.0 * up, up_weights=float(up),
+                               up_width=q_out + kv_out)
+    kv = max(1, w.kv_heads // w.tp)
+    return AttentionWidths(qk=q * w.head_dim, vw=q * w.head_dim, kv=2 * kv * w.head_dim,
+                           proj=(q + 2 * kv) * w.head_dim)
+
+
+def _query_slices(w: Workload, algorithm: str, collective: str, name: str, *, row_flops: float, key_flops: float,
+                  row_mem: float, kv_key_bytes: float, fixed_mem: float, cat_row_bytes: float, cat: str,
+                  add_row_bytes: float = 0.0) -> Phase:
+    schedule = schedule_for(collective, w.world_size, algorithm)
+    cost = QuerySliceOp(schedule, batch=w.batch, seq=w.seq, causal=w.causal, key_flops=key_flops,
+                        kv_key_bytes=kv_key_bytes, row_bytes=w.hidden * w.dtype_bytes, row_flops=row_flops,
+                        row_mem=row_mem, fixed_mem=fixed_mem, cat_row_bytes=cat_row_bytes, cat=cat,
+                        add_row_bytes=add_row_bytes, name=name)
+    return Phase(name, cost, schedule)
+
+
 def _attention(w: Workload, algorithm: str) -> list[Phase]:
-    d, h, n, s = w.dtype_bytes, w.hidden, w.tp, w.seq
-    local = h // n  # this rank's heads, times head dim
-    qkv = _op("all_gather", w, algorithm, "qkv", rows=w.tokens, row_bytes=h * d, row_flops=2.0 * h * 3 * local,
-              row_mem=(h + 3 * local) * d, fixed_mem=h * 3 * local * d, cat_row_bytes=2.0 * h * d)
-    # per query row: QK^T and PV over the s keys of its sequence (2 flops each) and the out-projection
-    attn = _op("reduce_scatter", w, algorithm, "attention+out", rows=w.tokens, row_bytes=h * d,
-               row_flops=4.0 * s * local + 2.0 * local * h, row_mem=(local + h) * d,
-               fixed_mem=(2 * w.tokens * local + local * h) * d, cat_row_bytes=2.0 * local * d, cat="gaps",
-               add_row_bytes=h * d)
-    return [qkv, attn]
+    d, h, t = w.dtype_bytes, w.hidden, w.tokens
+    a = attention_widths(w)
+    pair = 2.0 * a.qk + 2.0 * a.vw  # flops per (query, key) pair of this rank's heads: Q K^T and P V
+    phases = []
+    up = None
+    if w.mla is not None:  # the up-projections read the latents and write every head's query, key and value
+        latents = w.mla.q_lora + w.mla.kv_lora
+        up = Kernel(t * a.up_flops, (t * (latents + a.up_width) + a.up_weights) * d, "mla.up")
+    if _forward(w):
+        phases.append(_ag_matmul(w, algorithm, "qkv", cols=a.proj))
+        if up is not None:
+            phases.append(Phase("mla.up", ComputeOnly(up)))
+        # per query row: its attention over the keys it sees, and the out-projection (vw -> h) of its output
+        phases.append(_query_slices(
+            w, algorithm, "reduce_scatter", "attention+out", row_flops=2.0 * a.vw * h, key_flops=pair,
+            row_mem=(a.qk + h) * d, kv_key_bytes=a.kv * d, fixed_mem=a.vw * h * d, cat_row_bytes=2.0 * a.vw * d,
+            cat="gaps", add_row_bytes=h * d))
+    if _backward(w):
+        # all-gather dY; per query slice: the out-projection's dgrad and wgrad, and its attention's backward
+        # (the K/V read and their gradients accumulated per key)
+        phases.append(_query_slices(
+            w, algorithm, "all_gather", "attention+out.backward", row_flops=4.0 * a.vw * h,
+            key_flops=ATTENTION_BACKWARD_RATIO * pair, row_mem=(h + 2 * a.qk + 2 * a.vw) * d,
+            kv_key_bytes=2.0 * a.kv * d, fixed_mem=3.0 * a.vw * h * d, cat_row_bytes=2.0 * h * d, cat="always"))
+        if up is not None:
+            phases.append(Phase("mla.up.backward", ComputeOnly(Kernel(2 * up.flops, 2 * up.bytes, "mla.up.backward"))))
+        phases += _column_backward(w, algorithm, "qkv", a.proj)
+    return phases
 
 
 def _fsdp_linear(w: Workload, algorithm: str) -> list[Phase]:
@@ -723,8 +979,8 @@ def _outside(name: str, kernel: Kernel) -> Phase:
 _BUILD = {
     "mlp": _mlp,
     "attention": _attention,
-    "ag_matmul": lambda w, a: [_ag_matmul(w, a)],
-    "matmul_rs": lambda w, a: [_matmul_rs(w, a)],
+    "ag_matmul": lambda w, a: _linear(w, a, "all_gather"),
+    "matmul_rs": lambda w, a: _linear(w, a, "reduce_scatter"),
     "fsdp_linear": _fsdp_linear,
     "moe": _moe,
     "ring_attention": _ring_attention.phases,

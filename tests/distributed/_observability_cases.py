@@ -102,3 +102,26 @@ def straggler(rank, n, calls, slow_rank, slow_s):
         last = snap
     waits = {key: value for key, value in last.items() if "/wait_ms" in key or "straggler" in key or "hidden" in key}
     return named, kept.lines, waits
+
+
+def loaded(rank, n, calls, rows, late_rank, late_s):
+    """Ring all_gather_matmul calls whose GEMM takes tens of ms on a loaded host; ``late_rank`` (-1: none) sleeps
+    ``late_s`` before each. After each call every rank takes a metrics snapshot. Returns per call the straggler
+    the snapshot names (-1: none, None: not yet known), the last snapshot's straggler figures, and this rank's
+    wait and time per call over the window the verdict reads (ms), to show what a failure was judged on."""
+    from commfuse import metrics
+    from commfuse.runtime.recorder import recorders
+
+    a, b = _ints((rows, 1024), rank), _ints((1024, 1024), 99)
+    named, last = [], {}
+    for _ in range(calls):
+        if rank == late_rank:
+            time.sleep(late_s)
+        cf.all_gather_matmul(a, b, algorithm="ring", timeout=60)
+        last = metrics.snapshot()
+        named.append(last.get("commfuse/0/straggler_rank"))
+    (rec,) = [r for r in recorders() if r.state.rank is not None]
+    window = [c for c in rec.calls() if c.status == "ok" and c.head[0] is not None][-metrics.WINDOW:]
+    wait = sum(metrics._waits(c, c.head[0])[0] for c in window) / len(window) / 1e6
+    took = sum(c.end - c.start for c in window) / len(window) / 1e6
+    return named, {k: v for k, v in last.items() if "straggler" in k}, round(wait, 2), round(took, 2)

@@ -4,6 +4,7 @@ a rank that is slower on every call as the straggler, and no other."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -105,3 +106,36 @@ def test_a_rank_slower_on_every_call_is_named_the_straggler_and_no_other_is(tmp_
         if rank != 1:  # the others waited, in the metrics too, and little of the planned comm time was hidden
             assert waits["commfuse/0/all_gather_consume.ring/wait_ms_per_call"] > 20, waits
             assert waits["commfuse/0/all_gather_consume.ring/hidden_frac"] == 0.0, waits
+
+
+@contextlib.contextmanager
+def _background_load():
+    """One process spinning on the CPU beside the two ranks (on two cores: one rank shares its core, unevenly)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_a_healthy_run_on_a_loaded_host_names_no_straggler():
+    # Under a CPU load the two ranks' GEMMs slow down unevenly: one waits for the other several ms per call, up to
+    # a third of the call's time measured, which the old fixed 5 ms threshold took for a straggler. Their peers
+    # spending half of each call waiting is what names one now.
+    with _background_load():
+        out = launch(cases.loaded, 2, 24, 512, -1, 0.0, timeout=300)
+    for rank, (named, figures, wait, took) in enumerate(out):
+        known = [x for x in named if x is not None]
+        assert known, (rank, named)
+        assert set(known) == {-1}, (rank, named, figures, [o[2:] for o in out])
+
+
+def test_a_rank_late_by_several_calls_on_a_loaded_host_is_named_the_straggler():
+    # rank 1 sleeps 0.4 s before every call, several times a loaded call's own time: rank 0 waits that long
+    with _background_load():
+        out = launch(cases.loaded, 2, 10, 512, 1, 0.4, timeout=300)
+    for rank, (named, figures, wait, took) in enumerate(out):
+        known = [x for x in named if x is not None]
+        assert known and known[-1] == 1 and set(known) <= {-1, 1}, (rank, named, [o[2:] for o in out])
+        assert figures["commfuse/0/straggler_excess_ms"] > 200, figures  # half the sleep: rank 1 waits a little too

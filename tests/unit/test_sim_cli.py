@@ -107,7 +107,7 @@ def test_profiles_lists_the_shipped_ones(capsys):
         ([*BASE, "--algorithms", "spiral"], "unknown algorithm 'spiral'"),
         ([*BASE, "--plot", "chart.png", "--set", "link.latency=-1"], "[link].latency"),
         (["simulate", "--profile", "h100-sxm", "--workload", "attention", "--tp", "2", "--seq", "8", "--hidden", "8",
-          "--pass", "backward"], "forward pass only"),
+          "--heads", "3"], "3 query heads do not split over tp 2"),
         (["simulate", "calibrate", "--link-rate", "fast"], "is not a rate"),
     ],
 )

@@ -39,13 +39,18 @@ profiles = st.builds(
     st.sampled_from([0.0, 0.1, 0.5]),
     st.sampled_from([0.0, 1e6]),
 )
+#: The TP workloads and their variants: causal attention (the default) and full, a SwiGLU MLP.
+VARIANTS = {"ag_matmul": {}, "matmul_rs": {}, "mlp": {}, "mlp swiglu": {"gated": True}, "attention": {},
+            "attention not causal": {"causal": False}}
 workloads = st.builds(
-    lambda name, tp, seq, hidden, batch: sim.Workload(name, tp=tp, seq=seq, hidden=hidden, batch=batch),
-    st.sampled_from(["ag_matmul", "matmul_rs", "mlp", "attention"]),
+    lambda name, tp, seq, hidden, batch, passes: sim.Workload(name.split()[0], tp=tp, seq=seq, hidden=hidden,
+                                                              batch=batch, passes=passes, **VARIANTS[name]),
+    st.sampled_from(sorted(VARIANTS)),
     st.sampled_from([2, 3, 4, 8]),
     st.sampled_from([96, 256, 1000, 2048]),
     st.sampled_from([384, 768, 1536]),
     st.sampled_from([1, 2]),
+    st.sampled_from(["forward", "both"]),
 )
 RINGS = ["ring", "ring:2", "bidirectional"]
 

@@ -256,4 +256,5 @@ def test_plot_is_refused_not_ignored(tmp_path, capsys):
 def test_its_flags_are_refused_with_another_workload(capsys):
     argv = ["simulate", "--profile", "h100-sxm", "-w", "mlp", "--tp", "2", "--seq", "64", "--hidden", "64"]
     assert main([*argv, "--cp", "2", "--kv-heads", "1"]) == 2
-    assert "--cp, --kv-heads apply to --workload ring_attention only, not mlp" in capsys.readouterr().err
+    assert ("--cp applies to --workload ring_attention only; --kv-heads applies to --workload attention or "
+            "ring_attention only, not mlp") in capsys.readouterr().err
