@@ -1284,7 +1284,8 @@ class MoE(nn.Module):
         import torch.distributed as dist
 
         mesh, placements = x.device_mesh, tuple(x.placements)
-        where = f"MoE: rank {self.rank}: the input is a DTensor placed {placements} on {mesh}"
+        where = (f"MoE: rank {self.rank} (global rank {dist.get_rank()}): the input is a DTensor placed {placements} "
+                 f"on {mesh}")
         mine = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
         if mesh.ndim != 1:
             raise CommfuseValueError(
