@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from commfuse import backends
 from commfuse.errors import CommfuseTypeError, CommfuseValueError, MismatchError
 from commfuse.nn import MoE, ShardedLinear
 from commfuse.nn._common import local
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.groups import register_format
 from commfuse.schedule import Collective
 
 __all__ = ["clip_grad_norm_", "ddp", "fully_shard", "total_norm"]
@@ -183,12 +185,13 @@ def _layers(module: nn.Module, mesh, dp_axis: str, ep_axis: str, flat, where: st
 def _agree(flat, facts: list[int], count: int, where: str) -> None:
     """Every rank of ``flat`` has the same ``facts`` (the axes' sizes, then each MoE layer's), or every rank
     raises naming the ranks that differ from the first. A rank with another count of layers is named by the
-    exchange's own check (the shapes differ)."""
-    from commfuse import ops
-
+    exchange's own check (the shapes differ). One all-gather through commfuse."""
     group = flat.get_group()
-    mine = torch.tensor(facts, dtype=torch.int64)
-    got = ops.all_gather_consume(mine, lambda t, _: t, group=group, algorithm="vanilla")
+    device = torch.device(flat.device_type)
+    be = backends.resolve(None, group, device)
+    mine = torch.tensor(facts, dtype=torch.int64, device=getattr(be, "device", None) or device)
+    call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, backend=be, device=mine.device)
+    got = [t.cpu() for t in pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label="ep.layers")]
     ranks = dist.get_process_group_ranks(group)
     differ = [ranks[q] for q, t in enumerate(got) if not torch.equal(t, got[0])]
     if differ:
@@ -196,6 +199,10 @@ def _agree(flat, facts: list[int], count: int, where: str) -> None:
             f"{where}: global ranks {differ} hold other MoE layers or mesh sizes than global rank {ranks[0]}: "
             f"(dp, ep, then per layer experts, hidden, ffn, top-k, parameters) {got[0].tolist()} on rank "
             f"{ranks[0]}, {got[ranks.index(differ[0])].tolist()} on rank {differ[0]} ({count} layers here)")
+
+
+register_format("ep.layers", lambda v: (f"commfuse.ep's check of the mesh and of {(v[3] - 2) // 5} MoE layers"
+                                        if len(v) > 3 else "commfuse.ep's check of the mesh and the MoE layers"))
 
 
 # -- the gradient norm ---------------------------------------------------------------------------------------------

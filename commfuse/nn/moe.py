@@ -48,9 +48,11 @@ The router also has torchtitan 0.3's (and DeepSeek-V3's) options: a route
 scale, a router bias, the auxiliary-loss-free load-balancing expert bias and
 node-limited routing; and the layer may have shared experts, whose GEMMs run
 while the dispatch flies. What each costs, what the parameters are
-(DTensors: experts sharded by expert, the router replicated), which mean the
-gradients are of, and what runs in which dtype under ``torch.autocast``:
-:class:`MoE`.
+(DTensors: experts sharded by expert, the router replicated), whose loss the
+gradients are of (``loss``: each rank's own, or one the group shares, as under
+sequence parallelism, where the layer takes a sequence-sharded DTensor), and
+what runs in which dtype under ``torch.autocast``: :class:`MoE`. A whole model
+with MoE layers on a dp x ep mesh: :mod:`commfuse.ep`.
 """
 
 from __future__ import annotations
@@ -765,7 +767,7 @@ def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Ten
     :class:`MoE`'s; ``auto`` decides on this rank's row count, so give every rank the same, or name it). The
     backward makes each source's input gradient (SwiGLU', gate/up dgrad and wgrad) and sends it back while
     the next is made. ``w13``'s gradient is the sum over every source's rows divided by the world size, as
-    :class:`MoE` gives it (that of the mean of the ranks' losses).
+    :class:`MoE` gives it with ``loss="per_rank"`` (that of the mean of the ranks' losses).
     """
     _not_traced()
     group, rank, n, be = _half_group(group, xs.device)
@@ -791,7 +793,8 @@ def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Ten
     ``acts`` and ``recv_counts``: :func:`dispatch_experts`'s outputs; ``send_counts``: what it was given;
     ``w2`` (local experts, ffn, hidden); ``group`` and ``algorithm``: the same as there. The backward sends the
     output gradient to the expert ranks, each arriving source through the down projection's dgrad and wgrad.
-    ``w2``'s gradient is the sum over every source's rows divided by the world size, as :class:`MoE` gives it.
+    ``w2``'s gradient is the sum over every source's rows divided by the world size, as :class:`MoE` gives it
+    with ``loss="per_rank"``.
     """
     _not_traced()
     group, rank, n, be = _half_group(group, acts.device)
@@ -924,24 +927,45 @@ class MoE(nn.Module):
     ``clip_grad_norm_`` see the whole layer: a checkpoint holds every rank's
     experts. The forward runs on the local tensors.
 
-    **Gradients.** The layer treats the ranks of its group as data-parallel
-    ranks, each with its own tokens, and gives the gradients of the *mean* of
-    their losses, as DDP does for what it replicates: the router's gradient is
-    averaged over the group in the backward (one all-reduce of (experts,
-    hidden)); each expert's is the sum over every token routed to it, from
-    every rank, divided by N. So on one expert-parallel axis there is nothing
-    to add. Beside a data-parallel axis (a dp x ep mesh), build the layer with
-    ``group=mesh["ep"]`` and shard or replicate it over ``mesh["dp"]``
-    (``fully_shard(model, mesh=mesh["dp"])``, or DDP with
-    ``device_mesh=mesh["dp"]``): their average over dp makes every gradient
-    that of the mean over all dp x ep ranks. Keep ``fully_shard``'s default
-    gradient divide factor: the layer has divided by N already. Never wrap the
-    layer in DDP over (a group holding ranks of) its expert-parallel group:
-    DDP broadcasts rank 0's parameters, which would overwrite every rank's
-    experts with rank 0's. The layer refuses to run under such a DDP (a
-    :class:`CommfuseValueError` naming DDP's ranks, at its first forward); DDP
-    over a plain process group refuses the DTensor parameters itself when it
-    is built.
+    **Gradients.** ``loss`` says whose loss they are of:
+
+    * ``"per_rank"`` (the default): every rank of the group has tokens and
+      a loss of its own, as under DDP. The gradients are those of the *mean*
+      of the ranks' losses, as DDP gives for what it replicates: the router's
+      gradient (and the router bias's and the shared experts', likewise) is
+      averaged over the group in the backward (one all-reduce of (experts,
+      hidden)); each expert's is the sum over every token routed to it, from
+      every rank, divided by N. So on one expert-parallel axis there is
+      nothing to add.
+    * ``"shared"``: the ranks hold shards of one batch and share one loss,
+      which every rank computes alike (the sequence shards of a
+      tensor-parallel model under sequence parallelism). The gradients are
+      that loss's: the router's summed over the group, each expert's the sum
+      over its tokens. Under ``"per_rank"`` they would be 1/N of it.
+
+    A DTensor input is one tensor sharded over the group, so it takes
+    ``"shared"``: placed ``Shard(d)`` (d any dim but the last) on a 1-D mesh
+    over the group's ranks, as torch's ``SequenceParallel`` hands on a
+    sequence-sharded activation. The layer computes on its local tensor and
+    returns a DTensor placed alike (its gradient comes back so too); it refuses
+    by name a DTensor under ``"per_rank"``, a replicated or partial one, one
+    sharded along its features and one over other ranks. A local tensor says
+    nothing of the loss: ``loss`` does. ``loss`` is part of each call's size
+    exchange check, so a rank built with the other is named on every rank.
+
+    Beside a data-parallel axis (a dp x ep mesh, each rank with a loss of its
+    own): build the layer with ``group=mesh["ep"]``; the model's other (dense)
+    parameters are then averaged over all dp x ep ranks and the layer's over
+    dp. :func:`commfuse.ep.fully_shard` (FSDP2) and :func:`commfuse.ep.ddp`
+    make both reductions, and :func:`commfuse.ep.clip_grad_norm_` clips such a
+    model, whose parameters lie on several meshes. Never wrap the layer in
+    DDP over (a group holding ranks of) its expert-parallel group with its
+    parameters in DDP's care: DDP broadcasts rank 0's parameters, which would
+    overwrite every rank's experts with rank 0's. The layer refuses to run
+    under such a DDP (a :class:`CommfuseValueError` naming DDP's ranks, at its
+    first forward), unless DDP ignores its parameters (as
+    :func:`commfuse.ep.ddp` has it); DDP over a plain process group refuses
+    the DTensor parameters itself when it is built.
 
     **Initialisation.** The router is drawn from the global RNG: seed every
     rank alike, as for any replicated parameter. Each expert is drawn from a

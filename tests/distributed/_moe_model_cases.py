@@ -184,34 +184,42 @@ def torch_clip_on_dp_by_ep(rank: int, n: int, wrapper: str) -> str:
     return "ran"
 
 
-def recipe_refusals(rank: int, n: int, what: str) -> str:
-    """``commfuse.ep``'s refusals on a 2 x 2 (dp, ep) mesh: an MoE layer on the dp axis, one with
-    loss='shared', a mesh without an ep axis, DDP given a process group, a rank (3) whose layer differs, a
-    rank (3) with one layer more."""
+RECIPE_REFUSALS = ("group on dp", "shared loss", "no ep axis", "ddp given a process group",
+                   "rank 3's layer differs", "rank 3 has one layer more")
+
+
+def recipe_refusals(rank: int, n: int) -> dict[str, str]:
+    """``commfuse.ep``'s refusals on a 2 x 2 (dp, ep) mesh, one after the other on the same ranks (each a
+    fresh model): an MoE layer on the dp axis, one with loss='shared', a mesh without an ep axis, DDP given a
+    process group, a rank (3) whose layer differs, a rank (3) with one layer more; what each rank raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "ep"))
-    group, loss, ffn, layers = mesh["ep"], "per_rank", FFN, 2
-    if what == "group on dp":
-        group = mesh["dp"]
-    if what == "shared loss":
-        loss = "shared"
-    if what == "rank 3's layer differs" and rank == 3:
-        ffn = FFN + 4
-    if what == "rank 3 has one layer more" and rank == 3:
-        layers = 3
-    torch.manual_seed(0)
-    model = Model([MoE(HIDDEN, ffn, EXPERTS, 2, group=group, loss=loss) for _ in range(layers)])
-    try:
-        if what == "no ep axis":
-            ep.fully_shard(model, init_device_mesh("cpu", (n,), mesh_dim_names=("dp",)))
-        elif what == "ddp given a process group":
-            ep.ddp(model, mesh, process_group=mesh["dp"].get_group())
+    said = {}
+    for what in RECIPE_REFUSALS:
+        group, loss, ffn, layers = mesh["ep"], "per_rank", FFN, 2
+        if what == "group on dp":
+            group = mesh["dp"]
+        if what == "shared loss":
+            loss = "shared"
+        if what == "rank 3's layer differs" and rank == 3:
+            ffn = FFN + 4
+        if what == "rank 3 has one layer more" and rank == 3:
+            layers = 3
+        torch.manual_seed(0)
+        model = Model([MoE(HIDDEN, ffn, EXPERTS, 2, group=group, loss=loss) for _ in range(layers)])
+        try:
+            if what == "no ep axis":
+                ep.fully_shard(model, init_device_mesh("cpu", (n,), mesh_dim_names=("dp",)))
+            elif what == "ddp given a process group":
+                ep.ddp(model, mesh, process_group=mesh["dp"].get_group())
+            else:
+                ep.fully_shard(model, mesh)
+        except CommfuseError as e:
+            said[what] = f"{type(e).__name__}: {e}"
         else:
-            ep.fully_shard(model, mesh)
-    except CommfuseError as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+            said[what] = "no error"
+    return said
 
 
 # -- transformers' Mixtral under tensor parallelism with sequence parallelism -------------------------------------
@@ -338,36 +346,44 @@ def mixtral_sequence_parallel(rank: int, n: int, how: str, steps: int = 2) -> li
     return problems
 
 
-def sharded_input_refusals(rank: int, n: int, what: str) -> str:
-    """A DTensor input the layer cannot take, or ranks whose conventions differ: what every rank raises."""
+SHARDED_INPUT_REFUSALS = ("DTensor into a per_rank layer", "replicated DTensor", "DTensor sharded along its features",
+                          "DTensor over other ranks", "convention differs on rank 1")
+
+
+def sharded_input_refusals(rank: int, n: int) -> dict[str, str]:
+    """DTensor inputs the layer cannot take, and ranks whose conventions differ, one after the other on the same
+    ranks (a 1-D mesh over all of them; a 2 x n/2 (dp, ep) one for the DTensor over other ranks): what each rank
+    raised, and, after a refusal, whether a plain call on the layer's group still ran (it raises if not)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    x = torch.randn(2, 4, HIDDEN, generator=torch.Generator().manual_seed(rank))
-    loss = "shared"
-    if what == "convention differs on rank 1":
-        loss = "shared" if rank == 1 else "per_rank"
-    if what == "DTensor into a per_rank layer":
-        loss = "per_rank"
-    if what == "DTensor over other ranks":
-        mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "ep"))
-        moe = MoE(HIDDEN, FFN, EXPERTS, 2, group=mesh["ep"], loss=loss, algorithm="ring")
-        x = DTensor.from_local(x, mesh["dp"], [Shard(1)], run_check=False)
-    else:
-        tp = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
-        moe = MoE(HIDDEN, FFN, EXPERTS, 2, group=tp, loss=loss, algorithm="ring")
+    flat = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    two = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "ep"))
+    said = {}
+    for what in SHARDED_INPUT_REFUSALS:
+        x = torch.randn(2, 4, HIDDEN, generator=torch.Generator().manual_seed(rank))
+        loss = {"DTensor into a per_rank layer": "per_rank",
+                "convention differs on rank 1": "shared" if rank == 1 else "per_rank"}.get(what, "shared")
+        group, mesh, placement = flat, flat, Shard(1)
+        if what == "DTensor over other ranks":
+            group, mesh = two["ep"], two["dp"]
         placement = {"replicated DTensor": Replicate(), "DTensor sharded along its features": Shard(2)}.get(
             what, Shard(1))
+        moe = MoE(HIDDEN, FFN, 2 * group.size(), 2, group=group, loss=loss, algorithm="ring")
         if what != "convention differs on rank 1":
-            x = DTensor.from_local(x, tp, [placement], run_check=False)
-    try:
-        moe(x)
-    except CommfuseError as e:
-        text = f"{type(e).__name__}: {e}"
-    else:
-        return "no error"
-    y = MoE(HIDDEN, FFN, EXPERTS, 2, group=moe.group, algorithm="ring")(torch.randn(3, HIDDEN))  # still usable
-    return text if y.shape == (3, HIDDEN) else f"{text} (and the next call gave {list(y.shape)})"
+            x = DTensor.from_local(x, mesh, [placement], run_check=False)
+        try:
+            moe(x)
+        except CommfuseError as e:
+            said[what] = f"{type(e).__name__}: {e}"
+        else:
+            said[what] = "no error"
+        if what == "convention differs on rank 1":
+            continue  # (the last) a mismatch declares the group dead: no call runs on it afterwards
+        y = MoE(HIDDEN, FFN, 2 * group.size(), 2, group=group, algorithm="ring")(torch.randn(3, HIDDEN))
+        if y.shape != (3, HIDDEN):
+            said[what] += f" (and the next call gave {list(y.shape)})"
+    return said
 
 
 def per_rank_gives_the_mean(rank: int, n: int) -> list[str]:

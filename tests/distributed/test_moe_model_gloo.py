@@ -43,20 +43,27 @@ def test_torch_clip_grad_norm_cannot_take_such_a_model(wrapper, said):
         assert said in text, f"rank {rank}: {text}"
 
 
-@pytest.mark.parametrize("what,named", [
-    ("group on dp", "build it with group=mesh['ep']"),
-    ("shared loss", "loss='shared'"),
-    ("no ep axis", "without ['ep']"),
-    ("ddp given a process group", "process_group= is not taken"),
-    ("rank 3's layer differs", "global ranks [3] hold other MoE layers"),
-    ("rank 3 has one layer more", "rank 3"),
-])
-def test_the_recipe_refuses_by_name_on_every_rank(what, named):
-    for rank, text in enumerate(launch(cases.recipe_refusals, 4, what, timeout=300)):
-        assert text.startswith(("CommfuseValueError: ", "MismatchError: ")), f"rank {rank}: {text}"
-        assert named in text, f"rank {rank}: {text}"
-        if what in ("group on dp", "shared loss", "no ep axis"):
-            assert f"rank {rank}" in text, f"rank {rank}: {text}"
+RECIPE_REFUSALS = {  # what commfuse.ep refuses, and what every rank's error says
+    "group on dp": "build it with group=mesh['ep']",
+    "shared loss": "loss='shared'",
+    "no ep axis": "without ['ep']",
+    "ddp given a process group": "process_group= is not taken",
+    "rank 3's layer differs": "global ranks [3] hold other MoE layers",
+    "rank 3 has one layer more": "of 3 MoE layers",  # rank 3's, in the exchange's own check
+}
+
+
+def test_the_recipe_refuses_by_name_on_every_rank():
+    assert tuple(RECIPE_REFUSALS) == cases.RECIPE_REFUSALS
+    for rank, said in enumerate(launch(cases.recipe_refusals, 4, timeout=300)):
+        for what, named in RECIPE_REFUSALS.items():
+            text = said[what]
+            assert text.startswith(("CommfuseValueError: ", "MismatchError: ")), f"rank {rank}, {what}: {text}"
+            assert named in text, f"rank {rank}, {what}: {text}"
+            if what in ("group on dp", "shared loss", "no ep axis"):
+                assert f"rank {rank}" in text, f"rank {rank}, {what}: {text}"
+            if what.startswith("rank 3"):
+                assert "rank 3" in text, f"rank {rank}, {what}: {text}"
 
 
 def test_per_rank_gives_the_mean_and_shared_the_sum_of_the_ranks_losses():
@@ -82,22 +89,27 @@ def test_qwen3_moe_on_dp_by_ep_trains_like_one_process(wrapper):
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("what,named", [
-    ("DTensor into a per_rank layer", "built with loss='per_rank'"),
-    ("replicated DTensor", "replicated: every rank would route every token"),
-    ("DTensor sharded along its features", "sharded along its features"),
-    ("DTensor over other ranks", "the layer's expert-parallel group is global ranks"),
-    ("convention differs on rank 1", "(loss='shared')"),
-])
-def test_what_the_layer_cannot_take_is_named_on_every_rank(what, named):
-    n = 4 if what == "DTensor over other ranks" else 2
-    for rank, text in enumerate(launch(cases.sharded_input_refusals, n, what, timeout=300)):
-        want = "MismatchError: " if what == "convention differs on rank 1" else "CommfuseValueError: "
-        assert text.startswith(want) and named in text, f"rank {rank}: {text}"
-        if what == "convention differs on rank 1":
-            assert "rank 1" in text and "one loss shared over the group" in text, f"rank {rank}: {text}"
-        else:
-            assert f"rank {rank}" in text, f"rank {rank}: {text}"
+SHARDED_INPUT_REFUSALS = {  # what the layer refuses, and what every rank's error says
+    "DTensor into a per_rank layer": "built with loss='per_rank'",
+    "replicated DTensor": "replicated: every rank would route every token",
+    "DTensor sharded along its features": "sharded along its features",
+    "DTensor over other ranks": "the layer's expert-parallel group is global ranks",
+    "convention differs on rank 1": "(loss='shared')",
+}
+
+
+def test_what_the_layer_cannot_take_is_named_on_every_rank_and_the_group_stays_usable():
+    assert tuple(SHARDED_INPUT_REFUSALS) == cases.SHARDED_INPUT_REFUSALS
+    for rank, said in enumerate(launch(cases.sharded_input_refusals, 4, timeout=300)):
+        for what, named in SHARDED_INPUT_REFUSALS.items():
+            text = said[what]
+            want = "MismatchError: " if what == "convention differs on rank 1" else "CommfuseValueError: "
+            assert text.startswith(want) and named in text, f"rank {rank}, {what}: {text}"
+            assert "the next call gave" not in text, f"rank {rank}, {what}: {text}"
+            if what == "convention differs on rank 1":
+                assert "rank 1" in text and "one loss shared over the group" in text, f"rank {rank}: {text}"
+            else:
+                assert f"rank {rank}" in text, f"rank {rank}, {what}: {text}"
 
 
 @pytest.mark.parametrize("model", ("mixtral", "qwen3_moe"))
