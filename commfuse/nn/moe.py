@@ -1036,7 +1036,7 @@ class MoE(nn.Module):
         self.backend = None
         self._calls: dict = {}
         self._ddp_seen = weakref.WeakKeyDictionary()  # the DDP modules this layer ran under, found harmless
-        self._inputs_seen: dict = {}  # the DTensor inputs' (mesh, placements, ndim) found right
+        self._inputs_seen: dict = {}  # the DTensor inputs' (mesh, placements, ndim, loss) found right
         kw = dict(device=device, dtype=dtype)
         # DTensors on the group's mesh with more than one rank (None: plain tensors, the whole layer)
         mesh = self._mesh = layer_mesh(group, self.group, self.world_size, device)
@@ -1245,12 +1245,12 @@ class MoE(nn.Module):
         # (under torch.compile the exchanges run at a graph break, eagerly; the count is not traced)
         guard = nullcontext() if compiling else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
         with guard:  # a refusal on this rank reaches its peers
+            if sharded is not None:
+                self._check_sharded(sharded)
             if shape[-1] != self.hidden_size:
                 raise CommfuseValueError(
                     f"MoE: rank {self.rank}: input has {shape[-1]} features in its last dim, the layer's hidden "
                     f"size is {self.hidden_size}")
-            if sharded is not None:
-                self._check_sharded(sharded)
             # the dtype torch.autocast runs a matmul of the two in, when it casts both (the ops' own rule)
             cast = ops.autocast_dtype(xt) if ops.autocast_dtype(w13) is not None else None
             if cast is None and xt.dtype != w13.dtype:
@@ -1300,7 +1300,7 @@ class MoE(nn.Module):
         """A DTensor input must be this layer's group's tokens, one shard per rank: placed ``Shard(d)`` (d not
         the feature dim) on a 1-D mesh over the group's ranks, into a layer whose ranks share one loss. Once
         per mesh and placement."""
-        key = (x.device_mesh, tuple(x.placements), x.ndim)
+        key = (x.device_mesh, tuple(x.placements), x.ndim, self.loss)
         if key in self._inputs_seen:
             return
         from torch.distributed.tensor import Shard

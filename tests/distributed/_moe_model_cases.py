@@ -361,7 +361,8 @@ def sharded_input_refusals(rank: int, n: int) -> dict[str, str]:
     two = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "ep"))
     said = {}
     for what in SHARDED_INPUT_REFUSALS:
-        x = torch.randn(2, 4, HIDDEN, generator=torch.Generator().manual_seed(rank))
+        width = HIDDEN // n if what == "DTensor sharded along its features" else HIDDEN  # the whole: HIDDEN
+        x = torch.randn(2, 4, width, generator=torch.Generator().manual_seed(rank))
         loss = {"DTensor into a per_rank layer": "per_rank",
                 "convention differs on rank 1": "shared" if rank == 1 else "per_rank"}.get(what, "shared")
         group, mesh, placement = flat, flat, Shard(1)
