@@ -6,7 +6,6 @@ sequence parallelism, its sparse blocks replaced by commfuse's layer; and the re
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from commfuse import ep
@@ -121,14 +120,8 @@ def dp_by_ep(rank: int, n: int, wrapper: str, clip: float, steps: int = 3) -> li
 
     problems: list[str] = []
     mesh, reference, model = _dp_by_ep_model(n)
-    if wrapper == "fully_shard":
-        for block in model.blocks:
-            ep.fully_shard(block, mesh)
-        ep.fully_shard(model, mesh)
-        run, no_sync = model, (lambda: fsdp.no_sync(model))
-    else:
-        run = ep.ddp(model, mesh)
-        no_sync = run.no_sync
+    run = _wrapped(model, mesh, wrapper)
+    no_sync = run.no_sync if wrapper == "ddp" else (lambda: fsdp.no_sync(model))
     names = [name for name, _ in model.named_parameters()]
     params = list(model.parameters())
     wanted = dict(reference.named_parameters())
@@ -167,15 +160,57 @@ def dp_by_ep(rank: int, n: int, wrapper: str, clip: float, steps: int = 3) -> li
     return problems
 
 
+def _wrapped(model: Model, mesh, wrapper: str) -> nn.Module:
+    """``model`` under commfuse.ep's recipe: what to call (the DDP module, or the model FSDP2 sharded)."""
+    if wrapper == "ddp":
+        return ep.ddp(model, mesh)
+    for block in model.blocks:
+        ep.fully_shard(block, mesh)
+    return ep.fully_shard(model, mesh)
+
+
+def dcp_round_trip(rank: int, n: int, path: str) -> list[str]:
+    """Under each recipe: a step, then model and AdamW state saved with torch.distributed.checkpoint and loaded
+    into a fresh wrapped model (another init): every parameter (the whole of each) is back bit-exactly, and
+    both compute the same output on the next tokens."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    problems: list[str] = []
+    for wrapper in ("fully_shard", "ddp"):
+        mesh, _, model = _dp_by_ep_model(n)
+        run = _wrapped(model, mesh, wrapper)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _loss(rank, run(_tokens(n, 0)[rank])).backward()
+        opt.step()
+        saved = {name: _whole(p.detach()).clone() for name, p in model.named_parameters()}
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{path}/{wrapper}")
+        torch.manual_seed(12345)
+        fresh = Model([MoE(HIDDEN, FFN, EXPERTS, 2, group=mesh["ep"], algorithm="ring") for _ in range(2)])
+        fresh_run = _wrapped(fresh, mesh, wrapper)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        # a list, not a generator: making each whole is a collective that every rank makes, for every parameter
+        if any([torch.equal(_whole(p.detach()), saved[name]) for name, p in fresh.named_parameters()]):
+            problems.append(f"{wrapper}: the fresh model starts with some saved parameters: the test proves less")
+        model_state, optim_state = get_state_dict(fresh, fresh_opt)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=f"{path}/{wrapper}")
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for name, p in fresh.named_parameters():
+            if not torch.equal(_whole(p.detach()), saved[name]):
+                problems.append(f"{wrapper}: {name} is not what was saved")
+        x = _tokens(n, 1)[rank]
+        if not torch.equal(run(x), fresh_run(x)):
+            problems.append(f"{wrapper}: the loaded model computes other outputs than the saved one")
+    return problems
+
+
 def torch_clip_on_dp_by_ep(rank: int, n: int, wrapper: str) -> str:
     """torch's own clip_grad_norm_ on the same model: what it says (it cannot stack the norms of several
     meshes, or of DTensors beside plain tensors)."""
     mesh, _, model = _dp_by_ep_model(n)
-    if wrapper == "fully_shard":
-        ep.fully_shard(model, mesh)
-        run = model
-    else:
-        run = ep.ddp(model, mesh)
+    run = _wrapped(model, mesh, wrapper)
     _loss(rank, run(_tokens(n, 0)[rank])).backward()
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -33,6 +33,11 @@ def test_a_model_of_dense_and_moe_layers_on_dp_by_ep_trains_like_one_process(wra
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
 
 
+def test_a_checkpoint_of_such_a_model_loads_back_exactly(tmp_path):
+    for rank, problems in enumerate(launch(cases.dcp_round_trip, 4, str(tmp_path / "checkpoint"), timeout=600)):
+        assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
+
+
 @pytest.mark.parametrize("wrapper,said", [("fully_shard", "must have the same mesh"),
                                           ("ddp", "mixed torch.Tensor and DTensor")])
 def test_torch_clip_grad_norm_cannot_take_such_a_model(wrapper, said):
