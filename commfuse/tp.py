@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.context import check_layout, positions
@@ -250,16 +250,21 @@ class _Style(ParallelStyle):
         module.__dict__["_commfuse_site"] = site
         return module
 
-    def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple) -> list[torch.Tensor]:
+    def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple,
+                 rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``x`` (the module input, placed ``input_layouts`` when local) through column-parallel ``linears``:
         each one's local output, sharded on its features. A sequence-sharded input is gathered once, fused
         with every GEMM (``all_gather_matmul`` with one weight per linear); any other layout is gathered
         through DTensor first. ``options``: the style's options for the fused op's fingerprint
-        (:func:`~commfuse.nn._common.config`)."""
+        (:func:`~commfuse.nn._common.config`). ``rows``: this rank's rows of one replicated projection
+        (a stacked one, :func:`_stacked_rows`), its weight's and bias's gradients summed over the mesh."""
         local, have = _local_input(x, self.input_layouts[0], mesh, who)
+        n = mesh.size()
+        if rows is not None:
+            (lin,) = linears
+            linears = [_Rows(lin, rows, mesh.get_group() if n > 1 else None)]
         # weights read per call: fully_shard swaps in the unsharded parameters before each forward
         ws = [lin.weight.to_local().t() for lin in linears]
-        n = mesh.size()
         feature = local.ndim - 1
         if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(have.dim, n, x):
             ys = ops.all_gather_matmul(local, ws if len(ws) > 1 else ws[0], group=mesh.get_group(),
@@ -519,7 +524,7 @@ class _MLP:
     """A feed-forward block as :class:`SwiGLUParallel` read it (per block: one style may be applied to many)."""
 
     __slots__ = ("where", "names", "gate", "up", "gate_up", "down", "activation", "options", "input_name",
-                 "hf")
+                 "hf", "rows")
 
     def hidden(self, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
         """The activation of the gate, times the up projection's output where the block is gated."""
@@ -551,9 +556,11 @@ class SwiGLUParallel(_Style):
     **The block's parts.** ``w1`` (gate), ``w3`` (up) and ``w2`` (down) name the block's ``nn.Linear``
     projections by their paths in it, dotted where they sit deeper (``"mlp.w1"``); ``gate_up`` names one
     fused projection whose rows are ``[gate; up]`` (Phi-3's ``gate_up_proj``), in place of ``w1`` and
-    ``w3``; it is placed ``_StridedShard(0, split_factor=2)``, which states that layout (each rank holds its
-    rows of the gate and its rows of the up projection), so ``state_dict``, DCP and ``full_tensor()`` see the
-    true rows. ``gated=False`` takes a plain ``w2(act(w1(x)))`` block. ``activation``: ``"silu"`` (the
+    ``w3``; it is placed ``Replicate()``, its rows as the block holds them (so ``state_dict``, DCP and
+    ``full_tensor()`` see the truth), and each rank computes with its rows of the gate and of the up
+    projection, their gradients summed over the mesh: the price is that projection's whole weight on every
+    rank and an all-reduce of its gradient. (``_StridedShard(0, split_factor=2)`` would state the cut to
+    ``full_tensor()``, but torch 2.13's DCP saves and loads such a shard at the wrong rows.) ``gated=False`` takes a plain ``w2(act(w1(x)))`` block. ``activation``: ``"silu"`` (the
     default), ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``. Biases on any projection are computed.
 
     **transformers modules.** Given no names, a transformers MLP is read from itself: ``gate_proj``,
@@ -657,7 +664,7 @@ class SwiGLUParallel(_Style):
             raise CommfuseValueError(
                 f"{who}: {parts.where}'s fused gate and up projection {names['gate_up']!r} has "
                 f"{parts.gate_up.out_features} rows, which are not [gate; up] of equal size each dividing by the "
-                f"mesh's {mesh.size()} ranks (its placement, _StridedShard(0, split_factor=2), needs it)")
+                f"mesh's {mesh.size()} ranks (each rank computes with its rows of each)")
         self._verify(module, parts, instead)
         parts.options = (("gate_bias", bool((parts.gate_up or parts.gate).bias is not None)),
                          ("up_bias", bool(parts.up is not None and parts.up.bias is not None)),
@@ -692,7 +699,9 @@ class SwiGLUParallel(_Style):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         parts = self._read(module, device_mesh)
         if parts.gate_up is not None:
-            _strided(self, parts.gate_up, device_mesh, 2)
+            _replicated_stacked(self, parts.gate_up, device_mesh)
+            half = parts.gate_up.out_features // 2
+            parts.rows = _stacked_rows([half, half], device_mesh.get_local_rank(), device_mesh.size())
         else:
             _colwise(self, parts.gate, device_mesh)
             if parts.up is not None:
@@ -719,8 +728,8 @@ class SwiGLUParallel(_Style):
         who = "commfuse.tp.SwiGLUParallel"
         options = (who, parts.options)
         if parts.gate_up is not None:
-            (both,) = self._columns(mesh, x, [parts.gate_up], who, options)
-            gate, up = both.chunk(2, dim=-1)  # this rank's rows of each: _StridedShard(0, split_factor=2)
+            (both,) = self._columns(mesh, x, [parts.gate_up], who, options, parts.rows)
+            gate, up = both.chunk(2, dim=-1)  # this rank's rows of each
         elif parts.up is not None:
             gate, up = self._columns(mesh, x, [parts.gate, parts.up], who, options)
         else:
@@ -728,13 +737,52 @@ class SwiGLUParallel(_Style):
         return self._row(mesh, parts.hidden(gate, up), parts.down, who, options)
 
 
-def _strided(style: _Style, linear: nn.Linear, mesh: DeviceMesh, parts: int) -> None:
-    """A projection whose rows are ``parts`` stacked blocks (``[gate; up]``, ``[q; k; v]``) placed so that each
-    rank holds its rows of every block: ``_StridedShard(0, split_factor=parts)``, the placement that says so
-    (``full_tensor()``, ``state_dict`` and DCP see the rows as the block holds them)."""
-    style._distribute(linear, "weight", mesh, _StridedShard(0, split_factor=parts))
+def _stacked_rows(sizes: list[int], rank: int, n: int) -> torch.Tensor:
+    """This rank's rows of a projection whose rows are blocks of ``sizes`` stacked (``[gate; up]``, ``[q; k;
+    v]``): its ``1/n`` of each block, in block order (int64 indices)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([torch.arange(start + rank * (size // n), start + (rank + 1) * (size // n))
+                      for start, size in zip(starts, sizes)])
+
+
+def _replicated_stacked(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """A stacked projection placed ``Replicate()``: every rank holds the rows as the block holds them, so
+    ``full_tensor()``, ``state_dict`` and DCP see the truth. (``_StridedShard(0, split_factor)`` states each
+    rank's rows of each block to ``full_tensor()``, but torch 2.13's DCP reads and writes such a shard as one
+    contiguous chunk at the wrong offset: a checkpoint of other rows, silently.) The style computes with this
+    rank's rows of it (:class:`_Rows`)."""
+    style._distribute(linear, "weight", mesh, Replicate())
     if linear.bias is not None:
-        style._distribute(linear, "bias", mesh, _StridedShard(0, split_factor=parts))
+        style._distribute(linear, "bias", mesh, Replicate())
+
+
+class _Rows:
+    """This rank's rows of a replicated projection, as ``_columns`` reads a linear (``weight``, ``bias``, each
+    with ``to_local()``): taken per call from the local whole, so their gradients land in the rows they came
+    from, summed over ``group`` (every rank holds the whole parameter, and each computed with its rows)."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, linear: nn.Linear, rows: torch.Tensor, group) -> None:
+        self.weight = _Local(_picked(linear.weight, rows, group))
+        self.bias = None if linear.bias is None else _Local(_picked(linear.bias, rows, group))
+
+
+class _Local:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to_local(self) -> torch.Tensor:
+        return self.t
+
+
+def _picked(param, rows: torch.Tensor, group) -> torch.Tensor:
+    whole = param.to_local() if isinstance(param, DTensor) else param
+    if group is not None:
+        whole = replicated(whole, group)
+    return whole.index_select(0, rows.to(whole.device))
 
 
 #: parameter names of a KV cache: never a rope hook's, refused when not None (the style attends over the call's
@@ -742,8 +790,8 @@ def _strided(style: _Style, linear: nn.Linear, mesh: DeviceMesh, parts: int) -> 
 _CACHE_NAMES = ("kv_cache", "past_key_values", "past_key_value", "layer_past", "past")
 #: what transformers' decoder layers hand an attention module that its own forward does not read under the eager
 #: and SDPA attention (the positions are in ``position_embeddings``; the cache position and ``use_cache`` only
-#: matter to a cache, which is refused)
-_TRANSFORMERS_UNREAD = ("position_ids", "cache_position", "use_cache")
+#: matter to a cache, which is refused; a mixture of experts' output_router_logits is its router's)
+_TRANSFORMERS_UNREAD = ("position_ids", "cache_position", "use_cache", "output_router_logits")
 #: the attention functions of transformers whose computation the style mirrors (``config._attn_implementation``)
 _TRANSFORMERS_ATTENTION = (None, "eager", "sdpa")
 
@@ -754,7 +802,7 @@ class _Attention:
 
     __slots__ = ("where", "names", "projections", "wo", "layout", "heads_per_kv", "head_dim", "q_norm", "k_norm",
                  "scale", "softcap", "window", "causal", "dropout", "hf", "implementation", "rope_fn",
-                 "input_name", "arg_names", "options", "instead")
+                 "input_name", "arg_names", "options", "instead", "rows")
 
     def heads(self, ys: list, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (b, s, heads, head_dim) from the projections' outputs (whole heads, or this rank's)."""
@@ -763,8 +811,9 @@ class _Attention:
             return tuple(y.view(b, s, -1, d) for y in ys)
         if self.layout == "grouped":
             return _split_qkv(ys[0], self.heads_per_kv, d)
-        # stacked [q; k; v] of equal widths (whole, or this rank's rows of each: _StridedShard(0, 3))
-        return tuple(t.reshape(b, s, -1, d) for t in ys[0].chunk(3, dim=-1))
+        # stacked [q; k; v] (whole, or this rank's rows of each): q is heads_per_kv times as wide as k and v
+        kv = ys[0].shape[-1] // (self.heads_per_kv + 2)
+        return tuple(t.reshape(b, s, -1, d) for t in ys[0].split([kv * self.heads_per_kv, kv, kv], dim=-1))
 
     def normed(self, q: torch.Tensor, k: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k through the block's per-head norms (QK-norm), where it has them."""
@@ -1010,27 +1059,23 @@ class _AttentionStyle(_Style):
                                      f"function the style applies position_embeddings with; {parts.instead}")
 
     def _stacked(self, parts: _Attention, qkv: nn.Linear, wo: nn.Linear, n: int) -> None:
-        """A fused projection whose rows are [all q; all k; all v] (Phi-3's ``qkv_proj``), checked: the three of
-        one width (``_StridedShard(0, 3)`` states each rank's rows of each only then), whole heads per rank."""
+        """A fused projection whose rows are [all q; all k; all v] (Phi-3's ``qkv_proj``), checked: each rank's
+        1/n of each block is whole heads, its query heads those that share its key/value heads."""
         d, path = parts.head_dim, parts.names["qkv"]
         heads = wo.in_features // d
         kv_heads = (qkv.out_features // d - heads) // 2
-        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 or qkv.out_features != (heads + 2 * kv_heads) * d:
+        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 \
+                or qkv.out_features != (heads + 2 * kv_heads) * d:
             raise CommfuseValueError(
                 f"{self._who}: the fused QKV projection {path!r} of {parts.where} has {qkv.out_features} rows, which "
                 f"are not [q; k; v] heads of {d} with n_heads = {wo.in_features / d:g} read from the output "
                 f"projection {parts.names['wo']!r}")
-        if kv_heads != heads:
+        if heads % kv_heads or kv_heads % n:
             raise CommfuseValueError(
                 f"{self._who}: the fused QKV projection {path!r} of {parts.where} stacks {heads} query heads over "
-                f"{kv_heads} key/value heads ([all q; all k; all v]): no placement states each rank's rows of "
-                f"blocks of unequal size, and a plain Shard(0) would hand each rank rows of the wrong heads (a "
-                f"wrong checkpoint and a wrong attention); {parts.instead}, with {path!r}'s output gathered "
-                "(ColwiseParallel(output_layouts=Replicate()))")
-        if heads % n:
-            raise CommfuseValueError(
-                f"{self._who}: the fused QKV projection {path!r} of {parts.where} holds {heads} heads, which do not "
-                f"split evenly over {n} ranks: every rank must hold whole heads")
+                f"{kv_heads} key/value heads, which do not split evenly over {n} ranks with whole groups: every rank "
+                "must hold whole key/value heads and the query heads that share them")
+        parts.heads_per_kv = heads // kv_heads
 
     def _kv_groups(self, parts: _Attention, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
         """The query heads per key/value head of a fused QKV projection (torchtitan's ``FusedQKVLinear``
@@ -1164,12 +1209,15 @@ class AttentionParallel(_AttentionStyle):
     one gather feeds the one fused GEMM, whose output is split per group into
     q, k and v as ``FusedQKVLinear.forward`` splits it. With
     ``qkv_layout="stacked"`` the rows are ``[all q; all k; all v]`` (Phi-3's
-    ``qkv_proj``), placed ``_StridedShard(0, split_factor=3)`` so that each
-    rank's rows of each are stated truthfully (``full_tensor()``,
-    ``state_dict`` and DCP see the rows as the block holds them); that needs
-    as many key/value heads as query heads, and a grouped-query ``[q; k; v]``
-    is refused by name (no placement states it, and a plain ``Shard(0)``
-    would be a silently wrong checkpoint).
+    ``qkv_proj``), placed ``Replicate()`` so that ``full_tensor()``,
+    ``state_dict`` and DCP see the rows as the block holds them; each rank
+    computes with its rows of q, k and v, their gradients summed over the
+    mesh (the price: the projection's whole weight on every rank and an
+    all-reduce of its gradient; ``_StridedShard`` would state the cut, but
+    torch 2.13's DCP saves and loads such a shard at the wrong rows, and a
+    plain ``Shard(0)`` would hand each rank other heads). Grouped-query
+    ``[q; k; v]`` included: each rank takes its key/value heads' rows and
+    those of the query heads that share them.
 
     **transformers modules.** Given no projection names, a transformers
     attention module (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2,
@@ -1254,9 +1302,12 @@ class AttentionParallel(_AttentionStyle):
         parts = self._read(module, device_mesh, device_mesh.size())
         if parts.hf:
             self._verify(module, parts)
+        parts.rows = None
         for linear in parts.projections:
             if parts.layout == "stacked":
-                _strided(self, linear, device_mesh, 3)
+                _replicated_stacked(self, linear, device_mesh)
+                q, kv = parts.wo.in_features, parts.wo.in_features // parts.heads_per_kv
+                parts.rows = _stacked_rows([q, kv, kv], device_mesh.get_local_rank(), device_mesh.size())
             else:
                 _colwise(self, linear, device_mesh)
         _rowwise(self, parts.wo, device_mesh)
@@ -1366,7 +1417,7 @@ class AttentionParallel(_AttentionStyle):
         x, given, args, kwargs = call.x, call.masks, call.args, call.kwargs
         kind = fused_attention.mask_kind(given) if given else "none"
         options = (who, parts.options + (("mask", kind),))
-        ys = self._columns(mesh, x, parts.projections, who, options)
+        ys = self._columns(mesh, x, parts.projections, who, options, parts.rows)
         if ys[0].ndim != 3:
             raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {ys[0].ndim}-D")
         b, s = ys[0].shape[0], ys[0].shape[1]

@@ -34,6 +34,7 @@ FAMILIES = {
                          layer_types=["sliding_attention", "full_attention"]), "sdpa", True),  # QK-norm, GELU-tanh
     # one qkv_proj [q; k; v] and one gate_up_proj [gate; up]: as many key/value heads as query heads
     "phi3": (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), "sdpa", True),
+    "phi3-gqa": (dict(), "sdpa", True),  # [q; k; v] of 12 query heads over 6 key/value heads
 }
 
 
@@ -41,7 +42,7 @@ def config_of(family: str, **more):
     import transformers
 
     kwargs, implementation, _ = FAMILIES[family]
-    name = family.removesuffix("-eager")
+    name = family.removesuffix("-eager").removesuffix("-gqa")
     base = dict(vocab_size=64, hidden_size=96, intermediate_size=120, num_hidden_layers=2, num_attention_heads=12,
                 num_key_value_heads=6, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -179,9 +180,11 @@ def compare_family(rank: int, n: int, family: str) -> dict:
 
 
 def phi3_checkpoint(rank: int, n: int, path: str) -> dict:
-    """Phi-3's fused qkv_proj and gate_up_proj, placed _StridedShard: a distributed checkpoint saved from the
-    parallelized model and loaded into a parallelized model of other weights holds the block's own rows, and
-    loaded into an unsharded model gives its weights back."""
+    """Phi-3's fused qkv_proj and gate_up_proj (grouped-query): a distributed checkpoint saved from the
+    parallelized model and loaded into a parallelized model of other weights holds the block's own rows, loaded
+    into an unsharded model gives its weights back, and one saved from an unsharded model loads into a
+    parallelized one as it was (torch 2.13's DCP would load a _StridedShard parameter's rows from the wrong
+    offsets)."""
     import torch.distributed.checkpoint as dcp
 
     results = {}
@@ -191,23 +194,33 @@ def phi3_checkpoint(rank: int, n: int, path: str) -> dict:
         return {"model.layers.*.self_attn": tp.AttentionParallel(), "model.layers.*.mlp": tp.SwiGLUParallel()}
 
     def round_trip():
-        base = model_of("phi3", seed=0)
+        base = model_of("phi3-gqa", seed=0)
         want = {k: v.clone() for k, v in base.state_dict().items()}
         parallelize_module(base, mesh, plan())
         dcp.save(base.state_dict(), checkpoint_id=path)
-        other = parallelize_module(model_of("phi3", seed=1), mesh, plan())
+        other = parallelize_module(model_of("phi3-gqa", seed=1), mesh, plan())
         state = other.state_dict()
         dcp.load(state, checkpoint_id=path)
         other.load_state_dict(state)
         for key, value in other.state_dict().items():
             if not torch.equal(_full(value), want[key]):
                 raise AssertionError(f"{key}: loaded from the checkpoint, the whole tensor is not the saved one")
-        plain = model_of("phi3", seed=2)
+        plain = model_of("phi3-gqa", seed=2)
         state = plain.state_dict()
         dcp.load(state, checkpoint_id=path)
         for key, value in state.items():
             if not torch.equal(value, want[key]):
                 raise AssertionError(f"{key}: loaded into the unsharded model, not the saved weights")
+        # and the other way: saved unsharded, loaded into the parallelized model
+        dcp.save(model_of("phi3-gqa", seed=3).state_dict(), checkpoint_id=path + "-plain")
+        want = model_of("phi3-gqa", seed=3).state_dict()
+        again = parallelize_module(model_of("phi3-gqa", seed=4), mesh, plan())
+        state = again.state_dict()
+        dcp.load(state, checkpoint_id=path + "-plain")
+        again.load_state_dict(state)
+        for key, value in again.state_dict().items():
+            if not torch.equal(_full(value), want[key]):
+                raise AssertionError(f"{key}: an unsharded checkpoint loaded into the parallelized model is not it")
 
     _run(results, "phi3 checkpoint", round_trip)
     return results
@@ -241,9 +254,11 @@ def refusals(rank: int, n: int) -> dict:
                "'gate_proj': ColwiseParallel()")
 
     def phi3_grouped():
-        model = model_of("phi3", num_attention_heads=12, num_key_value_heads=6, hidden_size=96)
+        # 3 key/value heads cannot be whole on each of 2 ranks
+        model = model_of("phi3", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
         expect(lambda: parallelize_module(model, mesh, {"model.layers.*.self_attn": tp.AttentionParallel()}),
-               error, "'qkv_proj'", "stacks 12 query heads over 6 key/value heads", "Shard(0)")
+               error, "'model.layers.0.self_attn' (Phi3Attention)", "'qkv_proj'",
+               "stacks 6 query heads over 3 key/value heads", "whole key/value heads")
 
     def cache_and_the_group_after():
         # every rank is handed a KV cache: refused on each before anything is sent, and the group goes on
@@ -319,7 +334,7 @@ def refusals(rank: int, n: int) -> dict:
         block(x, rope, kv_cache=None).sum().backward()
 
     for name, fn in (("olmo2 norm over all heads", olmo2), ("quick_gelu activation", quick_gelu),
-                     ("phi3 grouped-query qkv_proj", phi3_grouped), ("kv cache", cache_and_the_group_after),
+                     ("phi3 kv heads not whole per rank", phi3_grouped), ("kv cache", cache_and_the_group_after),
                      ("window without a mask", window_without_mask), ("dropout in training", dropout_in_training),
                      ("other arguments", other_arguments), ("hand-made kv_cache", hand_made_cache)):
         _run(results, name, fn)
@@ -327,8 +342,9 @@ def refusals(rank: int, n: int) -> dict:
 
 
 def one_rank_cache(rank: int, n: int) -> tuple[str, str]:
-    """The last rank alone is handed a KV cache: it refuses before sending anything, and every other rank,
-    waiting in the forward's first call, fails naming it (not the timeout). Returns (error class, message)."""
+    """After a first forward on every rank (the call's signature checked), the last rank alone is handed a KV
+    cache: it refuses before sending anything, and every other rank, waiting in the forward's first call, fails
+    naming it and its reason (not the timeout). Returns (error class, message)."""
     import transformers
 
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
@@ -338,6 +354,7 @@ def one_rank_cache(rank: int, n: int) -> tuple[str, str]:
     attn = model.model.layers[0].self_attn
     args, kwargs = calls[(0, "self_attn")]
     x = _input_of(args, kwargs).tensor_split(n, dim=1)[rank]
+    attn(**{**kwargs, "hidden_states": x})  # the call's signature checked on every rank
     extra = {"past_key_values": transformers.DynamicCache(config=model.config)} if rank == n - 1 else {}
     try:
         attn(**{**kwargs, "hidden_states": x, **extra})
