@@ -930,6 +930,10 @@ class _AttentionStyle(_Style):
                                          "too: give one or the other")
         self.given = {**separate, "qkv": qkv, "wo": wo}
 
+    def _instead(self, inputs: list[str], output: str) -> str:
+        """What a refusal suggests instead of the style."""
+        return _per_linear(inputs, output)
+
     def _names(self, module: nn.Module) -> tuple[dict[str, str], str]:
         """The block's projections by argument (given, read from a transformers module, or the defaults
         ``wq``, ``wk``, ``wv``, ``wo``) and the layout of a fused one."""
@@ -964,7 +968,7 @@ class _AttentionStyle(_Style):
         parts.input_name = _input_name(module.forward)
         parts.arg_names = _positional_names(module.forward)
         inputs = [p for k, p in names.items() if k != "wo"]
-        parts.instead = instead = _per_linear(inputs, names["wo"])
+        parts.instead = instead = self._instead(inputs, names["wo"])
         config_ = getattr(module, "config", None) if parts.hf else None
         # the head size, the scale, the cap, the window, causality: the block's own where it holds them
         head_dim = self.head_dim
@@ -1020,9 +1024,11 @@ class _AttentionStyle(_Style):
         claimed = list(names.values()) + [path for path, _ in norms.values()]
         left = unclaimed(module, claimed, hook_reads_block=self.rope_takes_module)
         if left:
+            hint = " (per-head norms are named with q_norm= and k_norm=)" if self._extended and any(
+                "Norm" in part for part in left) else ""
             raise CommfuseValueError(
                 f"{who}: {parts.where} holds {', '.join(left)}, which the style does not compute (it computes "
-                f"{', '.join(repr(p) for p in claimed)}); {instead}")
+                f"{', '.join(repr(p) for p in claimed)}){hint}; {instead}")
         return parts
 
     def _read_transformers(self, module: nn.Module, parts: _Attention, config_) -> None:
@@ -1552,6 +1558,10 @@ class RingAttentionParallel(_AttentionStyle):
             return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
 
         return self._install(module, device_mesh, forward)
+
+    def _instead(self, inputs: list[str], output: str) -> str:
+        return ("keep the block's own forward under context parallelism (torch's context_parallel), or leave the "
+                "block unsharded")
 
     def _without_positions(self, names: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The block's arguments less its own ``positions`` (None is dropped; anything else is refused)."""

@@ -105,7 +105,7 @@ def _capped(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, allowed: torch
             scores.dtype)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qt.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(qt.dtype)
     return torch.matmul(weights, vt)
 
 

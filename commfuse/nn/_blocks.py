@@ -43,11 +43,11 @@ _NOTHING = (nn.Identity,)
 
 def activation_name(module: nn.Module) -> str | None:
     """The name in :data:`ACTIVATIONS` of what ``module`` computes, told by its values on a grid of points
-    (-8..8) in float64: None for a module with parameters or buffers, or one that computes none of them
+    (-32..32) in float64: None for a module with parameters or buffers, or one that computes none of them
     (QuickGELU, ReLU², a clipped GELU...)."""
     if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
         return None
-    grid = torch.linspace(-8, 8, 257, dtype=torch.float64)
+    grid = torch.linspace(-32, 32, 1025, dtype=torch.float64)
     try:
         with torch.no_grad():
             got = module(grid)
