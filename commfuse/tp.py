@@ -36,6 +36,14 @@ rotary embeddings, and whose out-projection reduce-scatter is fed by
 per-query-slice attention. :class:`RingAttentionParallel` is the same block
 under context parallelism, applied on the CP axis: the weights replicated,
 the sequence sharded, K/V passed around the ring (``commfuse.ring_attention``).
+A block style replaces the block's forward, so it takes over only what it
+verified when it is applied: every part of the block is one it computes
+(projections, per-head norms, an activation it knows), and where the block's
+own forward can run on a small input it is compared with the style's
+computation; anything else is refused by name, pointing at the per-linear
+styles, which keep the block's own forward. HuggingFace transformers attention
+and MLP modules take the block styles with no arguments: each class's
+docstring says what it reads from them.
 
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
@@ -560,8 +568,9 @@ class SwiGLUParallel(_Style):
     ``full_tensor()`` see the truth), and each rank computes with its rows of the gate and of the up
     projection, their gradients summed over the mesh: the price is that projection's whole weight on every
     rank and an all-reduce of its gradient. (``_StridedShard(0, split_factor=2)`` would state the cut to
-    ``full_tensor()``, but torch 2.13's DCP saves and loads such a shard at the wrong rows.) ``gated=False`` takes a plain ``w2(act(w1(x)))`` block. ``activation``: ``"silu"`` (the
-    default), ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``. Biases on any projection are computed.
+    ``full_tensor()``, but torch 2.13's DCP saves and loads such a shard at the wrong rows.)
+    ``gated=False`` takes a plain ``w2(act(w1(x)))`` block. ``activation``: ``"silu"`` (the default),
+    ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``. Biases on any projection are computed.
 
     **transformers modules.** Given no names, a transformers MLP is read from itself: ``gate_proj``,
     ``up_proj``, ``down_proj`` (Llama, Qwen, Mistral, Gemma), ``gate_up_proj`` and ``down_proj`` (Phi-3),
@@ -1323,8 +1332,8 @@ class AttentionParallel(_AttentionStyle):
                     self._distribute(child, name, device_mesh, Replicate())
         parts.options = (("causal", parts.causal), ("head_dim", parts.head_dim), ("rope", self.rope is not None),
                          ("rope_module", self.rope_takes_module), ("layout", parts.layout),
-                         ("qkv_bias", tuple(lin.bias is not None for lin in parts.projections) != (False,) * len(
-                             parts.projections)),
+                         *zip(("q_bias", "k_bias", "v_bias") if len(parts.projections) == 3 else ("qkv_bias",),
+                              (lin.bias is not None for lin in parts.projections)),
                          ("heads_per_kv", parts.heads_per_kv or 0), ("o_bias", parts.wo.bias is not None),
                          ("q_norm", type(parts.q_norm).__name__), ("k_norm", type(parts.k_norm).__name__),
                          ("scale", 0.0 if parts.scale is None else float(parts.scale)),
