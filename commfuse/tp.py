@@ -619,10 +619,9 @@ class SwiGLUParallel(_Style):
         if all(v is None for v in given.values()) and is_transformers(module):
             for names in ({"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
                           {"gate_up": "gate_up_proj", "w2": "down_proj"}, {"w1": "fc1", "w2": "fc2"}):
-                if all(isinstance(_module_at(module, p), nn.Linear) for p in names.values()):
-                    if self.gated is False and len(names) != 2 or "w1" in names and "w3" not in names \
-                            and self.gated:
-                        continue
+                gated = "w3" in names or "gate_up" in names
+                if all(isinstance(_module_at(module, p), nn.Linear) for p in names.values()) and (
+                        self.gated is None or self.gated == gated):
                     return names
         names = {"w1": given["w1"] or "w1", "w2": given["w2"] or "w2"}
         if self.gated is not False:
@@ -1351,12 +1350,15 @@ class AttentionParallel(_AttentionStyle):
     def _verify(self, module: nn.Module, parts: _Attention) -> None:
         """A transformers module's own forward against the style's computation on a small random input, the
         same whole weights, made-up rotary embeddings and no mask (where the weights are real)."""
-        d = parts.head_dim
+        config_ = getattr(module, "config", None)
+        rope = getattr(config_, "rope_parameters", None) or {}
+        factor = getattr(config_, "partial_rotary_factor", None) or rope.get("partial_rotary_factor", 1.0)
+        width = int(parts.head_dim * factor)  # the rotary embeddings' width, as the model's rotary module makes it
         seq = 4 if parts.window is None else max(1, min(4, parts.window))
         x = _probe_input(module, parts.projections[0].in_features, seq)
         if x is None:
             return
-        angles = torch.rand(1, seq, d, generator=torch.Generator().manual_seed(99), dtype=torch.float64) * 6
+        angles = torch.rand(1, seq, width, generator=torch.Generator().manual_seed(99), dtype=torch.float64) * 6
         rotary = (angles.cos().to(x.dtype).to(x.device), angles.sin().to(x.dtype).to(x.device))
         try:
             want = _run_own(module, x, position_embeddings=rotary, attention_mask=None)
@@ -1366,8 +1368,14 @@ class AttentionParallel(_AttentionStyle):
                 f"and no mask ({type(e).__name__}: {e}), so the style cannot check that it computes the same; "
                 f"{parts.instead}") from e
         want = want[0] if isinstance(want, tuple) else want
-        with torch.no_grad():
-            got = parts.reference(x, rotary)
+        try:
+            with torch.no_grad():
+                got = parts.reference(x, rotary)
+        except Exception as e:  # noqa: BLE001 - the block's rotary embeddings are not applied as the style does
+            raise CommfuseValueError(
+                f"{self._who}: {parts.where}'s rotary embeddings of width {width} do not apply to its heads of "
+                f"{parts.head_dim} as the style applies them (its family's apply_rotary_pos_emb on whole heads: "
+                f"{type(e).__name__}: {e}); the block applies them its own way; {parts.instead}") from e
         off = differs(got, want) if isinstance(want, torch.Tensor) and got.shape == want.shape else float("inf")
         if not off <= _tolerance(x):
             raise CommfuseValueError(

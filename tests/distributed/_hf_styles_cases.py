@@ -20,28 +20,33 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
 BATCH, SEQ = 2, 12  # the sequence divides over 2 and 3 ranks and is longer than the sliding windows (4)
 
 #: per family: the config's keywords (small: 12 query heads of 8 over 6 key/value heads, unless said), the
-#: attention function, and whether its MLP is one the styles take (Mixtral's is a mixture of experts)
+#: attention function, the modules the styles take (Mixtral's MLP is a mixture of experts), and the attention
+#: style's arguments (none: read from the module)
 FAMILIES = {
-    "llama": (dict(), "sdpa", True),
-    "llama-eager": (dict(), "eager", True),
-    "mistral": (dict(sliding_window=4), "sdpa", True),
-    "mixtral": (dict(num_local_experts=2, num_experts_per_tok=1), "sdpa", False),
-    "qwen2": (dict(), "sdpa", True),  # q/k/v biases
-    "qwen3": (dict(), "sdpa", True),  # QK-norm
+    "llama": (dict(), "sdpa", ("self_attn", "mlp"), {}),
+    "llama-eager": (dict(), "eager", ("self_attn", "mlp"), {}),
+    "mistral": (dict(sliding_window=4), "sdpa", ("self_attn", "mlp"), {}),
+    "mixtral": (dict(num_local_experts=2, num_experts_per_tok=1), "sdpa", ("self_attn",), {}),
+    "qwen2": (dict(), "sdpa", ("self_attn", "mlp"), {}),  # q/k/v biases
+    "qwen3": (dict(), "sdpa", ("self_attn", "mlp"), {}),  # QK-norm
     # soft-capped logits, the scale from query_pre_attn_scalar, a sliding layer and a full one, GELU-tanh
-    "gemma2": (dict(sliding_window=4, attn_logit_softcapping=2.0, query_pre_attn_scalar=5), "eager", True),
+    "gemma2": (dict(sliding_window=4, attn_logit_softcapping=2.0, query_pre_attn_scalar=5), "eager",
+               ("self_attn", "mlp"), {}),
     "gemma3_text": (dict(sliding_window=4, query_pre_attn_scalar=5, sliding_window_pattern=2,
-                         layer_types=["sliding_attention", "full_attention"]), "sdpa", True),  # QK-norm, GELU-tanh
-    # one qkv_proj [q; k; v] and one gate_up_proj [gate; up]: as many key/value heads as query heads
-    "phi3": (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), "sdpa", True),
-    "phi3-gqa": (dict(), "sdpa", True),  # [q; k; v] of 12 query heads over 6 key/value heads
+                         layer_types=["sliding_attention", "full_attention"]), "sdpa", ("self_attn", "mlp"),
+                    {}),  # QK-norm, GELU-tanh
+    # one qkv_proj [q; k; v] and one gate_up_proj [gate; up], with as many key/value heads as query heads and not
+    "phi3": (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), "sdpa", ("self_attn", "mlp"), {}),
+    "phi3-gqa": (dict(), "sdpa", ("self_attn", "mlp"), {}),
+    # Phi-2's plain MLP (fc1, GELU-tanh, fc2, biases); its attention rotates half of each head itself (refused)
+    "phi": (dict(), "sdpa", ("mlp",), {}),
 }
 
 
 def config_of(family: str, **more):
     import transformers
 
-    kwargs, implementation, _ = FAMILIES[family]
+    kwargs, implementation, _, _ = FAMILIES[family]
     name = family.removesuffix("-eager").removesuffix("-gqa")
     base = dict(vocab_size=64, hidden_size=96, intermediate_size=120, num_hidden_layers=2, num_attention_heads=12,
                 num_key_value_heads=6, head_dim=8, max_position_embeddings=64, attention_dropout=0.0,
@@ -130,9 +135,11 @@ def compare_family(rank: int, n: int, family: str) -> dict:
     base = model_of(family)
     ours = copy.deepcopy(base)
     calls = captured_calls(base)
-    mlp_too = FAMILIES[family][2]
-    plan = {"model.layers.*.self_attn": tp.AttentionParallel(algorithm="ring")}
-    if mlp_too:
+    _, _, modules, attention = FAMILIES[family]
+    plan = {}
+    if "self_attn" in modules:
+        plan["model.layers.*.self_attn"] = tp.AttentionParallel(algorithm="ring", **attention)
+    if "mlp" in modules:
         plan["model.layers.*.mlp"] = tp.SwiGLUParallel(algorithm="ring")
     parallelize_module(ours, mesh, plan)
 
@@ -164,7 +171,7 @@ def compare_family(rank: int, n: int, family: str) -> dict:
             _close(pg.grad, pw.grad, f"layer {i} {which}.{name} grad")
 
     for i in range(len(base.model.layers)):
-        for which in ("self_attn", "mlp") if mlp_too else ("self_attn",):
+        for which in modules:
             _run(results, f"{family} layer {i} {which}", lambda: one(i, which))
 
     def state_dict():
@@ -253,6 +260,16 @@ def refusals(rank: int, n: int) -> dict:
                "'model.layers.0.mlp' (LlamaMLP)", "'act_fn' (QuickGELUActivation)", "none of the activations",
                "'gate_proj': ColwiseParallel()")
 
+    def phi_partial_rotary():
+        # Phi-2's attention rotates the first half of each head by slicing it itself: refused when applied
+        model = model_of("phi")
+        expect(lambda: parallelize_module(model, mesh, {"model.layers.*.self_attn": tp.AttentionParallel(
+            wo="dense")}), error, "'model.layers.0.self_attn' (PhiAttention)", "rotary embeddings of width 4",
+            "heads of 8", "'dense': RowwiseParallel()")
+        # and without the name of its output projection, that is what is missing
+        expect(lambda: parallelize_module(model_of("phi"), mesh, {"model.layers.*.self_attn": tp.AttentionParallel()}),
+               error, "PhiAttention has no submodule 'o_proj'", "wo= argument")
+
     def phi3_grouped():
         # 3 key/value heads cannot be whole on each of 2 ranks
         model = model_of("phi3", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
@@ -334,7 +351,8 @@ def refusals(rank: int, n: int) -> dict:
         block(x, rope, kv_cache=None).sum().backward()
 
     for name, fn in (("olmo2 norm over all heads", olmo2), ("quick_gelu activation", quick_gelu),
-                     ("phi3 kv heads not whole per rank", phi3_grouped), ("kv cache", cache_and_the_group_after),
+                     ("phi3 kv heads not whole per rank", phi3_grouped),
+                     ("phi partial rotary", phi_partial_rotary), ("kv cache", cache_and_the_group_after),
                      ("window without a mask", window_without_mask), ("dropout in training", dropout_in_training),
                      ("other arguments", other_arguments), ("hand-made kv_cache", hand_made_cache)):
         _run(results, name, fn)

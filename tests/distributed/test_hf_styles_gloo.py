@@ -50,7 +50,7 @@ def test_phi3_fused_projections_checkpoint_their_true_rows(tmp_path):
 
 
 @pytest.mark.parametrize("name", ("olmo2 norm over all heads", "quick_gelu activation",
-                                  "phi3 kv heads not whole per rank", "kv cache", "window without a mask", "dropout in training", "other arguments",
+                                  "phi3 kv heads not whole per rank", "phi partial rotary", "kv cache", "window without a mask", "dropout in training", "other arguments",
                                   "hand-made kv_cache"))
 def test_what_the_styles_do_not_compute_is_refused_by_name(name):
     errors = {r: res.get(name, "did not run") for r, res in enumerate(_results("refusals", 2)) if res.get(name, "-")}
