@@ -1,6 +1,6 @@
 """Tier (b), real gloo ranks: commfuse.tp's block styles on HuggingFace transformers modules.
 
-Small models of nine families are built from configs (random weights, no hub); each layer's attention and MLP
+Small models of ten kinds are built from configs (random weights, no hub); each layer's attention and MLP
 module, parallelized by one plan with ``AttentionParallel()`` and ``SwiGLUParallel()`` (no arguments: read
 from the modules) and called with what the model hands it, must give the unsharded module's output, input
 gradient and every parameter gradient (fp32); the state dict and a distributed checkpoint must hold the
