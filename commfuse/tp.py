@@ -79,6 +79,7 @@ import inspect
 import itertools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -1501,8 +1502,11 @@ def _tell_peers(group, label: str, key, error: BaseException) -> None:
     """A refusal before this rank's forward made a call, told to the peers that wait in the forward's calls:
     this rank leaves them on the group's board (``leave_calls``, the first one served), as many as the forward
     made the last time it ran with ``key`` (``counted_calls`` learned it), or one before it ever ran."""
+    state = state_of_group(group)
+    if state.rank is None:  # no commfuse call has run on the group yet: its rank and size, as a backend gives them
+        state.rank, state.world_size = dist.get_rank(group), dist.get_world_size(group)
     learned = counted_calls._LEARNED.get(key)
-    leave_calls(state_of_group(group), label, error, 1 if learned is None else learned)
+    leave_calls(state, label, error, 1 if learned is None else learned)
 
 
 class RingAttentionParallel(_AttentionStyle):

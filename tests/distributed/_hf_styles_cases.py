@@ -359,10 +359,13 @@ def refusals(rank: int, n: int) -> dict:
     return results
 
 
-def one_rank_cache(rank: int, n: int) -> tuple[str, str]:
-    """After a first forward on every rank (the call's signature checked), the last rank alone is handed a KV
-    cache: it refuses before sending anything, and every other rank, waiting in the forward's first call, fails
-    naming it and its reason (not the timeout). Returns (error class, message)."""
+def one_rank_cache(rank: int, n: int, warm: bool) -> tuple[str, str, float]:
+    """The last rank alone is handed a KV cache, on the forward's very first call or after one on every rank
+    (``warm``: the call's signature checked): it refuses before sending anything, and every other rank, waiting
+    in the forward's first call, fails naming it and its reason, at once (not at the timeout). Returns (error
+    class, message, seconds)."""
+    import time
+
     import transformers
 
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
@@ -372,10 +375,12 @@ def one_rank_cache(rank: int, n: int) -> tuple[str, str]:
     attn = model.model.layers[0].self_attn
     args, kwargs = calls[(0, "self_attn")]
     x = _input_of(args, kwargs).tensor_split(n, dim=1)[rank]
-    attn(**{**kwargs, "hidden_states": x})  # the call's signature checked on every rank
+    if warm:
+        attn(**{**kwargs, "hidden_states": x})
     extra = {"past_key_values": transformers.DynamicCache(config=model.config)} if rank == n - 1 else {}
+    start = time.perf_counter()
     try:
         attn(**{**kwargs, "hidden_states": x, **extra})
     except CommfuseError as e:
-        return type(e).__name__, str(e)
-    return "ok", ""
+        return type(e).__name__, str(e), time.perf_counter() - start
+    return "ok", "", time.perf_counter() - start

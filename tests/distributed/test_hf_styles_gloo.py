@@ -57,11 +57,13 @@ def test_what_the_styles_do_not_compute_is_refused_by_name(name):
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
 
 
-def test_a_cache_on_one_rank_is_named_on_every_rank():
-    out = launch(cases.one_rank_cache, 2, timeout=120, env={"COMMFUSE_TIMEOUT_S": "30"})
-    kind, message = out[-1]
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("warm", (False, True))
+def test_a_cache_on_one_rank_is_named_on_every_rank(warm, n):
+    out = launch(cases.one_rank_cache, n, warm, timeout=120, env={"COMMFUSE_TIMEOUT_S": "30"})
+    kind, message, _ = out[-1]
     assert kind == "CommfuseValueError" and "KV cache" in message, out[-1]
-    for rank, (kind, message) in enumerate(out[:-1]):
-        assert kind != "ok", f"rank {rank} went on while rank {len(out) - 1} refused"
-        assert "rank 1" in message and "KV cache" in message, f"rank {rank}: {kind}: {message}"
-        assert "did not" not in message or "timeout" not in message.lower(), message
+    for rank, (kind, message, seconds) in enumerate(out[:-1]):
+        assert kind == "PeerFailedError", f"rank {rank}: {kind}: {message}"
+        assert f"rank {n - 1} left the call" in message and "KV cache" in message, message
+        assert seconds < 15, f"rank {rank} was told after {seconds:.1f} s (the timeout is 30 s)"
