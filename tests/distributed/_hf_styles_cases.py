@@ -237,11 +237,12 @@ def refusals(rank: int, n: int) -> dict:
     """What the styles do not compute, refused by name before any value is computed: the error's words, and
     the group usable after it (the call numbers of the ranks still agree)."""
     import transformers
-    from torch import nn
+
+    from commfuse.errors import CommfuseTypeError, CommfuseValueError
 
     results = {}
     mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
-    error, kind_error = CommfuseError, CommfuseError
+    error, kind_error = CommfuseValueError, CommfuseTypeError
 
     def olmo2():
         # OLMo 2's QK-norm normalizes all heads' features at once: no rank holds them all
