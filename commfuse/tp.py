@@ -472,9 +472,15 @@ def _input_of(who: str, block: str, name: str, args: tuple, kwargs: dict) -> tup
                             f"(got {', '.join(f'{k}=' for k in kwargs) or 'nothing'})")
 
 
-def _per_linear(inputs: list[str], output: str) -> str:
-    """What to use instead of a block style: the per-linear styles, which keep the block's own forward."""
-    plan = ", ".join([f"'{p}': ColwiseParallel()" for p in inputs] + [f"'{output}': RowwiseParallel()"])
+def _per_linear(inputs: list[str], output: str, stacked: bool = False) -> str:
+    """What to use instead of a block style: the per-linear styles, which keep the block's own forward. A
+    stacked projection (``[q; k; v]``, ``[gate; up]``) is no per-rank cut under ``Shard(0)``: its output is
+    gathered whole, and the output projection takes it whole (every rank then computes every head)."""
+    if stacked:
+        plan = ", ".join([f"'{p}': ColwiseParallel(output_layouts=Replicate())" for p in inputs]
+                         + [f"'{output}': RowwiseParallel(input_layouts=Replicate())"])
+    else:
+        plan = ", ".join([f"'{p}': ColwiseParallel()" for p in inputs] + [f"'{output}': RowwiseParallel()"])
     return (f"leave the block's forward to it and fuse each linear with commfuse.tp's per-linear styles "
             f"({plan}, by their paths in the block)")
 
@@ -641,7 +647,7 @@ class SwiGLUParallel(_Style):
         acts = [p for p in ("act_fn", "activation_fn", "act", "activation") if isinstance(getattr(module, p, None),
                                                                                         nn.Module)]
         inputs = [p for k, p in names.items() if k != "w2"]
-        instead = _per_linear(inputs, names["w2"])
+        instead = _per_linear(inputs, names["w2"], stacked="gate_up" in names)
         parts.activation = self.activation or "silu"
         if acts:
             path, child = acts[0], getattr(module, acts[0])
@@ -939,9 +945,9 @@ class _AttentionStyle(_Style):
                                          "too: give one or the other")
         self.given = {**separate, "qkv": qkv, "wo": wo}
 
-    def _instead(self, inputs: list[str], output: str) -> str:
+    def _instead(self, inputs: list[str], output: str, stacked: bool = False) -> str:
         """What a refusal suggests instead of the style."""
-        return _per_linear(inputs, output)
+        return _per_linear(inputs, output, stacked)
 
     def _names(self, module: nn.Module) -> tuple[dict[str, str], str]:
         """The block's projections by argument (given, read from a transformers module, or the defaults
@@ -977,7 +983,7 @@ class _AttentionStyle(_Style):
         parts.input_name = _input_name(module.forward)
         parts.arg_names = _positional_names(module.forward)
         inputs = [p for k, p in names.items() if k != "wo"]
-        parts.instead = instead = self._instead(inputs, names["wo"])
+        parts.instead = instead = self._instead(inputs, names["wo"], parts.layout == "stacked")
         config_ = getattr(module, "config", None) if parts.hf else None
         # the head size, the scale, the cap, the window, causality: the block's own where it holds them
         head_dim = self.head_dim
@@ -1089,7 +1095,7 @@ class _AttentionStyle(_Style):
             raise CommfuseValueError(
                 f"{self._who}: the fused QKV projection {path!r} of {parts.where} stacks {heads} query heads over "
                 f"{kv_heads} key/value heads, which do not split evenly over {n} ranks with whole groups: every rank "
-                "must hold whole key/value heads and the query heads that share them")
+                f"must hold whole key/value heads and the query heads that share them; {parts.instead}")
         parts.heads_per_kv = heads // kv_heads
 
     def _kv_groups(self, parts: _Attention, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
@@ -1580,7 +1586,7 @@ class RingAttentionParallel(_AttentionStyle):
 
         return self._install(module, device_mesh, forward)
 
-    def _instead(self, inputs: list[str], output: str) -> str:
+    def _instead(self, inputs: list[str], output: str, stacked: bool = False) -> str:
         return ("keep the block's own forward under context parallelism (torch's context_parallel), or leave the "
                 "block unsharded")
 

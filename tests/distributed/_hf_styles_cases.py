@@ -276,7 +276,9 @@ def refusals(rank: int, n: int) -> dict:
         model = model_of("phi3", num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
         expect(lambda: parallelize_module(model, mesh, {"model.layers.*.self_attn": tp.AttentionParallel()}),
                error, "'model.layers.0.self_attn' (Phi3Attention)", "'qkv_proj'",
-               "stacks 6 query heads over 3 key/value heads", "whole key/value heads")
+               "stacks 6 query heads over 3 key/value heads", "whole key/value heads",
+               "'qkv_proj': ColwiseParallel(output_layouts=Replicate())",
+               "'o_proj': RowwiseParallel(input_layouts=Replicate())")
 
     def cache_and_the_group_after():
         # every rank is handed a KV cache: refused on each before anything is sent, and the group goes on
