@@ -349,12 +349,13 @@ def _attention_call(q, wo, name, algorithm, n):
                                                device=q.device)
 
 
-def _attention_config(q, k, causal, attn_mask, document_ids, scale) -> tuple:
-    """What joins the ring's fingerprint: the mask (its kind), the heads and the scores' scale, which the
-    partials' shape does not show."""
+def _attention_config(q, k, causal, attn_mask, document_ids, scale, softcap=None, window=None) -> tuple:
+    """What joins the ring's fingerprint: the mask (its kind), the heads, the scores' scale, cap and window,
+    which the partials' shape does not show."""
     kind = "dense" if attn_mask is not None else "documents" if document_ids is not None else "none"
     return layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2], kv_heads=k.shape[2],
-                        head_dim=q.shape[3], mask=kind, scale=0.0 if scale is None else float(scale))
+                        head_dim=q.shape[3], mask=kind, scale=0.0 if scale is None else float(scale),
+                        softcap=0.0 if softcap is None else float(softcap), window=0 if window is None else int(window))
 
 
 def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> None:
@@ -384,18 +385,21 @@ def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> 
 @torch.library.custom_op("commfuse::attention_reduce_scatter", mutates_args=())
 def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, causal: bool,
                               group_name: str, algorithm: str, attn_mask: torch.Tensor | None = None,
-                              document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                              document_ids: torch.Tensor | None = None, scale: float | None = None,
+                              softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     _, n = _world(group_name)
     _check_attention(q, k, v, wo, n, attn_mask, document_ids)
     call = _attention_call(q, wo, group_name, algorithm, n)
     with torch.no_grad():
         return fused_attention.attention_reduce_scatter(
             call, q, k, v, wo, causal=causal, mask=fused_attention.mask_of(attn_mask, document_ids),
-            config=_attention_config(q, k, causal, attn_mask, document_ids, scale), scale=scale).contiguous()
+            config=_attention_config(q, k, causal, attn_mask, document_ids, scale, softcap, window), scale=scale,
+            softcap=softcap, window=window).contiguous()
 
 
 @_attention_reduce_scatter.register_fake
-def _(q, k, v, wo, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None):
+def _(q, k, v, wo, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None, softcap=None,
+      window=None):
     _, n = _world(group_name)
     return q.new_empty(q.shape[0], q.shape[1] // n, wo.shape[0])
 
@@ -405,7 +409,8 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
                                        dout: torch.Tensor, causal: bool, group_name: str, algorithm: str,
                                        attn_mask: torch.Tensor | None = None,
                                        document_ids: torch.Tensor | None = None,
-                                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                       scale: float | None = None, softcap: float | None = None,
+                                       window: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, torch.Tensor]:
     # each query slice's attention again, as its output gradient arrives (a custom op cannot keep the
     # forward's graphs)
@@ -413,43 +418,47 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
     grads = fused_attention.attention_reduce_scatter_backward(
         _attention_call(q, wo, group_name, algorithm, n), q, k, v, wo, dout, causal=causal,
         mask=fused_attention.mask_of(attn_mask, document_ids),
-        config=_attention_config(q, k, causal, attn_mask, document_ids, scale), scale=scale)
+        config=_attention_config(q, k, causal, attn_mask, document_ids, scale, softcap, window), scale=scale,
+        softcap=softcap, window=window)
     return tuple(_grad_like(g, t) for g, t in zip(grads, (q, k, v, wo)))
 
 
 @_attention_reduce_scatter_backward.register_fake
-def _(q, k, v, wo, dout, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None):
+def _(q, k, v, wo, dout, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None, softcap=None,
+      window=None):
     return tuple(torch.empty_like(t) for t in (q, k, v, wo))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, wo, causal, group_name, algorithm, attn_mask, document_ids, scale = inputs
+    q, k, v, wo, causal, group_name, algorithm, attn_mask, document_ids, scale, softcap, window = inputs
     ctx.save_for_backward(q, k, v, wo, attn_mask, document_ids)
     ctx.options = (causal, group_name, algorithm)
-    ctx.scale = scale
+    ctx.scores = (scale, softcap, window)
 
 
 def _attention_backward(ctx, dout):
     q, k, v, wo, attn_mask, document_ids = ctx.saved_tensors
     grads = torch.ops.commfuse.attention_reduce_scatter_backward(q, k, v, wo, dout, *ctx.options, attn_mask,
-                                                                 document_ids, ctx.scale)
-    # the masks and the scale are constants: no gradient (commfuse.fused.attention.resolve_mask refuses a mask
-    # that wants one)
+                                                                 document_ids, *ctx.scores)
+    # the masks, the scale, the cap and the window are constants: no gradient (commfuse.fused.attention.
+    # resolve_mask refuses a mask that wants one)
     return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])), None, None, None, None, None,
-            None)
+            None, None, None)
 
 
 _attention_reduce_scatter.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm: str = "auto",
-                             mask=None, scale: float | None = None) -> torch.Tensor:
+                             mask=None, scale: float | None = None, softcap: float | None = None,
+                             window: int | None = None) -> torch.Tensor:
     """Query-split attention fused with the out-projection's reduce-scatter, as one op: q (b, s, Hq, d), k and
     v (b, s, Hkv, d) for this rank's heads, ``wo`` (hidden, Hq * d) this rank's columns of the out-projection;
     returns (b, s / N, hidden), this rank's rows of the summed output. ``mask``: a resolved
     ``commfuse.fused.attention.AttentionMask`` or None; it travels as a dense ``attn_mask`` (a BlockMask
     evaluated for the whole sequence: an op takes no callables) or as ``document_ids``. ``scale``: the scores'
-    factor (None: ``1 / sqrt(head_dim)``)."""
+    factor (None: ``1 / sqrt(head_dim)``); ``softcap`` and ``window`` as ``commfuse.fused.attention.attend``
+    takes them."""
     attn_mask = document_ids = None
     if mask is not None:
         mask = mask.whole(q.shape[1])
@@ -458,7 +467,7 @@ def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm
         else:
             attn_mask = mask.tensor
     return torch.ops.commfuse.attention_reduce_scatter(q, k, v, wo, causal, group_name(group), algorithm, attn_mask,
-                                                       document_ids, scale)
+                                                       document_ids, scale, softcap, window)
 
 
 # -- sharded_linear (commfuse.nn.ShardedLinear) --------------------------------------------------------------
