@@ -67,9 +67,9 @@ MAX_TAKEN = 64
 #: one is a ``commfuse.nn`` layer, and so a site (made when first asked for: :func:`layer_site`).
 LAYER_FORWARD = "_commfuse_site_forward"
 
-#: Module names that torch's wrappers put into a path (``torch.compile``, ``checkpoint_wrapper``, FSDP1), left
-#: out of a site's path as torch's distributed checkpoint leaves them out of a parameter's name.
-WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+#: Module names that torch's wrappers put into a path (``torch.compile``'s, ``checkpoint_wrapper``'s), left out
+#: of a site's path as torch's distributed checkpoint leaves them out of a parameter's name.
+WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
 
 class Site:
@@ -163,7 +163,8 @@ def _disarm() -> None:
 
 
 def _switch(on: bool) -> None:
-    for switch in list(_switches):
+    """Turn the fast paths' watching look-ups on or off (under ``_lock``)."""
+    for switch in _switches:
         switch(on)
 
 
@@ -207,9 +208,8 @@ class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
             with _lock:
                 self.watched = generation
                 _watching += 1
-                first = _watching == 1
-            if first:
-                _switch(True)
+                if _watching == 1:
+                    _switch(True)
         return self._enter()
 
     def _exit_watching(self, kind, error, tb) -> bool:
@@ -227,14 +227,13 @@ class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
         site = self.site
         with _lock:
             _watching -= 1
-            last = _watching == 0
             if error is None:  # a forward that raised may not have made every call: it watches again
                 site.seen = watched
                 if watched == generation:
                     _due.discard(site)
+            if not _watching:
+                _switch(False)
             _disarm()
-        if last:
-            _switch(False)
         return False
 
 
@@ -269,15 +268,9 @@ def _is_layer(cls: type) -> bool:
 
 def module_paths(model):
     """``(path, module)`` for every module of ``model`` (``named_modules``), each path as in the model the user
-    wrapped: DDP's ``module`` and the names in :data:`WRAPPERS` left out."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = isinstance(model, DistributedDataParallel)
+    wrapped: the names in :data:`WRAPPERS` left out."""
     for path, module in model.named_modules():
-        parts = path.split(".") if path else []
-        if ddp and parts[:1] == ["module"]:
-            parts = parts[1:]
-        yield ".".join(p for p in parts if p not in WRAPPERS), module
+        yield ".".join(p for p in path.split(".") if p not in WRAPPERS) if path else "", module
 
 
 def _callers() -> list:
@@ -304,17 +297,20 @@ def _name(site: Site) -> None:
     module = site.module() if site.module is not None else None
     if module is None:
         return
-    for root in _callers():
-        if root is module:
-            return
-        held = False
-        for path, m in module_paths(root):
-            other = site_of(m) if path else None
-            if other is not None and other.path is None:
-                other.path = path
-            held = held or m is module
-        if held:
-            return
+    try:
+        for root in _callers():
+            if root is module:
+                return
+            held = False
+            for path, m in module_paths(root):
+                other = site_of(m) if path else None
+                if other is not None and other.path is None:
+                    other.path = path
+                held = held or m is module
+            if held:
+                return
+    except Exception:  # noqa: BLE001 - a name is never worth a forward: the site keeps its description
+        return
 
 
 def name_error(error: BaseException, site: Site) -> None:
