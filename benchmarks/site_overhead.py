@@ -5,14 +5,17 @@ Tier: benchmark (prints figures, asserts nothing). torch's ``fake`` process grou
 rank 0 of N (every transfer completes at once, no data moves) and the sizes are tiny, so what is timed is
 the Python and dispatch of each forward on the host: the sites' own entry and exit (``commfuse.runtime.sites``)
 among them. Each figure is the median over ``--rounds`` rounds of the mean over ``--calls`` forwards under
-``no_grad``, after warm-up forwards (so every site has named itself and watched a forward, and the sites
-and the fused ops' fast path run their plain code again: the last column says whether they do). Rows:
+``no_grad``, after warm-up forwards of every module (so every site has named itself and watched a forward,
+and the sites and the fused ops' fast path run their plain code again: the last column says whether they
+did before the timing). Columns:
 
 - ``styled linears``: ``ColwiseParallel`` (input ``Shard(1)``) then ``RowwiseParallel`` (output ``Shard(1)``)
   on two ``nn.Linear``: two sites, two fused calls;
 - ``4 llama blocks``: four ``commfuse.models.llama`` blocks under ``commfuse_plan()`` (one plan applied to each
   block), called from the model's forward: eight sites, sixteen fused calls;
-- ``ParallelMLP x2``: two ``commfuse.nn.ParallelMLP``: four sites, four fused calls.
+- ``ParallelMLP x2``: two ``commfuse.nn.ParallelMLP``: four sites, four fused calls;
+- ``linears, idle``: the styled linears again while one more styled ``nn.Linear`` exists that never runs: a
+  site due to watch that never does, so every site checks at each forward whether it is due.
 
 Compare code versions by running it on each, alternating (``PYTHONPATH`` pointing at the other tree)::
 
@@ -22,6 +25,7 @@ Compare code versions by running it on each, alternating (``PYTHONPATH`` pointin
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -48,7 +52,7 @@ class _Blocks(nn.Module):
         from commfuse.models.llama import Block
 
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(count))
+        self.layers = nn.ModuleList(Block(dim=64, n_heads=8, n_kv_heads=8, ffn=128) for _ in range(count))
 
     def forward(self, x, cache):
         for layer in self.layers:
@@ -88,21 +92,22 @@ def main() -> None:
 
     print(f"host us per forward (no_grad), fake process group, rank 0 of N, median of {args.rounds} rounds x "
           f"{args.calls} forwards")
-    print(f"{'N':>3}  {'styled linears':>14}  {'4 llama blocks':>14}  {'ParallelMLP x2':>14}  {'plain code':>10}")
+    print(f"{'N':>3}  {'styled linears':>14}  {'4 llama blocks':>14}  {'ParallelMLP x2':>14}  {'linears, idle':>14}"
+          f"  {'plain code':>10}")
     for n in args.world_sizes:
         dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
         try:
             tp = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
             torch.manual_seed(0)
-            linears = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+            linears = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
             parallelize_module(linears, tp, {"0": ColwiseParallel(input_layouts=Shard(1)),
                                              "1": RowwiseParallel(output_layouts=Shard(1))})
             blocks = _Blocks(4)
             plan = commfuse_plan()
             for block in blocks.layers:
                 parallelize_module(block, tp, plan)
-            mlps = nn.Sequential(ParallelMLP(32, 64, group=tp), ParallelMLP(32, 64, group=tp))
-            x = torch.randn(2, 2, 32)  # this rank's sequence shard: 2 rows of 2N
+            mlps = nn.Sequential(ParallelMLP(64, 128, group=tp), ParallelMLP(64, 128, group=tp))
+            x = torch.randn(2, 2, 64)  # this rank's sequence shard: 2 rows of 2N
             cache = rope_cache(8, 2 * n)
 
             def run(fn):
@@ -111,10 +116,18 @@ def main() -> None:
                         fn()
                 return once
 
-            row = [_per_call(run(lambda: linears(x)), args.calls, args.rounds),
-                   _per_call(run(lambda: blocks(x, cache)), args.calls, args.rounds),
-                   _per_call(run(lambda: mlps(x)), args.calls, args.rounds)]
-            print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>14.1f}" for v in row) + f"  {_plain():>10}")
+            rows = [run(lambda: linears(x)), run(lambda: blocks(x, cache)), run(lambda: mlps(x))]
+            for _ in range(3):  # every site runs (each names itself and watches what was planned) before timing
+                for fn in rows:
+                    fn()
+            plain = _plain()
+            row = [_per_call(fn, args.calls, args.rounds) for fn in rows]
+            # one more site that never runs: the others check, at each forward, whether they are due
+            idle = parallelize_module(nn.Linear(64, 128), tp, ColwiseParallel(input_layouts=Shard(1)))
+            row.append(_per_call(rows[0], args.calls, args.rounds))
+            del idle, linears, blocks, block, mlps
+            gc.collect()  # the modules hold their sites in reference cycles: the next world size starts clean
+            print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>14.1f}" for v in row) + f"  {plain:>10}")
         finally:
             dist.destroy_process_group()
 

@@ -73,28 +73,29 @@ WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
 
 class Site:
-    """One commfuse site: its kind (``commfuse.tp.ColwiseParallel``...), the object whose ``algorithm`` it
-    runs (the style, or the layer itself), its group, its world size, its module, its path in the model
-    once known, and what it took once run."""
+    """One commfuse site: its kind (``commfuse.tp.ColwiseParallel``...), the style whose ``algorithm`` it runs
+    (None for a layer: its own), its group, its world size, its module (a weak reference: the flight recorder
+    keeps sites after their model is gone), its path in the model once known, and what it took once run."""
 
     __slots__ = ("kind", "owner", "group", "world_size", "described", "path", "taken", "fallbacks", "module",
-                 "seen", "__weakref__")
+                 "seen")
 
-    def __init__(self, kind: str, owner, group, world_size: int, described: str, module=None) -> None:
+    def __init__(self, kind: str, owner, group, world_size: int, described: str, module) -> None:
         self.kind, self.owner, self.group, self.world_size = kind, owner, group, world_size
         self.described = described
         #: the module's path in its model: named at the site's first forward, or by commfuse.explain
         self.path: str | None = None
         self.taken: dict[tuple[str, int], tuple[str, str]] = {}  # (collective, hop bytes) -> (taken, why)
         self.fallbacks: list[str] = []
-        self.module = None if module is None else weakref.ref(module)
+        self.module = weakref.ref(module, _gone)
         #: the planning generation its last forward watched (-1: no forward has completed)
         self.seen = -1
         _born(self)
 
     @property
     def algorithm(self):
-        return getattr(self.owner, "algorithm", None)
+        owner = self.owner if self.owner is not None else self.module()
+        return getattr(owner, "algorithm", None)
 
     @property
     def label(self) -> str:
@@ -120,11 +121,13 @@ active: "Site | None" = None
 
 #: bumped by :func:`planned` (a new entry on a fast path); a site whose ``seen`` differs is due to watch
 generation = 0
-_live: "weakref.WeakSet[Site]" = weakref.WeakSet()  # every site not collected
-_due: "weakref.WeakSet[Site]" = weakref.WeakSet()  # the sites due to watch their next forward
+#: every site whose module lives, and those due to watch their next forward, under their modules' weak references
+#: (a module collected takes its site out of both: :func:`_gone`)
+_live: "dict[weakref.ref, Site]" = {}
+_due: "dict[weakref.ref, Site]" = {}
 _watching = 0  # forwards watching now, over all threads
 _switches: list[Callable[[bool], None]] = []
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a reference's callback may run inside a block that holds it
 
 
 def on_watch(switch: Callable[[bool], None]) -> None:
@@ -147,9 +150,16 @@ def planned() -> None:
 
 def _born(site: Site) -> None:
     with _lock:
-        _live.add(site)
-        _due.add(site)
+        _live[site.module] = _due[site.module] = site
         _arm()
+
+
+def _gone(ref: weakref.ref) -> None:
+    """A site's module was collected (a model let go): it is no site to wait for any more."""
+    with _lock:
+        _live.pop(ref, None)
+        _due.pop(ref, None)
+        _disarm()
 
 
 def _arm() -> None:
@@ -220,9 +230,6 @@ class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
         except AttributeError:  # entered by the plain method: a site fell due during this forward
             return False
         if watched is None:
-            if not _due:  # the sites still due were collected (the modules of a model let go)
-                with _lock:
-                    _disarm()
             return False
         site = self.site
         with _lock:
@@ -230,7 +237,7 @@ class at_site:  # noqa: N801 - used as a statement: ``with at_site(site):``
             if error is None:  # a forward that raised may not have made every call: it watches again
                 site.seen = watched
                 if watched == generation:
-                    _due.discard(site)
+                    _due.pop(site.module, None)
             if not _watching:
                 _switch(False)
             _disarm()
@@ -294,7 +301,7 @@ def _callers() -> list:
 def _name(site: Site) -> None:
     """Name ``site`` (and every other site on the way) by its path in the outermost module running whose
     modules hold it. A site whose module runs on its own, as the model itself, keeps its description."""
-    module = site.module() if site.module is not None else None
+    module = site.module()
     if module is None:
         return
     try:
@@ -391,7 +398,7 @@ def layer_site(layer) -> Site:
         kind = f"commfuse.nn.{type(layer).__name__}"
         shown = layer.extra_repr()
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        site = Site(kind, layer, getattr(layer, "group", None), int(getattr(layer, "world_size", 1)),
+        site = Site(kind, None, getattr(layer, "group", None), int(getattr(layer, "world_size", 1)),
                     f"{type(layer).__name__}({shown})", layer)
         layer.__dict__["_commfuse_site"] = site
     return site

@@ -261,7 +261,7 @@ def _plain():
     door = sites.at_site
     plain = (door.__enter__ is getattr(door, "_enter", None) and door.__exit__ is getattr(door, "_exit", None)
              and ops._planned is table.get)
-    return plain, sorted(site.label for site in getattr(sites, "_due", ()))
+    return plain, sorted(site.label for site in getattr(sites, "_due", {}).values())
 
 
 def every_site_named(rank, n):
