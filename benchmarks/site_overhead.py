@@ -17,6 +17,10 @@ did before the timing). Columns:
 - ``linears, idle``: the styled linears again while one more styled ``nn.Linear`` exists that never runs: a
   site due to watch that never does, so every site checks at each forward whether it is due.
 
+Then the Python calls cProfile counts in one forward of each (the same from run to run of one tree, so two
+trees' code is compared without the machine's noise), and a site's entry and exit on its own (``with
+at_site(site): pass``, the plain methods, and the watching ones with the site not due).
+
 Compare code versions by running it on each, alternating (``PYTHONPATH`` pointing at the other tree)::
 
     python benchmarks/site_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 100]
@@ -25,8 +29,10 @@ Compare code versions by running it on each, alternating (``PYTHONPATH`` pointin
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
+import pstats
 import statistics
 import time
 
@@ -71,6 +77,49 @@ def _plain() -> str:
     return "yes" if plain else "no"
 
 
+def _python_calls(fn) -> int:
+    """The Python and C calls cProfile counts in one call of ``fn``."""
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+def _entry_and_exit(rounds: int, times: int = 20000) -> None:
+    """``with at_site(site): pass``, the plain methods and (where the tree has them) the watching ones with the
+    site not due: what a site's forward pays for being one, besides the forward's own code."""
+    from commfuse.runtime import sites
+
+    module = nn.Linear(2, 2)
+    try:
+        site = sites.Site("bench", None, None, 2, "bench", module)
+    except TypeError:  # a tree whose sites take no module
+        site = sites.Site("bench", None, None, 2, "bench")
+    door = sites.at_site
+    with door(site):  # its first forward: it watches, then nothing is due
+        pass
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        for _ in range(times):
+            with door(site):
+                pass
+        return (time.perf_counter() - t0) / times * 1e9
+
+    kinds = {"plain": [], "watching, not due": []} if hasattr(sites, "_arm") else {"plain": []}
+    for r in range(rounds):
+        for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+            if kind == "watching, not due":
+                sites._arm()
+            kinds[kind].append(timed())
+            if kind == "watching, not due":
+                with sites._lock:
+                    sites._disarm()
+    print(f"\na site's entry and exit (with at_site(site): pass), ns, median of {rounds} rounds of {times}: "
+          + ", ".join(f"{kind} {statistics.median(v):.0f}" for kind, v in kinds.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 8])
@@ -94,6 +143,7 @@ def main() -> None:
           f"{args.calls} forwards")
     print(f"{'N':>3}  {'styled linears':>14}  {'4 llama blocks':>14}  {'ParallelMLP x2':>14}  {'linears, idle':>14}"
           f"  {'plain code':>10}")
+    counts = []
     for n in args.world_sizes:
         dist.init_process_group("fake", rank=0, world_size=n, store=FakeStore())
         try:
@@ -121,6 +171,7 @@ def main() -> None:
                 for fn in rows:
                     fn()
             plain = _plain()
+            counts.append((n, [_python_calls(fn) for fn in rows]))
             row = [_per_call(fn, args.calls, args.rounds) for fn in rows]
             # one more site that never runs: the others check, at each forward, whether they are due
             idle = parallelize_module(nn.Linear(64, 128), tp, ColwiseParallel(input_layouts=Shard(1)))
@@ -130,6 +181,10 @@ def main() -> None:
             print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>14.1f}" for v in row) + f"  {plain:>10}")
         finally:
             dist.destroy_process_group()
+    print("\nPython calls per forward (cProfile; the same on every run of one tree):")
+    for n, row in counts:
+        print(f"{n:>3}  " + "  ".join(f"{v:>14d}" for v in row))
+    _entry_and_exit(args.rounds)
 
 
 if __name__ == "__main__":
