@@ -7,10 +7,10 @@ dim's name where it has one, and the global ranks), its world size, the
 algorithm it was given and, once it has run a forward in eager mode, what
 that algorithm took for each collective and ring hop size, and why; and each
 place where a style moved an activation through DTensor instead of a fused
-op, and why. The paths are those of ``model`` (the names torch's wrappers
-add, ``_orig_mod`` and ``_checkpoint_wrapped_module``, left out); a site is named the same way at its first forward without it
-(``commfuse.runtime.sites``), and calling it names the sites by ``model``'s
-paths from then on.
+op, and why. The paths are those of ``model``, without the names torch's
+wrappers add (``_orig_mod``, ``_checkpoint_wrapped_module``). A site is named
+the same way at its first forward without this (``commfuse.runtime.sites``);
+calling it names the sites by ``model``'s paths from then on.
 
 Functional ops called from a module of the user's own are not sites (the ops
 log what ``auto`` took per signature); a compiled model records nothing on

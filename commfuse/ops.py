@@ -102,8 +102,6 @@ _planned = table.get
 _WORLD = C10D_WORLD
 
 
-
-
 def _watched(key):
     """The fast path's look-up while a site watches its forward (``commfuse.runtime.sites``): an entry found
     tells this thread's site what its call takes, as planning the entry told the site that planned it."""

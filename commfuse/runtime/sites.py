@@ -333,7 +333,9 @@ def name_error(error: BaseException, site: Site) -> None:
         return
     args = error.args
     if not isinstance(error, CommfuseError):
-        error.add_note(f"commfuse: raised in the forward of {site.heading}")
+        add = getattr(error, "add_note", None)  # Python 3.11+
+        if add is not None:
+            add(f"commfuse: raised in the forward of {site.heading}")
     elif len(args) == 1 and isinstance(args[0], str) and not args[0].startswith(site.label):
         error.args = (f"{site.heading}: {args[0]}",)
 

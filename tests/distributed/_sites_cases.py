@@ -266,8 +266,9 @@ def _plain():
 
 def every_site_named(rank, n):
     """For each way of applying the styles, with and without ``commfuse.explain`` before training: two training
-    steps with ``COMMFUSE_LOG=info``, then what explain lists and the log lines. Then two more steps of the
-    last model: whether the sites and the fast path are back on their plain code."""
+    steps with ``COMMFUSE_LOG=info``, then what explain lists and the log lines. Then, once the earlier models
+    are collected, one more step of the last model: whether the sites and the fast path are back on their plain
+    code after it (``plain``; ``warm``, before it, for the test's message)."""
     from commfuse import log as cflog
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -173,8 +173,8 @@ def test_after_warm_up_the_sites_and_the_fast_path_run_their_plain_code():
 def test_an_error_at_a_site_of_the_middle_layer_names_its_path():
     for rank, out in enumerate(_results("error_in_layer_one", 2)):
         kind, message, notes = out["dtype"]
-        assert kind == "CommfuseValueError" and message.startswith("layers.1.attention (AttentionParallel, 2 ranks): "), \
-            (rank, kind, message)
+        assert kind == "CommfuseValueError", (rank, kind, message)
+        assert message.startswith("layers.1.attention (AttentionParallel, 2 ranks): "), (rank, message)
         assert "dtype" in message, message
         assert out["dtype after"][0] == "ok", (rank, out["dtype after"])
         kind, message, notes = out["peer"]
