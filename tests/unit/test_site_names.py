@@ -3,7 +3,8 @@ meets the test process's; transfers complete at once): every site is named by it
 ``commfuse.explain`` (the metrics' keys, the log lines, an error raised at it), with the names torch's wrappers
 add left out; a new signature makes identical layers say what they took for it too, and the sites and the fast
 path then run their plain code again; ``commfuse trace analyze`` names each call's site and finds the first
-call at which two ranks ran different sites of one signature."""
+call at which two ranks ran different sites of one signature; ``commfuse.explain`` finds every
+``commfuse.nn`` layer before it runs (in the test process: world size 1)."""
 
 from __future__ import annotations
 
@@ -173,3 +174,22 @@ def test_trace_analyze_names_each_calls_site_and_a_rank_a_layer_behind():
     assert ("rank 0 called all_gather_matmul (ring, signature digest 7) at layers.1.mlp; rank 1 called "
             "all_gather_matmul (ring, signature digest 7) at layers.2.mlp") in text, text
     assert "call #2 (all_gather_matmul, ring) at layers.2.mlp" in text, text
+
+
+def test_explain_lists_every_commfuse_nn_layer_before_any_forward():
+    # found by the method their class runs as a site, not by a list of classes: RingAttention included
+    import torch
+    from torch import nn
+
+    import commfuse as cf
+
+    model = nn.ModuleDict({"ring": cf.nn.RingAttention(16, 2), "fc": cf.nn.ColumnParallelLinear(16, 16),
+                           "mlp": cf.nn.ParallelMLP(16, 32), "plain": nn.Linear(16, 16)})
+    found = {s.path: (s.kind, s.taken) for s in cf.explain(model)}
+    assert found == {"ring": ("commfuse.nn.RingAttention", ()), "fc": ("commfuse.nn.ColumnParallelLinear", ()),
+                     "mlp.fc1": ("commfuse.nn.ColumnParallelLinear", ()),
+                     "mlp.fc2": ("commfuse.nn.RowParallelLinear", ())}, found
+    model["mlp"](torch.randn(2, 4, 16))  # one process: world size 1, nothing to communicate
+    taken = {s.path: s.taken for s in cf.explain(model)}
+    nothing = ("nothing (world size 1)", "world size 1: nothing to communicate")
+    assert taken["mlp.fc1"] == (("all_gather", 2 * 4 * 16 * 4, *nothing),), taken  # the whole input: one shard
