@@ -7,8 +7,10 @@ dim's name where it has one, and the global ranks), its world size, the
 algorithm it was given and, once it has run a forward in eager mode, what
 that algorithm took for each collective and ring hop size, and why; and each
 place where a style moved an activation through DTensor instead of a fused
-op, and why. Calling it also names the sites, so the ``COMMFUSE_LOG=info``
-lines that follow carry their paths.
+op, and why. The paths are those of ``model``, without the names torch's
+wrappers add (``_orig_mod``, ``_checkpoint_wrapped_module``). A site is named
+the same way at its first forward without this (``commfuse.runtime.sites``);
+calling it names the sites by ``model``'s paths from then on.
 
 Functional ops called from a module of the user's own are not sites (the ops
 log what ``auto`` took per signature); a compiled model records nothing on
@@ -66,15 +68,9 @@ def explain(model: nn.Module) -> Explanation:
     """Every commfuse site in ``model``, by module path (see the module docstring)."""
     if not isinstance(model, nn.Module):
         raise CommfuseTypeError(f"commfuse.explain takes an nn.Module, got {type(model).__name__}")
-    from commfuse.nn import ColumnParallelLinear, MoE, ParallelAttention, RowParallelLinear, ShardedLinear
-    from commfuse.nn import UlyssesAttention
-
-    layers = (ColumnParallelLinear, RowParallelLinear, ParallelAttention, UlyssesAttention, ShardedLinear, MoE)
     out = Explanation()
-    for path, module in model.named_modules():
-        site = module.__dict__.get("_commfuse_site")
-        if site is None and isinstance(module, layers):
-            site = sites.layer_site(module)
+    for path, module in sites.module_paths(model):
+        site = sites.site_of(module)
         if site is None:
             continue
         site.path = path or "(the model itself)"

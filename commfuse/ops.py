@@ -71,6 +71,7 @@ from commfuse.planning.pipelined import (
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
+from commfuse.runtime import sites as _sites
 from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
@@ -94,10 +95,31 @@ log = logging.getLogger("commfuse")
 #: knows the function, however it is reached, and takes it as True while it traces
 _compiling = torch.compiler.is_compiling
 
-#: the planning table's one look-up, bound once (the fast path of a planned signature)
+#: the planning table's one look-up, bound once (the fast path of a planned signature); :func:`_watched` while
+#: a site watches its forward
 _planned = table.get
 #: torch.distributed's world: its default group goes into every key (see commfuse.planning.table)
 _WORLD = C10D_WORLD
+
+
+def _watched(key):
+    """The fast path's look-up while a site watches its forward (``commfuse.runtime.sites``): an entry found
+    tells this thread's site what its call takes, as planning the entry told the site that planned it."""
+    run = table.get(key)
+    if run is not None:
+        site = _sites.here.site
+        resolved = getattr(run, "resolved", None)
+        if site is not None and resolved is not None:
+            _sites.saw(site, *resolved)
+    return run
+
+
+def _watch(on: bool) -> None:
+    global _planned
+    _planned = _watched if on else table.get
+
+
+_sites.on_watch(_watch)
 
 
 # -- autocast ----------------------------------------------------------------

@@ -232,7 +232,7 @@ class _Style(ParallelStyle):
         label = f"{type(self).__name__} forward"
         # what this module runs and takes, for COMMFUSE_LOG and commfuse.explain (commfuse.runtime.sites)
         site = sites.Site(f"commfuse.tp.{type(self).__name__}", self, mesh, mesh.size(),
-                          f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}")
+                          f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}", module)
 
         serial = next(_FORWARDS)
         group = mesh.get_group() if mesh.size() > 1 else None

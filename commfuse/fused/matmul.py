@@ -37,6 +37,7 @@ from commfuse.planning.pipelined import (
     scatters_whole,
     write_rows,
 )
+from commfuse.runtime import sites
 from commfuse.runtime.groups import group_state, state_of_group
 from commfuse.runtime.programs import dtype_code
 from commfuse.runtime.loop import (
@@ -64,7 +65,11 @@ def plan_once(key, make: Callable[[], Any], label: str, group, backend):
     except BaseException as e:
         note_failed(group, backend, e, label)
         raise
-    return run if key is None else table.remember(key, run)
+    if key is None:
+        return run
+    run = table.remember(key, run)
+    sites.planned()  # every site watches its next forward: those that find this entry say what it takes
+    return run
 
 
 def check_tensor(name: str, value) -> torch.Tensor:
@@ -205,6 +210,7 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=be if be is not None else backend,
                         device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
                         report=None if native else taken)
+    resolved = (Collective.ALL_GATHER, algorithm, slice_bytes, call)  # what a site that finds the entry took
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "all_gather_matmul")
@@ -241,7 +247,7 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
             results = outs[0] if single else list(outs)
             return (gathered, results) if return_gathered else results
 
-    run.report = taken
+    run.report, run.resolved = taken, resolved
     run.call, run.sizes, run.gd = call, sizes, gd  # for the compiled op's backward (commfuse.library)
     # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
     direct = forward.single if call is not None and single and native is None else None
@@ -476,6 +482,7 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
                         backend=be if be is not None else backend, device=a.device,
                         slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
                         timeout=timeout, check=check, report=None if native else taken)
+    resolved = (Collective.REDUCE_SCATTER, algorithm, per_rank * a.element_size(), call)
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "matmul_reduce_scatter")
@@ -501,6 +508,6 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
             out = forward(a, b)
             return out.div_(n) if avg else out
 
-    run.report = taken
+    run.report, run.resolved = taken, resolved
     run.call = call  # for the compiled op's backward (commfuse.library)
     return run

@@ -203,10 +203,11 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     if report is not None:
         report.update(algorithm=found.spec.shown, reason=found.reason,
                       world_size=1 if found.be is None else found.be.world_size)
-    site = getattr(_sites.here, "site", None)  # read in place: most calls are made outside a site
+    found = None if found.be is None else found
+    site = _sites.here.site  # read in place: most calls are made outside a site
     if site is not None:  # inside a layer's or style's forward: written down there
         _sites.saw(site, collective, algorithm, slice_bytes, found)
-    return None if found.be is None else found
+    return found
 
 
 def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check,
