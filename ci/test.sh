@@ -7,8 +7,8 @@
 # (ci/test_xla.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models under
 # torch's and commfuse's tensor-parallel plans, against each model in one process), the torchtitan stage in its
 # own environment (ci/test_torchtitan.sh: torchtitan 0.3's models with commfuse's modules), and the CPU tests
-# again on the torch
-# floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest run.
+# again on the torch floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest
+# run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
