@@ -313,22 +313,19 @@ def _relative(got: torch.Tensor, want: torch.Tensor, what: str) -> tuple[float, 
 
 
 def _counterparts(model, reference, name: str) -> dict:
-    """Each parameter of ``model`` by name -> (its tensor as the reference holds it, as a function of a
-    reference parameter: the parameter itself, or its rows of a sparse block's experts for commfuse's MoE)."""
+    """Each parameter of ``model`` by name -> (the reference's parameter it stands for, a function giving that
+    parameter's tensor (or gradient) as ``model``'s whole parameter holds it: itself, or, for commfuse's MoE
+    in place of a sparse block, the block's router or its experts' weights transposed)."""
     ref = dict(reference.named_parameters())
     out = {}
-    for key, p in model.named_parameters():
+    for key, _ in model.named_parameters():
         path, part = key.rsplit(".", 1)
         if part in ("router", "w13", "w2") and f"{path}.gate.weight" in ref:
-            lo, hi = model.get_submodule(path).expert_range
             source = {"router": f"{path}.gate.weight", "w13": f"{path}.experts.gate_up_proj",
                       "w2": f"{path}.experts.down_proj"}[part]
-            if part == "router":
-                out[key] = (ref[source], lambda t: t, True)
-            else:
-                out[key] = (ref[source], lambda t, lo=lo, hi=hi: t[lo:hi].transpose(1, 2), False)
+            out[key] = (ref[source], (lambda t: t) if part == "router" else (lambda t: t.transpose(1, 2)))
         else:
-            out[key] = (ref[key], lambda t: t, True)
+            out[key] = (ref[key], lambda t: t)
     return out
 
 
@@ -348,11 +345,10 @@ def train_and_compare(model, reference, name: str, steps: int = 2) -> tuple[floa
         want.backward()
         worst = max(worst, _relative(_whole(loss), want, f"step {step}: loss"))
         for key, p in model.named_parameters():
-            source, view, whole = pairs[key]
+            source, view = pairs[key]
             if p.grad is None:
                 raise AssertionError(f"step {step}: {key} has no gradient")
-            got = _whole(p.grad) if whole else p.grad.to_local()
-            worst = max(worst, _relative(got, view(source.grad), f"step {step}: {key} gradient"))
+            worst = max(worst, _relative(_whole(p.grad), view(source.grad), f"step {step}: {key} gradient"))
         opt.step()
         opt_ref.step()
         opt.zero_grad()
