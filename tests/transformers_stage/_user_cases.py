@@ -74,9 +74,10 @@ def against_one_process(rank: int, n: int, name: str, ac: bool = True, steps: in
 
 
 def checkpoint_round_trip(rank: int, n: int, name: str, path: str, ac: bool = True, steps: int = 3) -> list[str]:
-    """bf16 autocast: a model trained one step, saved with torch.distributed.checkpoint (the model's and the
-    optimizer's state), and trained on; a fresh model of other weights that loads the checkpoint takes the next
-    steps with the same losses and ends with the same parameters, bit for bit."""
+    """bf16 autocast: a model trained one step (its loss within bfloat16's reach of the model's in one process,
+    in float32), saved with torch.distributed.checkpoint (the model's and the optimizer's state), and trained
+    on; a fresh model of other weights that loads the checkpoint takes the next steps with the same losses and
+    ends with the same parameters, bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -96,7 +97,12 @@ def checkpoint_round_trip(rank: int, n: int, name: str, path: str, ac: bool = Tr
 
     model = _build(name, mesh, torch.float32, ac)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step(model, opt, batches[0])
+    first = step(model, opt, batches[0])
+    with torch.no_grad():
+        want = zoo.model_of(name).float()(input_ids=batches[0][dp], labels=batches[0][dp], use_cache=False).loss
+    if (err := zoo._relative(first, want, "")[0]) > 3e-2:
+        problems.append(f"step 0 under bf16 autocast: loss {first.item():.5g}, the model's in one process (float32) "
+                        f"{want.item():.5g}: a relative difference of {err:.3g}")
     state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": state, "optim": optim_state}, checkpoint_id=path)
     losses = [step(model, opt, ids) for ids in batches[1:]]
@@ -119,3 +125,19 @@ def checkpoint_round_trip(rank: int, n: int, name: str, path: str, ac: bool = Tr
         if not torch.equal(_whole(p.detach()), _whole(q.detach())):
             problems.append(f"after {steps} steps: {key} differs from the unsaved model's")
     return problems
+
+
+def user_runs(rank: int, n: int, names: tuple, path: str, ac: bool = True) -> dict:
+    """:func:`against_one_process` and :func:`checkpoint_round_trip` for each family in ``names``, in one launch:
+    the problems of each, by family and body."""
+    import traceback
+
+    out = {}
+    for name in names:
+        for body in (against_one_process, checkpoint_round_trip):
+            args = (name, ac) if body is against_one_process else (name, f"{path}-{name}", ac)
+            try:
+                out[name, body.__name__] = body(rank, n, *args)
+            except Exception as e:  # noqa: BLE001 - handed to the pytest side, with its traceback
+                out[name, body.__name__] = [f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=12)}"]
+    return out
