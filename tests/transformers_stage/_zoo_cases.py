@@ -356,6 +356,16 @@ def train_and_compare(model, reference, name: str, steps: int = 2) -> tuple[floa
     return worst
 
 
+def fused(model) -> tuple[list[str], list[str]]:
+    """What ``commfuse.explain`` says of the model's commfuse sites after its forwards: the paths of those that
+    ran a fused op, and of those that ran none (a column-parallel linear given a replicated input has nothing
+    to fuse)."""
+    import commfuse
+
+    report = commfuse.explain(model)
+    return [s.path for s in report if s.taken], [s.path for s in report if not s.taken]
+
+
 def _refused_path(name: str, run: str, refusal: CommfuseValueError, so_far: frozenset) -> str:
     """The module path a refusal in ``run`` is of, checked against the family's expected refusals: the message
     names the path and every expected word; an unexpected refusal is raised again."""
@@ -370,7 +380,8 @@ def _refused_path(name: str, run: str, refusal: CommfuseValueError, so_far: froz
 
 def compare(rank: int, n: int, name: str) -> dict:
     """Every run of the family on ``n`` TP ranks against the model in one process: per run, ``(worst relative
-    difference and what it is of, or None; the refusals as (path, message); the error, or None)``. A refusal
+    difference and what it is of, or None; the refusals as (path, message); the error, or None; :func:`fused`
+    after the run)``. A refusal
     is expected (``Family.refused``) and comes when the plan is applied; the run is then applied again with
     commfuse's per-linear styles on that module, as the refusal says, and compared."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -395,9 +406,9 @@ def compare(rank: int, n: int, name: str) -> dict:
             worst, what = train_and_compare(model, model_of(name), name)
             if worst > family.tolerance:
                 raise AssertionError(f"{what}: a relative difference of {worst:.3g}, above {family.tolerance}")
-            results[run] = ((worst, what), refusals, None)
+            results[run] = ((worst, what), refusals, None, fused(model))
         except Exception as e:  # noqa: BLE001 - handed to the pytest side, with its traceback
-            results[run] = (None, refusals, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=12)}")
+            results[run] = (None, refusals, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=12)}", None)
     return results
 
 

@@ -32,11 +32,17 @@ def _zoo() -> list[dict]:
 @pytest.mark.parametrize("run", cases.RUNS)
 @pytest.mark.parametrize("name", sorted(cases.FAMILIES))
 def test_the_model_trains_as_in_one_process_or_a_module_is_refused_by_name(name, run):
+    """Within the family's tolerance, on every rank; the ranks refused the same modules; where commfuse's
+    styles are given the sequence-sharded activation, every commfuse site ran a fused op."""
     results = [rank_results[name][0][run] for rank_results in _zoo()]
-    for rank, (worst, refusals, error) in enumerate(results):
+    for rank, (worst, refusals, error, (fused, unfused)) in enumerate(results):
         assert error is None, f"rank {rank}: {error}"
         assert worst is not None and worst[0] <= cases.FAMILIES[name].tolerance, f"rank {rank}: {worst}"
-    paths = [[path for path, _ in refusals] for _, refusals, _ in results]
+        if run == "torch":
+            assert not fused and not unfused, f"rank {rank}: commfuse sites under torch's styles: {fused + unfused}"
+        elif run != "per-linear":
+            assert fused and not unfused, f"rank {rank}: no fused op ran at {unfused}"
+    paths = [[path for path, _ in refusals] for _, refusals, _, _ in results]
     assert all(p == paths[0] for p in paths), f"the ranks refused different modules: {paths}"
 
 
@@ -46,8 +52,8 @@ def test_the_table():
     results = _zoo()
     width = max(map(len, cases.FAMILIES)) + 2
     lines = [f"{RANKS} gloo ranks, float64, 2 AdamW steps; the largest relative difference of the loss and "
-             "every gradient from the model in one process (rank 0):", "",
-             "model".ljust(width) + "".join(run.ljust(26) for run in cases.RUNS) + "seconds"]
+             "every gradient from the model in one process, and how many of commfuse's sites ran a fused op "
+             "(rank 0):", "", "model".ljust(width) + "".join(run.ljust(32) for run in cases.RUNS) + "seconds"]
     notes = []
     for name in cases.FAMILIES:
         per_rank = [r[name] for r in results]
@@ -55,12 +61,14 @@ def test_the_table():
         runs, seconds = per_rank[0]
         cells = []
         for run in cases.RUNS:
-            worst, refusals, error = runs[run]
+            worst, refusals, error, sites = runs[run]
             cell = "FAILED" if error else f"{worst[0]:.1e}"
+            if sites is not None and run != "torch":
+                cell += f", {len(sites[0])}/{len(sites[0]) + len(sites[1])} fused"
             if refusals:
                 cell += f" ({len(refusals)} refused)"
                 notes += [f"{name}, {run}: refused {path}: {' '.join(message.split())[:260]}..."
                           for path, message in refusals]
-            cells.append(cell.ljust(26))
+            cells.append(cell.ljust(32))
         lines.append(name.ljust(width) + "".join(cells) + f"{seconds:.1f}")
     print("\n" + "\n".join(lines + [""] + notes))
