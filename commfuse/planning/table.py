@@ -25,11 +25,11 @@ the oldest entry that was not used since the table last looked is evicted, one t
 "Used" costs a repeated call nothing it did not do before but one store: a plan's ``used`` flag, set as its
 call gives the group back (``runtime.loop``); an entry found with :func:`find` or :func:`lookup` (the
 planning paths, the layers, the backward passes) is marked on the next sweep. An op's runnable entry
-lives as long as the plans it runs (it goes with them); a backend entry is never evicted. An entry bigger
-than the whole bound is not kept (its call still runs, planned anew each time, its buffers not pooled);
-this is said once (until :func:`forget`), at WARNING on the ``commfuse`` logger, and so is the first
-signature planned again after it was evicted (the bound is smaller than what the program uses over and over:
-raise it).
+lives as long as the plans it runs (it goes with them); a backend entry (one per group) is neither counted
+nor evicted. An entry bigger than the whole bound is not kept (its call still runs, planned anew each time,
+its buffers not pooled); this is said once (until :func:`forget`), at WARNING on the ``commfuse`` logger, and
+so is the first signature planned again after it was evicted (the bound is smaller than what the program uses
+over and over: raise it).
 
 Eviction is safe whatever runs: a call in flight, an autograd graph or a captured device graph keeps
 the plan objects it holds, and the buffers it took (a captured call's come from the graph's own memory
@@ -71,8 +71,8 @@ MAX_BOUND = 1 << 62
 ENTRY_BYTES = 2048
 SLOT_BYTES = 512
 STEP_BYTES = 768
-#: The kinds of entry that are never evicted: one backend object per (backend, group, device), which its
-#: group's plans and pool hang from.
+#: The kinds of entry that are never evicted, nor counted: one backend object per (backend, group, device),
+#: which its group's plans and pool hang from.
 PINNED = frozenset({"backend"})
 #: How many of the latest :func:`find` hits the next sweep marks used; how many evicted keys it remembers, to
 #: say when one is planned again.
@@ -200,6 +200,8 @@ def remember(key: tuple, value: Any, *, plan=None, pool=None, keys: Iterable[tup
         claimed = frozenset(keys) if pool is not None else frozenset()
         kind = key[0] if key else None
         pinned = kind in PINNED
+        if pinned:  # a backend object: one per group, not per signature, and never evicted: not counted
+            nbytes = 0
         alone = nbytes + (pool.cost(claimed) if claimed else 0)
         if not pinned and alone > limit:
             _warn_once("too-big", "the planning table's bound, %d bytes (COMMFUSE_PLAN_BYTES, "
