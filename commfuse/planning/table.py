@@ -77,7 +77,7 @@ PINNED = frozenset({"backend"})
 #: How many of the latest :func:`find` hits the next sweep marks used; how many evicted keys it remembers, to
 #: say when one is planned again.
 FOUND_KEPT = 4096
-EVICTED_KEPT = 4096
+EVICTED_KEPT = 1024
 #: How many entries the clock's hand moves on as an entry is added below the bound (see ``_tick``).
 TICK = 2
 
