@@ -1,6 +1,5 @@
 """Numbers that commfuse reads from the environment: one place that parses them and refuses, by name, a value
-that is not a number or is out of range (``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``, ``COMMFUSE_STRAGGLER_MS``,
-``COMMFUSE_PLAN_BYTES``)."""
+that is not a number or is out of range (``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``, ``COMMFUSE_STRAGGLER_MS``)."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
 
 
 def size(name: str, default: int, low: int, high: int) -> int:
-    """The variable ``name`` as a number of bytes from ``low`` to ``high``: an integer, or a number followed by
+    """The variable ``name`` (``COMMFUSE_PLAN_BYTES``) as a number of bytes from ``low`` to ``high``: an integer, or a number followed by
     ``KiB``, ``MiB``, ``GiB`` or ``TiB`` (``512MiB``, ``1.5GiB``); ``default`` when it is unset or empty.
     Anything else raises :class:`CommfuseValueError` naming the variable, the value and the forms it takes."""
     text = os.environ.get(name, "").strip()
