@@ -59,7 +59,8 @@ log = logging.getLogger("commfuse")
 
 def plan_once(key, make: Callable[[], Any], label: str, group, backend):
     """``make()`` (validate, resolve, plan one signature), kept in the planning table under ``key`` (None:
-    not kept). A call whose planning fails still takes its call number on the group (:func:`note_failed`)."""
+    not kept), as long as the plans it runs (``run.plans``) are kept. A call whose planning fails still takes
+    its call number on the group (:func:`note_failed`)."""
     try:
         run = make()
     except BaseException as e:
@@ -67,7 +68,7 @@ def plan_once(key, make: Callable[[], Any], label: str, group, backend):
         raise
     if key is None:
         return run
-    run = table.remember(key, run)
+    run = table.remember(key, run, follows=getattr(run, "plans", ()))
     sites.planned()  # every site watches its next forward: those that find this entry say what it takes
     return run
 
@@ -254,6 +255,8 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     if direct is not None and gd == 0 and forward.planned.plan.one_by_one:
         direct = _ring_rows(forward.planned, forward.out_shape, direct)
     run.one_weight_no_grad = direct
+    # the ring's plan, which the entry goes with in the planning table (not a native kernel's: it runs none)
+    run.plans = (forward.planned.plan,) if forward is not None and native is None else ()
     return run
 
 
@@ -441,6 +444,7 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
 
         return run_scatter(planned, produce, produce_whole=lambda: torch.matmul(a, b))
 
+    forward.planned = planned
     return forward
 
 
@@ -510,4 +514,5 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
 
     run.report, run.resolved = taken, resolved
     run.call = call  # for the compiled op's backward (commfuse.library)
+    run.plans = (forward.planned.plan,) if forward is not None and native is None else ()
     return run

@@ -473,6 +473,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
             _leave(plan, state)
         else:
             plan.capturing = False
+            plan.used = True
 
 
 def _after_failure(plan: Plan, state: GroupState, seq: int, error: BaseException, posted: bool) -> None:
@@ -937,6 +938,7 @@ def _enter(plan: Plan, state: GroupState) -> int:
 
 def _leave(plan: Plan, state: GroupState) -> None:
     plan.capturing = False
+    plan.used = True  # the planning table's second chance: this plan ran since the table last looked
     give_group(state)
 
 
