@@ -120,7 +120,8 @@ def checkpoint_round_trip(rank: int, n: int, name: str, path: str, ac: bool = Tr
     for i, ids in enumerate(batches[1:]):
         got = step(again, opt_again, ids)
         if not torch.equal(got, losses[i]):
-            problems.append(f"step {i + 1} after loading: loss {got.item()!r}, the unsaved model's {losses[i].item()!r}")
+            problems.append(f"step {i + 1} after loading: loss {got.item()!r}, the unsaved model's "
+                            f"{losses[i].item()!r}")
     for (key, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
         if not torch.equal(_whole(p.detach()), _whole(q.detach())):
             problems.append(f"after {steps} steps: {key} differs from the unsaved model's")

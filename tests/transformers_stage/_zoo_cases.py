@@ -1,6 +1,6 @@
 """Rank-side bodies of the transformers stage: whole HuggingFace decoder models, built from small configs
-(random weights, no hub), trained for two AdamW steps under a tensor-parallel plan with sequence parallelism
-and compared, loss and every gradient, with the same model in one process.
+(random weights, no hub) in float64, trained for two AdamW steps under a tensor-parallel plan with sequence
+parallelism and compared, loss and every gradient, with the same model in one process.
 
 Each model is run four ways on the TP ranks:
 
@@ -17,8 +17,9 @@ Each model is run four ways on the TP ranks:
 
 A family's plan is keyed by its modules' names (``Family``): its norms, where its per-head QK-norm sees the
 heads, whether its projections are stacked. What commfuse refuses is refused when the plan is applied, before
-any value is computed, and its message must name the module's path and the part (``Family.refused``); the run
-then goes on with what the message says to use instead, and that must match.
+any value is computed, and its message must name the module's path and the words expected of it
+(``Family.refused``); the run then goes on with what the message says to use instead (commfuse's per-linear
+styles on that module), and that must match.
 """
 
 from __future__ import annotations
@@ -34,29 +35,26 @@ from commfuse.errors import CommfuseValueError
 
 BATCH, SEQ, VOCAB = 2, 16, 64
 RUNS = ("torch", "per-linear", "per-linear, gather fused", "block")
-#: the largest difference allowed, relative to the largest magnitude of the tensor it is in (float32, the
-#: same sums in another order, two optimizer steps)
-TOLERANCE = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     """How one transformers decoder family is built small and parallelized.
 
-    ``config``: the config's keywords beyond the common small ones. ``norms``: the decoder layer's norm
-    modules (all ``SequenceParallel``). ``qk_norm``: None, ``("heads", dim)`` for a norm over one head's
-    features that sees the heads on ``dim`` (``SequenceParallel(sequence_dim=dim)`` makes its gradient the
-    sum over the ranks' heads), or ``"all"`` for a norm over all heads' features (OLMo 2: gathered around
-    it); ``qk_names`` their names. ``qkv``: the attention's projections, ``("q_proj", "k_proj", "v_proj")`` or one stacked
-    ``("qkv_proj",)`` (Phi-3: no rank's rows of it are its heads' q, k and v, so the per-linear plan gathers
-    its output whole, as commfuse's refusal of a sharded one says). ``mlp``: the MLP's (gate, up, down)
-    projections, gate and up in one stacked projection where up is None and ``stacked_mlp``, or a plain MLP
-    ``(fc, None, proj)``. ``block_attention``, ``block_mlp``: the arguments ``AttentionParallel`` and ``SwiGLUParallel``
-    are given. ``moe``: the sparse
-    blocks' class name. ``refused``: what commfuse refuses, ``{(run, module path): words}``: the message
-    names the path and every one of the words. ``tolerance``: the largest relative difference allowed
-    (float64, the same sums in another order; families that compute parts in float32 whatever the
-    parameters' dtype are allowed float32's).
+    ``config``: the config's keywords beyond the common small ones. ``attention``: its attention function.
+    ``norms``: the decoder layer's norm modules (all ``SequenceParallel``). ``qk_norm``: None, ``("heads",
+    dim)`` for a norm over one head's features that sees the heads on ``dim`` (``SequenceParallel(sequence_dim
+    =dim)`` makes its gradient the sum over the ranks' heads), or ``"all"`` for a norm over all heads' features
+    (OLMo 2: gathered around it); ``qk_names`` their names. ``qkv``: the attention's projections, ``("q_proj",
+    "k_proj", "v_proj")`` or one stacked ``("qkv_proj",)`` (Phi-3: no rank's rows of it are its heads' q, k and
+    v, so the per-linear plan gathers its output whole, as commfuse's refusal of a sharded one says). ``mlp``:
+    the MLP's (gate, up, down) projections; gate and up in one stacked projection where ``stacked_mlp`` (up is
+    then None), or a plain MLP ``(fc, None, proj)``. ``block_attention``, ``block_mlp``: the arguments
+    ``AttentionParallel`` and ``SwiGLUParallel`` are given. ``moe``: the sparse blocks' class name.
+    ``refused``: what commfuse refuses, ``{(run, module path): words}``: the message names the path and every
+    one of the words. ``tolerance``: the largest relative difference allowed (float64, the same sums in
+    another order; families that compute parts in float32 whatever the parameters' dtype are allowed
+    float32's).
     """
 
     model_type: str
@@ -77,7 +75,9 @@ class Family:
 
 GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
-FLOAT32_INSIDE = 1e-4  # Gemma's norms compute in float32 whatever the parameters' dtype, as does eager softmax
+#: Gemma's and Cohere's norms compute in float32 whatever the parameters' dtype, as does transformers' eager
+#: softmax (Gemma 2's attention), in the model in one process too
+FLOAT32_INSIDE = 1e-4
 
 
 def _attention_refused(layers, *words) -> dict:
@@ -86,7 +86,7 @@ def _attention_refused(layers, *words) -> dict:
 
 FAMILIES = {
     "llama": Family("llama"),
-    "mistral": Family("mistral", dict(sliding_window=6)),
+    "mistral": Family("mistral", dict(sliding_window=6)),  # a window shorter than the sequence
     "qwen2": Family("qwen2", dict(attention_bias=True)),  # q/k/v biases
     "qwen3": Family("qwen3", qk_norm=("heads", 2)),  # QK-norm on (batch, seq, heads, head_dim)
     # soft-capped scores and logits, the scale from query_pre_attn_scalar, a sliding and a full layer,
@@ -107,16 +107,19 @@ FAMILIES = {
                                           decoder_sparse_step=2), qk_norm=("heads", 2),
                         moe="Qwen3MoeSparseMoeBlock"),
     "mixtral": Family("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), moe="MixtralSparseMoeBlock"),
+    # multipliers on the embedding, the residual branches, the attention's scale and the logits
     "granite": Family("granite", dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                       logits_scaling=4.0)),
     # one norm feeding the attention and the MLP side by side, interleaved rotary halves, logits scaled; its
     # LayerNorm computes in float32
     "cohere": Family("cohere", dict(logit_scale=0.5), norms=("input_layernorm",), tolerance=FLOAT32_INSIDE),
+    # LayerNorms with biases, biases on every projection, a plain GELU-tanh MLP (c_fc, c_proj)
     "starcoder2": Family("starcoder2", dict(use_bias=True), mlp=("c_fc", None, "c_proj"),
                          block_mlp=dict(w1="c_fc", w2="c_proj", gated=False)),
     # layer 1 without rotary embeddings (NoPE): the style's check runs the module's own forward and refuses it
     "smollm3": Family("smollm3", dict(no_rope_layer_interval=2),
                       refused=_attention_refused((1,), "(SmolLM3Attention)'s own forward differs")),
+    # q/k/v biases, half of each head rotated (interleaved), gate and up stacked, four norms a layer
     "glm4": Family("glm4", dict(attention_bias=True, partial_rotary_factor=0.5),
                    norms=("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
                           "post_mlp_layernorm"), mlp=("gate_up_proj", None, "down_proj"), stacked_mlp=True),
