@@ -15,6 +15,7 @@ plan as one without. Built on the pipelined primitives of
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -230,6 +231,54 @@ def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: 
     return _MatmulReduceScatter.apply(forward, call, sd, reduce_op, a, b)
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def recomputed() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``): non-reentrant
+    activation checkpointing (``torch.utils.checkpoint``, ``checkpoint_wrapper``, torch's composable
+    ``checkpoint``) and offloading install them. What a Function saves then goes through them, and a graph
+    kept some other way would keep its tensors or be recomputed where the Function cannot choose."""
+    return _top_hooks is not None and _top_hooks(False) is not None
+
+
+class Replay:
+    """What each call of a producer was made under in a forward, so that a backward can make it again: the
+    random-number state (the CPU's, and the device's of the first input that is not on the CPU) and autocast.
+    :meth:`record` runs ``fn(d, *inputs)`` and keeps them; :meth:`replay` runs it again under them."""
+
+    __slots__ = ("device", "autocast", "states")
+
+    def __init__(self, inputs) -> None:
+        self.device = next((t.device for t in inputs if t.device.type != "cpu"), None)
+        kinds = ["cpu"] if self.device is None else ["cpu", self.device.type]
+        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in kinds if torch.is_autocast_enabled(kind)]
+        self.states: dict[int, tuple] = {}
+
+    def _rng(self) -> tuple:
+        device = self.device
+        if device is None:
+            return (torch.get_rng_state(), None)
+        return (torch.get_rng_state(), torch.get_device_module(device.type).get_rng_state(device))
+
+    def record(self, d: int, fn: Callable, inputs) -> torch.Tensor:
+        self.states[d] = self._rng()
+        return fn(d, *inputs)
+
+    def replay(self, d: int, fn: Callable, inputs) -> torch.Tensor:
+        cpu, dev = self.states[d]
+        device = self.device
+        devices = [] if device is None else [device]
+        with torch.random.fork_rng(devices=devices, device_type="cpu" if device is None else device.type):
+            torch.set_rng_state(cpu)
+            if device is not None:
+                torch.get_device_module(device.type).set_rng_state(dev, device)
+            with contextlib.ExitStack() as stack:
+                for kind, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                return fn(d, *inputs)
+
+
 class _ProduceReduceScatter(torch.autograd.Function):
     """``out = sum over ranks of fn(this_rank, *inputs)`` where each rank makes every rank's partial.
 
@@ -244,10 +293,26 @@ class _ProduceReduceScatter(torch.autograd.Function):
     detached copies of ``inputs``) and kept; the backward back-propagates each
     destination's output gradient through its partial as that gradient
     arrives, hiding the next hop. Shapes: every p_d and dout_d alike.
+
+    Under saved-tensor hooks (activation checkpointing, offloading: see
+    :func:`recomputed`), nothing of the partials is kept: the forward makes
+    them without graphs and saves ``inputs`` through the hooks, and the
+    backward makes each destination's partial again, with its graph, as its
+    gradient arrives (with the forward's random-number state and autocast).
+    A kept graph would be back-propagated in a graph task of its own, in
+    which non-reentrant checkpointing recomputes the region again, inside
+    this ring.
     """
 
     @staticmethod
     def forward(ctx, call: Call, fn: Callable, dim: int, *inputs: torch.Tensor):
+        ctx.call, ctx.fn = call, fn
+        if recomputed():
+            states = Replay(inputs)
+            out = produce_reduce_scatter_core(call, lambda d: states.record(d, fn, inputs), dim, early=None)
+            ctx.states, ctx.graphs = states, None
+            ctx.save_for_backward(*inputs)
+            return out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         graphs: dict[int, torch.Tensor] = {}
 
@@ -258,17 +323,29 @@ class _ProduceReduceScatter(torch.autograd.Function):
             return p.detach()
 
         out = produce_reduce_scatter_core(call, producer, dim, early=None)
-        ctx.call, ctx.graphs, ctx.leaves = call, graphs, leaves
+        ctx.graphs, ctx.leaves = graphs, leaves
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        leaves, graphs = ctx.leaves, ctx.graphs
+        graphs = ctx.graphs
+        if graphs is None:
+            # unpacked before the ring takes the group: non-reentrant checkpointing recomputes the region here
+            inputs = ctx.saved_tensors
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad[3:])]
+            states, fn = ctx.states, ctx.fn
+
+            def partial(d: int) -> torch.Tensor:
+                with torch.enable_grad():
+                    return states.replay(d, fn, leaves)
+        else:
+            leaves = ctx.leaves
+            partial = graphs.pop
         wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
         grads: list[torch.Tensor | None] = [None] * len(leaves)
 
         def consume(g: torch.Tensor, d: int) -> None:
-            p = graphs.pop(d)
+            p = partial(d)
             got = torch.autograd.grad(p, [leaves[i] for i in wanted], g, allow_unused=True)
             for i, gi in zip(wanted, got):
                 if gi is not None:
