@@ -103,7 +103,9 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _dgathered, *douts):
-        x, *bs = ctx.saved_tensors
+        # detached: torch.matmul folds a 3-D input by whether the weight requires a gradient, and a saved tensor
+        # may or may not (checkpointing's recomputed ones do not): the same GEMMs either way, the same bits
+        x, *bs = (t.detach() for t in ctx.saved_tensors)
         da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
                                              ctx.needs_input_grad[5], ctx.needs_input_grad[6:])
         return (None, None, None, None, None, da, *dbs)
@@ -189,7 +191,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz):
-        a, b = ctx.saved_tensors
+        a, b = (t.detach() for t in ctx.saved_tensors)  # as in _AllGatherMatmul.backward
         da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[4],
                                                 ctx.needs_input_grad[5])
         return None, None, None, None, da, db

@@ -84,6 +84,7 @@ from commfuse.nn._common import as_dtensor, config, replicated, replicated_linea
 from commfuse.runtime import sites
 from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
+from commfuse.runtime.checkpointing import selective_now
 
 #: a number per module a style was applied to, for the key under which ``counted_calls`` learns how many calls
 #: its forward makes: never an ``id()``, which a later module's forward may reuse once the first is freed (a
@@ -690,8 +691,10 @@ class AttentionParallel(_AttentionStyle):
         mask = fused_attention.resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
                             rank=mesh.get_local_rank()) if given else None
         want = _normalized(self.output_layouts[0], 3)
-        if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
-            from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
+        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or selective_now()):
+            # one op in the graph (and, under selective activation checkpointing, to its policy): attention and
+            # out-projection, reduce-scattered
+            from commfuse import library
 
             z = library.attention_reduce_scatter(q, k, v, wo.weight.to_local(), causal=causal,
                                                  group=mesh.get_group(), algorithm=self.algorithm, mask=mask)

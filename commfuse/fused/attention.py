@@ -42,6 +42,7 @@ from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
+from commfuse.runtime.checkpointing import atomic
 
 __all__ = [
     "CUMULATIVE_MASK_NAMES", "DENSE_MASK_NAMES", "DOCUMENT_MASK_NAMES", "MASK_KINDS", "MASK_NAMES", "AttentionMask",
@@ -312,6 +313,7 @@ def partial_bytes(batch: int, rows: int, hidden: int, dtype: torch.dtype) -> int
     return batch * rows * hidden * dtype.itemsize
 
 
+@atomic
 def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, dtype: torch.dtype, group=None,
                         backend=None, device=None):
     """The reduce-scatter ring's call for the query-split attention (None at world size 1): ``algorithm``
@@ -322,6 +324,7 @@ def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, d
                      "attention_reduce_scatter", group, backend)
 
 
+@atomic
 def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, *,
                              causal: bool, mask: AttentionMask | None = None, config: tuple | None = None,
                              scale: float | None = None):

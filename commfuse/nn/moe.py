@@ -78,6 +78,7 @@ from commfuse.nn._common import (
 )
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
@@ -1168,6 +1169,7 @@ class MoE(nn.Module):
         self._ddp_seen[pg] = True
 
     @site_forward
+    @atomic  # one op to selective checkpointing: its router, exchanges and experts (commfuse.runtime.checkpointing)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise CommfuseValueError(

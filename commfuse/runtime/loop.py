@@ -86,6 +86,8 @@ from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, 
 from commfuse.runtime.recorder import failed as _recorded_failure
 from commfuse.runtime.recorder import stamper
 from commfuse.runtime import sites as _sites
+from commfuse.runtime.checkpointing import hooks as _hooks
+from commfuse.runtime.checkpointing import lane_of
 from commfuse.schedule import AlgorithmSpec, Collective
 
 
@@ -238,6 +240,9 @@ def take_group(state: GroupState, label: str) -> int:
     state.told = None
     state.lane = which = lane()
     seq = state.now = _number(state, which[1])
+    found = _hooks()
+    if found is not None:  # activation checkpointing: a recomputed call goes in its region's lane
+        state.lane = lane_of(state, which, seq, found)
     return seq
 
 
