@@ -54,7 +54,7 @@ import zlib
 import torch
 
 __all__ = ["aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "selective", "selective_now",
-           "set_aside"]
+           "recomputing", "set_aside", "stopped"]
 
 # -- recomputed calls ---------------------------------------------------------------------------------------------
 
@@ -90,6 +90,13 @@ def _region(pack) -> tuple[str | None, object]:
     return None, None
 
 
+def recomputing() -> bool:
+    """Whether this thread runs a non-reentrant checkpoint region's recompute (which may make fewer calls
+    than the region's forward: the ops a selective policy saved are not run again)."""
+    found = hooks()
+    return found is not None and _region(found[0])[0] == "recompute"
+
+
 #: the attribute a region's frame keeps, per group state, its first call's (lane code, number) in
 _FIRST = "_commfuse_first_calls"
 _RECOMPUTE = zlib.crc32(b"recompute") & 0xFFFF
@@ -119,6 +126,22 @@ def lane_of(state, which: tuple[str, int], seq: int, found) -> tuple[str, int]:
     salt = zlib.crc32(f"{code}:{number}".encode()) & 0xFFFF
     return (f"{which[0]}, recomputing the checkpointed region of call #{number}", (which[1] ^ _RECOMPUTE ^ salt)
             or 1)
+
+
+_STOP: tuple | None = None
+
+
+def stopped(error: BaseException) -> bool:
+    """Whether ``error`` is how torch ends a recompute early, once it has refilled every tensor the backward
+    needs (``early_stop``, on by default): raised on every rank at the same point of the same region, so the
+    calls the region would have made next are made by no rank, and none of them is left (see ``op_calls``)."""
+    global _STOP
+    if _STOP is None:
+        from torch.utils import checkpoint
+
+        kind = getattr(checkpoint, "_StopRecomputationError", None)
+        _STOP = (kind,) if kind is not None else ()
+    return isinstance(error, _STOP)
 
 
 # -- selective checkpointing --------------------------------------------------------------------------------------

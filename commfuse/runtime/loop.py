@@ -87,7 +87,7 @@ from commfuse.runtime.recorder import failed as _recorded_failure
 from commfuse.runtime.recorder import stamper
 from commfuse.runtime import sites as _sites
 from commfuse.runtime.checkpointing import hooks as _hooks
-from commfuse.runtime.checkpointing import lane_of
+from commfuse.runtime.checkpointing import lane_of, recomputing, stopped
 from commfuse.schedule import AlgorithmSpec, Collective
 
 
@@ -202,7 +202,7 @@ class Ticket:
     def __exit__(self, kind, error, tb) -> bool:
         state = self.state
         try:
-            if error is not None and not self.used:
+            if error is not None and not self.used and not stopped(error):
                 left_call(state, self.seq, self.label, None, error)
         finally:
             give_group(state)
@@ -340,6 +340,8 @@ class op_calls:
         if state is None:
             return False
         made = state.seqs.get(self.code, 0) - self.start
+        if error is not None and stopped(error):  # a recompute ended early: every rank makes no more calls
+            return False
         planned = self._planned(made, error)
         if error is not None and state.rank is not None and state.world_size > 1 and planned > made:
             leave_calls(state, self.label, error, planned - made, self.which)
@@ -366,6 +368,8 @@ class counted_calls(op_calls):
     def _planned(self, made: int, error) -> int:
         learned = self._LEARNED
         if error is None:
+            if recomputing():  # a selective policy's saved ops are not run again: not the forward's count
+                return made
             if len(learned) > 4096:
                 learned.clear()
             learned[self.key] = made

@@ -130,8 +130,9 @@ def _steps(model, run, inputs, steps: int):
 
 
 def _bf16_close(a, b) -> bool:
-    """Within bfloat16's rounding of the largest value (8 bits of mantissa): sums made in another order."""
-    return (a.float() - b.float()).abs().max().item() <= 2 ** -7 * max(b.float().abs().max().item(), 1e-3)
+    """Within 3e-2 of the largest value, the bfloat16 tolerance of the mixed-precision tests: bfloat16 partials
+    summed in another order."""
+    return (a.float() - b.float()).abs().max().item() <= 3e-2 * b.float().abs().max().item()
 
 
 def _same(got, want, what: str, exact: bool = True) -> None:
@@ -216,7 +217,7 @@ def tp_styles(rank, n):
 
     def mlp():
         def make():
-            model = _MLP()
+            model = _MLP(16, 8 * n)
             return parallelize_module(model, mesh["tp"], {
                 "norm": SequenceParallel(),
                 "w1": tp.ColwiseParallel(input_layouts=Shard(1), algorithm="ring"),
@@ -308,7 +309,7 @@ def nn_layers(rank, n):
 
     case("moe", lambda: MoE(16, 24, experts=2 * n, topk=2, algorithm="ring"), moe_inputs, 9)
     case("sharded-linear", lambda: nn.Sequential(ShardedLinear(16, 4 * n, algorithm="ring"), nn.GELU(),
-                                                 ShardedLinear(4 * n, 16, algorithm="ring")),
+                                                 ShardedLinear(4 * n, 8 * n, algorithm="ring")),
          _rows(n, rank, (2 * n, 5, 16), 1000, dim=0), 10)
     return results
 
