@@ -72,7 +72,7 @@ from commfuse.planning.pipelined import (
     produce_reduce_scatter_core,
 )
 from commfuse.schedule import Collective, parse_algorithm
-from commfuse.runtime.checkpointing import aside_call, atomic, selective
+from commfuse.runtime.checkpointing import aside_call, atomic, selective, selective_now
 from commfuse.runtime.checkpointing import depth as _modes
 
 __all__ = [
@@ -149,11 +149,12 @@ def _autocast_weights(b):
 
 
 def _as_op(group, *options) -> bool:
-    """Whether a call can run as its custom op (``torch.ops.commfuse``) outside torch.compile: under selective
-    activation checkpointing, where the op is then one op the policy saves or recomputes as it does when
-    compiled. The op takes the group by name and nothing of ``timeout``, ``check``, ``backend`` and ``report``;
-    a call that gives one runs as one op the policy cannot see instead (recomputed whole)."""
-    return all(o is None for o in options) and (group is None or isinstance(getattr(group, "group_name", None), str))
+    """Whether a call under selective activation checkpointing runs as its custom op (``torch.ops.commfuse``),
+    one op the policy saves or recomputes as it does when compiled (``selective_now``). The op takes the group
+    by name and nothing of ``timeout``, ``check``, ``backend`` and ``report``; a call that gives one runs as one
+    op the policy cannot see instead (recomputed whole)."""
+    return (all(o is None for o in options) and (group is None or isinstance(getattr(group, "group_name", None), str))
+            and selective_now())
 
 
 def _library():

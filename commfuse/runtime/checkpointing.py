@@ -48,13 +48,14 @@ fused op's front door.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 
 import torch
 
-__all__ = ["aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "selective", "selective_now",
-           "recomputing", "set_aside", "stopped"]
+__all__ = ["apart", "aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "selective", "selective_now",
+           "recomputing", "set_aside", "stopped", "strands_running"]
 
 # -- recomputed calls ---------------------------------------------------------------------------------------------
 
@@ -174,9 +175,27 @@ def selective(count: int) -> bool:
 
 
 def selective_now() -> bool:
-    """Whether this thread runs inside selective checkpointing's modes (a region's forward or recompute)."""
+    """Whether a fused op that is also a custom op runs as the op (``commfuse.library``), so that a selective
+    checkpointing policy decides on it: while this thread runs inside selective checkpointing's modes (a
+    region's forward or recompute), but not in ``commfuse.strands`` (:func:`strands_running`)."""
     count = depth()
-    return bool(count) and selective(count)
+    return bool(count) and not _STRANDS[0] and selective(count)
+
+
+#: how many ``commfuse.strands`` runs are in progress: they hand stages to ops' waits, which inside an op's
+#: kernel would run below autograd, so their fused ops run whole instead of as custom ops
+_STRANDS = [0]
+
+
+@contextlib.contextmanager
+def strands_running():
+    """While ``commfuse.strands`` runs its stages: no fused op runs as its custom op (:func:`selective_now`),
+    in the forward as in the recompute."""
+    _STRANDS[0] += 1
+    try:
+        yield
+    finally:
+        _STRANDS[0] -= 1
 
 
 def set_aside(count: int) -> tuple | None:
@@ -229,3 +248,25 @@ def atomic(fn):
         return fn(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def apart():
+    """Run what a commfuse op's wait is handed (``commfuse.strands`` runs a stage without transfers inside
+    another stage's op) as it would run alone: the saved-tensor hooks of the code around the op (a
+    checkpointed stage's region, or its recompute) and selective checkpointing's modes are set aside for it,
+    and put back after."""
+    popped = []
+    if _top is not None:
+        while (found := _top(False)) is not None:
+            popped.append(found)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    count = depth()
+    aside = set_aside(count) if count else None
+    try:
+        yield
+    finally:
+        if aside is not None:
+            put_back(aside)
+        for pack, unpack in reversed(popped):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)

@@ -358,3 +358,41 @@ def functional(rank, n):
 
     _run(results, "produce-reduce-scatter-dropout", produced)
     return results
+
+
+def two_strands(rank, n):
+    """commfuse.strands.run with every stage checkpointed (non-reentrant, and the selective policy): the next
+    micro-batch's forward interleaved with the previous one's backward, in which each stage's recompute runs;
+    against the same stages unchecked, one micro-batch after the other."""
+    import _strands_cases as sc
+
+    from commfuse import strands
+
+    results = {}
+
+    def case(mode, plan):
+        problems: list[str] = []
+        ours = {k: v.clone().requires_grad_() for k, v in sc._params(rank, n).items()}
+        theirs = {k: v.clone().requires_grad_() for k, v in sc._params(rank, n).items()}
+
+        def wrapped(stage):
+            if mode == "non-reentrant":
+                def fn(*args, _fn=stage.fn):
+                    return checkpoint(_fn, *args, use_reentrant=False)
+            else:
+                def fn(*args, _fn=stage.fn):
+                    return checkpoint(_fn, *args, use_reentrant=False, context_fn=_titan_context,
+                                      preserve_rng_state=False)
+            return strands.Stage(stage.name, fn, stage.compute, stage.comm)
+
+        stages_ours = [wrapped(s) for s in sc._stages(ours, "ring", plan == "searched")]
+        stages_theirs = sc._stages(theirs, "ring", False)
+        sc.against_sequential(ours, theirs, stages_ours, stages_theirs, lambda step: sc._batches(rank, n, 3, step),
+                              sc._loss, plan, problems)
+        if problems:
+            raise AssertionError("\n".join(problems))
+
+    for mode in ("non-reentrant", "selective"):
+        for plan in ("alternate", "searched"):
+            _run(results, f"strands-{mode}-{plan}", lambda: case(mode, plan))
+    return results
