@@ -31,6 +31,7 @@ from commfuse.planning.pipelined import (
     rows_of,
     scatter_spans,
 )
+from commfuse.runtime.checkpointing import TOP_HOOKS
 from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
@@ -233,15 +234,12 @@ def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: 
     return _MatmulReduceScatter.apply(forward, call, sd, reduce_op, a, b)
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
 def recomputed() -> bool:
     """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``): non-reentrant
     activation checkpointing (``torch.utils.checkpoint``, ``checkpoint_wrapper``, torch's composable
     ``checkpoint``) and offloading install them. What a Function saves then goes through them, and a graph
     kept some other way would keep its tensors or be recomputed where the Function cannot choose."""
-    return _top_hooks is not None and _top_hooks(False) is not None
+    return TOP_HOOKS(False) is not None
 
 
 class Replay:
@@ -253,8 +251,7 @@ class Replay:
 
     def __init__(self, inputs) -> None:
         self.device = next((t.device for t in inputs if t.device.type != "cpu"), None)
-        kinds = ["cpu"] if self.device is None else ["cpu", self.device.type]
-        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in kinds if torch.is_autocast_enabled(kind)]
+        self.autocast: list = []
         self.states: dict[int, tuple] = {}
 
     def _rng(self) -> tuple:
@@ -264,6 +261,8 @@ class Replay:
         return (torch.get_rng_state(), torch.get_device_module(device.type).get_rng_state(device))
 
     def record(self, d: int, fn: Callable, inputs) -> torch.Tensor:
+        kinds = ("cpu",) if self.device is None else ("cpu", self.device.type)
+        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in kinds if torch.is_autocast_enabled(kind)]
         self.states[d] = self._rng()
         return fn(d, *inputs)
 

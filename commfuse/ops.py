@@ -71,9 +71,9 @@ from commfuse.planning.pipelined import (
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
-from commfuse.schedule import Collective, parse_algorithm
 from commfuse.runtime.checkpointing import aside_call, atomic, selective, selective_now
 from commfuse.runtime.checkpointing import depth as _modes
+from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
     "MIN_SLICE_BYTES",

@@ -82,9 +82,9 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
+from commfuse.runtime.checkpointing import selective_now
 from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
-from commfuse.runtime.checkpointing import selective_now
 
 #: a number per module a style was applied to, for the key under which ``counted_calls`` learns how many calls
 #: its forward makes: never an ``id()``, which a later module's forward may reuse once the first is freed (a

@@ -40,9 +40,9 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
-from commfuse.runtime.checkpointing import atomic
 
 __all__ = [
     "CUMULATIVE_MASK_NAMES", "DENSE_MASK_NAMES", "DOCUMENT_MASK_NAMES", "MASK_KINDS", "MASK_NAMES", "AttentionMask",

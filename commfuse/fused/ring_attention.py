@@ -53,9 +53,9 @@ from commfuse.planning.pipelined import (
     StandIn,
     produce_reduce_scatter_core,
 )
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
-from commfuse.runtime.checkpointing import atomic
 
 __all__ = ["BlockPlan", "block_attention", "block_plans", "merge_lse", "ring_attention", "ring_attention_reference",
            "ulysses_positions"]

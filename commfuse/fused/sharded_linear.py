@@ -13,8 +13,8 @@ import torch
 
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
-from commfuse.schedule import Collective
 from commfuse.runtime.checkpointing import atomic
+from commfuse.schedule import Collective
 
 __all__ = [
     "all_gather_call", "sharded_linear_backward", "sharded_linear_dgrad", "sharded_linear_fn", "sharded_linear_forward",

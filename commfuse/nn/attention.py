@@ -71,10 +71,9 @@ from commfuse.nn._common import (
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import atomic, selective_now
 from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective
-from commfuse.runtime.checkpointing import atomic
-from commfuse.runtime.checkpointing import selective_now
 
 
 def _heads(hidden_size: int, num_heads: int, num_kv_heads: int | None, n: int) -> tuple[int, int, int]:

@@ -45,8 +45,8 @@ from commfuse.nn._common import (
 )
 from commfuse.nn.linear import _init_linear
 from commfuse.planning import pipelined
-from commfuse.schedule import Collective
 from commfuse.runtime.checkpointing import selective_now
+from commfuse.schedule import Collective
 
 
 config_words("avg", "sum")  # a mismatch names the other rank's reduce too

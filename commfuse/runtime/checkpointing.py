@@ -54,19 +54,34 @@ import zlib
 
 import torch
 
-__all__ = ["apart", "aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "selective", "selective_now",
-           "recomputing", "set_aside", "stopped", "strands_running"]
+__all__ = ["TOP_HOOKS", "apart", "aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "recomputing",
+           "selective", "selective_now", "set_aside", "stopped", "strands_running"]
 
 # -- recomputed calls ---------------------------------------------------------------------------------------------
 
-#: the top of this thread's saved-tensor hooks, ``(pack, unpack)`` or None (torch reads them with this, too)
-_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+def _top_hooks_reader():
+    """``read(False)``: the top of this thread's saved-tensor hooks, ``(pack, unpack)`` or None, as torch reads
+    it. torch 2.8 added the call and later its ``ignore_is_tracing`` argument: without the argument it is
+    wrapped, and without the call there are never any hooks to see (checkpointing then runs as described,
+    with the recompute in the ``autograd`` lane)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return lambda ignore_is_tracing: None
+    try:
+        top(False)
+    except TypeError:
+        return lambda ignore_is_tracing: top()
+    return top
+
+
+#: ``TOP_HOOKS(False)``: the top of this thread's saved-tensor hooks, for the loop, which reads it on every call
+TOP_HOOKS = _top_hooks_reader()
 
 
 def hooks():
     """The saved-tensor hooks in force on this thread, ``(pack, unpack)``, or None (also on a torch without the
     call)."""
-    return None if _top is None else _top(False)
+    return TOP_HOOKS(False)
 
 
 def _region(pack) -> tuple[str | None, object]:
@@ -257,10 +272,9 @@ def apart():
     checkpointed stage's region, or its recompute) and selective checkpointing's modes are set aside for it,
     and put back after."""
     popped = []
-    if _top is not None:
-        while (found := _top(False)) is not None:
-            popped.append(found)
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+    while (found := TOP_HOOKS(False)) is not None:
+        popped.append(found)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
     count = depth()
     aside = set_aside(count) if count else None
     try:

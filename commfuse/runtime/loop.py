@@ -63,6 +63,8 @@ from commfuse.errors import (
     PeerFailedError,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
+from commfuse.runtime.checkpointing import TOP_HOOKS as _top_hooks
+from commfuse.runtime.checkpointing import lane_of, recomputing, stopped
 from commfuse.runtime.drain import account, drain_call
 from commfuse.runtime.compiled import (
     CompiledStep,
@@ -86,8 +88,6 @@ from commfuse.runtime.observe import NULL_SCOPE, events_of, mode_of, observers, 
 from commfuse.runtime.recorder import failed as _recorded_failure
 from commfuse.runtime.recorder import stamper
 from commfuse.runtime import sites as _sites
-from commfuse.runtime.checkpointing import hooks as _hooks
-from commfuse.runtime.checkpointing import lane_of, recomputing, stopped
 from commfuse.schedule import AlgorithmSpec, Collective
 
 
@@ -240,7 +240,7 @@ def take_group(state: GroupState, label: str) -> int:
     state.told = None
     state.lane = which = lane()
     seq = state.now = _number(state, which[1])
-    found = _hooks()
+    found = _top_hooks(False)
     if found is not None:  # activation checkpointing: a recomputed call goes in its region's lane
         state.lane = lane_of(state, which, seq, found)
     return seq

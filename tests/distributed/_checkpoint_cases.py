@@ -135,7 +135,14 @@ def _bf16_close(a, b) -> bool:
     return (a.float() - b.float()).abs().max().item() <= 3e-2 * b.float().abs().max().item()
 
 
-def _same(got, want, what: str, exact: bool = True) -> None:
+def _f32_close(a, b) -> bool:
+    """Within float32 rounding (the compile tests' tolerance): inductor fuses the elementwise work."""
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _same(got, want, what: str, equal=torch.equal) -> None:
+    """Every step's loss, input gradients and parameter gradients of ``got`` and ``want`` (from :func:`_steps`)
+    alike by ``equal`` (bit for bit by default), or an ``AssertionError`` listing each that is not."""
     problems = []
     for step, ((loss, dxs, dps), (loss_w, dxs_w, dps_w)) in enumerate(zip(got, want)):
         pairs = [(loss, loss_w, "loss")] + [(a, b, f"input {i} grad") for i, (a, b) in enumerate(zip(dxs, dxs_w))]
@@ -148,7 +155,7 @@ def _same(got, want, what: str, exact: bool = True) -> None:
             elif a.shape != b.shape or a.dtype != b.dtype:
                 problems.append(f"{what}, step {step}: {name} is {a.dtype}{list(a.shape)}, want "
                                 f"{b.dtype}{list(b.shape)}")
-            elif not (torch.equal(a, b) if exact else _bf16_close(a, b)):
+            elif not equal(a, b):
                 problems.append(f"{what}, step {step}: {name} differs by {(a - b).abs().max().item():.3g}")
     if problems:
         raise AssertionError("\n".join(problems))
@@ -169,7 +176,8 @@ def against_plain(name: str, make, inputs, modes=MODES, steps: int = 2, context=
             runs[mode] = _steps(model, checkpointed(model, mode), inputs, steps)
     for mode in modes:
         try:
-            _same(runs[mode], runs["none"], f"{name} under {mode} checkpointing", mode not in bf16)
+            _same(runs[mode], runs["none"], f"{name} under {mode} checkpointing",
+                  _bf16_close if mode in bf16 else torch.equal)
         except AssertionError as e:
             failures.append(str(e))
     if failures:
@@ -395,4 +403,132 @@ def two_strands(rank, n):
     for mode in ("non-reentrant", "selective"):
         for plan in ("alternate", "searched"):
             _run(results, f"strands-{mode}-{plan}", lambda: case(mode, plan))
+    return results
+
+
+# -- ranks that checkpoint differently ----------------------------------------------------------------------------
+
+
+def disagree(rank, n, case):
+    """Rank 0 checkpoints otherwise than the others; every rank must raise a commfuse error naming it, before
+    any call of the backward pairs wrongly. ``case``:
+
+    - ``one-rank-checkpoints``: rank 0 checkpoints two blocks, the others run them plainly;
+    - ``other-regions``: rank 0 checkpoints the two blocks as one region, the others each block as its own: the
+      first recomputed calls have equal signatures on every rank, so only the region tells them apart;
+    - ``other-policy``: rank 0 saves commfuse's reduce-scatters under a selective policy, the others recompute
+      them.
+
+    Returns, per rank, the error's class, its message and the seconds until it came (None: no error)."""
+    os.environ["COMMFUSE_TIMEOUT_S"] = "30"  # read when the calls are first resolved, below
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    torch.manual_seed(2)
+    blocks = [parallelize_module(llama.Block(dim=8 * n, n_heads=2 * n, n_kv_heads=n, ffn=8 * n), mesh["tp"],
+                                 llama.commfuse_plan(head_dim=4, algorithm="ring")) for _ in range(2)]
+    cache = llama.rope_cache(4, 4 * n)
+    x = _rows(n, rank, (2, 4 * n, 8 * n), 200)(0)[0].requires_grad_()
+
+    def both(h):
+        return blocks[1](blocks[0](h, cache), cache)
+
+    def recompute_reduce_scatters(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def save_reduce_scatters(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in library.CHECKPOINT_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    start = time.monotonic()
+    try:
+        if case == "one-rank-checkpoints":
+            y = checkpoint(both, x, use_reentrant=False) if rank == 0 else both(x)
+        elif case == "other-regions":
+            if rank == 0:
+                y = checkpoint(both, x, use_reentrant=False)
+            else:
+                h = checkpoint(blocks[0], x, cache, use_reentrant=False)
+                y = checkpoint(blocks[1], h, cache, use_reentrant=False)
+        else:
+            policy = save_reduce_scatters if rank == 0 else recompute_reduce_scatters
+            y = checkpoint(both, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        y.square().mean().backward()
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": type(e).__name__, "commfuse": isinstance(e, cf.errors.CommfuseError), "message": str(e),
+                "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+# -- what the recompute runs again: the policy for commfuse's ops --------------------------------------------------
+
+
+def _block(n, mesh):
+    torch.manual_seed(2)
+    model = llama.Block(dim=8 * n, n_heads=2 * n, n_kv_heads=n, ffn=8 * n)
+    return parallelize_module(model, mesh["tp"], llama.commfuse_plan(head_dim=4, algorithm="ring"))
+
+
+def recomputed_calls(rank, n):
+    """One training step of the Llama block (AttentionParallel, SwiGLUParallel) under full checkpointing and
+    under torchtitan's selective policy with ``commfuse.library.CHECKPOINT_SAVE``: the calls each recompute
+    makes on the group, read from its flight recorder (the lane of a recomputed call names its region)."""
+    from commfuse.runtime.groups import state_of_group
+    from commfuse.runtime.recorder import recorder_for
+
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    rows = _rows(n, rank, (2, 4 * n, 8 * n), 200)
+    out = {}
+    for mode in ("wrapper", "selective"):
+        cf.backends.release()
+        model = _block(n, mesh)
+        _steps(model, checkpointed(model, mode), lambda step: (*rows(step), llama.rope_cache(4, 4 * n)), 1)
+        calls = recorder_for(state_of_group(mesh["tp"].get_group())).calls()
+        out[mode] = [(call.head[2][0], call.head[0].label) for call in calls]
+    return out
+
+
+def compiled(rank, n, backend):
+    """torch.compile of the checkpointed Llama block, as torchtitan applies AC then compile: full checkpointing
+    and torchtitan's selective policy with ``commfuse.library.CHECKPOINT_SAVE``, against the block run eagerly
+    without checkpointing. ``backend`` "record": AOTAutograd with the min-cut partitioner inductor uses,
+    compiling nothing, recording the fused ops of the forward and backward graphs (results equal bit for bit);
+    "inductor": compiled (results within float32 rounding: inductor fuses the elementwise work)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="commfuse-inductor-")
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    rows = _rows(n, rank, (2, 4 * n, 8 * n), 200)
+
+    def inputs(step):
+        return (*rows(step), llama.rope_cache(4, 4 * n))
+
+    results = {}
+    cf.backends.release()
+    model = _block(n, mesh)
+    want = _steps(model, model, inputs, 2)
+    for mode in (("wrapper", "selective") if backend == "record" else ("selective",)):
+        graphs: dict = {"forward": [], "backward": []}
+
+        def case():
+            cf.backends.release()
+            torch._dynamo.reset()
+            model = _block(n, mesh)
+            if backend == "record":
+                from torch._dynamo.backends.common import aot_autograd
+                from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+                def recording(kind):
+                    def compiler(gm, example_inputs):
+                        graphs[kind] += [str(node.target) for node in gm.graph.nodes
+                                         if node.op == "call_function" and str(node.target).startswith("commfuse.")]
+                        return gm.forward
+                    return compiler
+
+                run = torch.compile(checkpointed(model, mode), backend=aot_autograd(
+                    fw_compiler=recording("forward"), bw_compiler=recording("backward"),
+                    partition_fn=min_cut_rematerialization_partition))
+            else:
+                run = torch.compile(checkpointed(model, mode), backend=backend)
+            got = _steps(model, run, inputs, 2)
+            _same(got, want, f"compiled ({mode}, {backend})", torch.equal if backend == "record" else _f32_close)
+            results[f"{mode}-graphs"] = graphs
+
+        _run(results, f"{mode}-{backend}", case)
     return results
