@@ -104,9 +104,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _dgathered, *douts):
-        # detached: torch.matmul folds a 3-D input by whether the weight requires a gradient, and a saved tensor
-        # may or may not (checkpointing's recomputed ones do not): the same GEMMs either way, the same bits
-        x, *bs = (t.detach() for t in ctx.saved_tensors)
+        x, *bs = ctx.saved_tensors
         da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
                                              ctx.needs_input_grad[5], ctx.needs_input_grad[6:])
         return (None, None, None, None, None, da, *dbs)
@@ -139,6 +137,10 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
         gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
                      label="all_gather_matmul.wgrad", meta=gather_matmul_meta(x, bs, gd, sum(sizes)))
     if need_a and pairs:
+        # the weights detached: torch.matmul folds a 3-D input by whether the weight requires a gradient, and a
+        # saved weight may or may not (checkpointing's recomputed ones do not): the same GEMMs either way
+        pairs = [(b.detach(), d) for b, d in pairs]
+
         def produce(spans):
             part = None
             for b, d in pairs:
@@ -192,7 +194,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz):
-        a, b = (t.detach() for t in ctx.saved_tensors)  # as in _AllGatherMatmul.backward
+        a, b = ctx.saved_tensors
         da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[4],
                                                 ctx.needs_input_grad[5])
         return None, None, None, None, da, db
@@ -208,7 +210,7 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
     sink = _deferred(b) if defer and need_b else None
     db = torch.zeros_like(b) if need_b and sink is None else None
     sizes = split_sizes(a.shape[sd], call.world_size)
-    bt = b.t()
+    bt = b.detach().t()  # as all_gather_matmul_backward's dgrad takes its weights
 
     def consume(spans):
         piece = join(spans, sd)
