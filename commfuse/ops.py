@@ -71,7 +71,7 @@ from commfuse.planning.pipelined import (
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
-from commfuse.runtime.checkpointing import aside_call, atomic, selective, selective_now
+from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
 from commfuse.runtime.checkpointing import depth as _modes
 from commfuse.schedule import Collective, parse_algorithm
 
@@ -150,11 +150,11 @@ def _autocast_weights(b):
 
 def _as_op(group, *options) -> bool:
     """Whether a call under selective activation checkpointing runs as its custom op (``torch.ops.commfuse``),
-    one op the policy saves or recomputes as it does when compiled (``selective_now``). The op takes the group
+    one op the policy saves or recomputes as it does when compiled (``as_custom_op``). The op takes the group
     by name and nothing of ``timeout``, ``check``, ``backend`` and ``report``; a call that gives one runs as one
     op the policy cannot see instead (recomputed whole)."""
     return (all(o is None for o in options) and (group is None or isinstance(getattr(group, "group_name", None), str))
-            and selective_now())
+            and as_custom_op())
 
 
 def _library():

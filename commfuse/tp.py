@@ -82,7 +82,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
-from commfuse.runtime.checkpointing import selective_now
+from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.runtime.loop import counted_calls
 from commfuse.schedule import Collective, site_algorithm
 
@@ -691,7 +691,7 @@ class AttentionParallel(_AttentionStyle):
         mask = fused_attention.resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
                             rank=mesh.get_local_rank()) if given else None
         want = _normalized(self.output_layouts[0], 3)
-        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or selective_now()):
+        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or as_custom_op()):
             # one op in the graph (and, under selective activation checkpointing, to its policy): attention and
             # out-projection, reduce-scattered
             from commfuse import library

@@ -45,7 +45,7 @@ from commfuse.nn._common import (
 )
 from commfuse.nn.linear import _init_linear
 from commfuse.planning import pipelined
-from commfuse.runtime.checkpointing import selective_now
+from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.schedule import Collective
 
 
@@ -182,7 +182,7 @@ class ShardedLinear(nn.Module):
                 "(FSDP2's MixedPrecisionPolicy through commfuse.fsdp.fully_shard), or cast the input or the layer"
             )
         if self.world_size > 1 and (torch.compiler.is_compiling() or (
-                selective_now() and self.backend is None and self.requires_gradient_sync and not self._held)):
+                as_custom_op() and self.backend is None and self.requires_gradient_sync and not self._held)):
             return self._compiled(x)  # one op in the graph (and, under selective checkpointing, to its policy)
         return self._ring(x, compute)
 

@@ -54,10 +54,11 @@ import zlib
 
 import torch
 
-__all__ = ["TOP_HOOKS", "apart", "aside_call", "atomic", "depth", "hooks", "lane_of", "put_back", "recomputing",
-           "selective", "selective_now", "set_aside", "stopped", "strands_running"]
+__all__ = ["TOP_HOOKS", "apart", "as_custom_op", "aside_call", "atomic", "depth", "hooks", "lane_of", "put_back",
+           "recomputing", "selective", "set_aside", "stopped", "strands_running"]
 
 # -- recomputed calls ---------------------------------------------------------------------------------------------
+
 
 def _top_hooks_reader():
     """``read(False)``: the top of this thread's saved-tensor hooks, ``(pack, unpack)`` or None, as torch reads
@@ -189,10 +190,10 @@ def selective(count: int) -> bool:
     return any(isinstance(_at(i), kinds) for i in range(count))
 
 
-def selective_now() -> bool:
-    """Whether a fused op that is also a custom op runs as the op (``commfuse.library``), so that a selective
-    checkpointing policy decides on it: while this thread runs inside selective checkpointing's modes (a
-    region's forward or recompute), but not in ``commfuse.strands`` (:func:`strands_running`)."""
+def as_custom_op() -> bool:
+    """Whether a fused op that is also a custom op runs as the op (``commfuse.library``) in eager mode, so that
+    a selective checkpointing policy decides on it: while this thread runs inside selective checkpointing's
+    modes (a region's forward or recompute), but not in ``commfuse.strands`` (:func:`strands_running`)."""
     count = depth()
     return bool(count) and not _STRANDS[0] and selective(count)
 
@@ -204,7 +205,7 @@ _STRANDS = [0]
 
 @contextlib.contextmanager
 def strands_running():
-    """While ``commfuse.strands`` runs its stages: no fused op runs as its custom op (:func:`selective_now`),
+    """While ``commfuse.strands`` runs its stages: no fused op runs as its custom op (:func:`as_custom_op`),
     in the forward as in the recompute."""
     _STRANDS[0] += 1
     try:

@@ -532,3 +532,55 @@ def compiled(rank, n, backend):
 
         _run(results, f"{mode}-{backend}", case)
     return results
+
+
+def with_fsdp(rank, n):
+    """torchtitan's order on a dp 2 x tp 2 mesh: commfuse's styles, activation checkpointing of the block
+    (full, and torchtitan's selective policy), then FSDP2's fully_shard over dp; two AdamW steps against the same
+    model without checkpointing: losses, every gradient (gathered) and the parameters after."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tpm = mesh["dp"], mesh["tp"]
+    cache = llama.rope_cache(8, 8)
+
+    def shard(x):
+        mine = x.tensor_split(dp.size())[dp.get_local_rank()]
+        return mine.tensor_split(2, dim=1)[tpm.get_local_rank()].clone()
+
+    def train(mode):
+        cf.backends.release()
+        torch.manual_seed(0)
+        block = parallelize_module(llama.Block(), tpm, llama.commfuse_plan(algorithm="ring"))
+        run = checkpointed(block, mode)
+        fully_shard(run, mesh=dp)  # torchtitan shards the block as apply_ac left it: the checkpoint wrapper
+        opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
+        got = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(2000 + step)
+            x, target = torch.randn(2 * dp.size(), 8, 32, generator=g), torch.randn(2 * dp.size(), 8, 32, generator=g)
+            loss = (run(shard(x), cache) - shard(target)).square().mean()
+            loss.backward()
+            got.append((loss.detach(), [p.grad.full_tensor() for p in block.parameters()]))
+            opt.step()
+            opt.zero_grad()
+        return got, [p.full_tensor() for p in block.parameters()]
+
+    want = train("none")
+    for mode in ("wrapper", "selective"):
+        def case(mode=mode):
+            got = train(mode)
+            problems = []
+            for step, ((loss, grads), (loss_w, grads_w)) in enumerate(zip(got[0], want[0])):
+                if not torch.equal(loss, loss_w):
+                    problems.append(f"step {step} loss {loss.item()} != {loss_w.item()}")
+                problems += [f"step {step} parameter {i} grad differs by {(a - b).abs().max().item():.3g}"
+                             for i, (a, b) in enumerate(zip(grads, grads_w)) if not torch.equal(a, b)]
+            problems += [f"parameter {i} after two steps differs by {(a - b).abs().max().item():.3g}"
+                         for i, (a, b) in enumerate(zip(got[1], want[1])) if not torch.equal(a, b)]
+            if problems:
+                raise AssertionError(f"{mode} checkpointing under fully_shard:\n" + "\n".join(problems))
+
+        _run(results, f"fsdp-{mode}", case)
+    return results

@@ -55,6 +55,11 @@ def test_functional_ops_under_checkpointing(name, n):
     _check("functional", n, name)
 
 
+@pytest.mark.parametrize("mode", ("wrapper", "selective"))
+def test_checkpointed_block_under_fully_shard_on_a_2x2_mesh(mode):
+    _check("with_fsdp", 4, f"fsdp-{mode}")
+
+
 @pytest.mark.parametrize("n", (2, 4))  # the strands tests' block: a sequence of 16, cut over the ranks
 @pytest.mark.parametrize("name", ("strands-non-reentrant-alternate", "strands-non-reentrant-searched",
                                   "strands-selective-alternate", "strands-selective-searched"))

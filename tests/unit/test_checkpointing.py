@@ -34,10 +34,10 @@ def test_selective_modes_are_set_aside_and_put_back_in_their_place():
     caching = _CachingTorchDispatchMode(lambda *a, **k: CheckpointPolicy.MUST_SAVE, {})
     with below, caching, above:
         stack = _get_current_dispatch_mode_stack()
-        assert checkpointing.selective_now() and checkpointing.depth() == 3
+        assert checkpointing.as_custom_op() and checkpointing.depth() == 3
         aside = checkpointing.set_aside(checkpointing.depth())
         assert _get_current_dispatch_mode_stack() == [below, above]  # the user's modes stay, in their order
-        assert not checkpointing.selective_now()
+        assert not checkpointing.as_custom_op()
         torch.ones(2).add(1)
         checkpointing.put_back(aside)
         assert _get_current_dispatch_mode_stack() == stack
@@ -47,7 +47,7 @@ def test_selective_modes_are_set_aside_and_put_back_in_their_place():
 def test_nothing_is_set_aside_without_selective_modes():
     with _Seen():
         assert checkpointing.set_aside(checkpointing.depth()) is None
-        assert not checkpointing.selective_now()
+        assert not checkpointing.as_custom_op()
     assert checkpointing.depth() == 0
 
 
