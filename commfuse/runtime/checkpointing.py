@@ -247,12 +247,17 @@ def aside_call(fn, *args, **kwargs):
             put_back(aside)
 
 
+_compiling = torch.compiler.is_compiling
+
+
 def atomic(fn):
     """``fn`` (a fused op's front door) run with selective checkpointing's modes set aside: one op to the
     policy, run whole in the forward and whole again in the recompute."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if _compiling():  # traced: no modes to set aside (and Dynamo does not trace the stack's depth)
+            return fn(*args, **kwargs)
         count = depth()
         if count:
             aside = set_aside(count)
