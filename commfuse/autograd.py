@@ -51,7 +51,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 #: :func:`all_gather_matmul_fn` (with the gathered input kept) and of :func:`matmul_reduce_scatter_fn` hands it
 #: each weight-gradient GEMM as a closure, instead of running it in the ring's step, and returns no gradient
 #: for that weight to autograd: the closure adds into the weight's ``.grad`` itself. Only for a leaf weight
-#: without gradient hooks (DDP's and FSDP's hooks must see their gradients): any other weight's gradient is
+#: without gradient hooks (DDP's and FSDP's hooks must see their gradients), saved without saved-tensor hooks:
+#: under activation checkpointing (or offloading) the weight a backward unpacks is a new tensor that only
+#: shares the parameter's gradient accumulator, whose ``.grad`` nobody reads. Any other weight's gradient is
 #: computed in the ring as always.
 WGRAD_SINK: list = []
 
@@ -97,6 +99,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, forward: Callable, call: Call, gd: int, sizes, keep: bool, a: torch.Tensor, *bs: torch.Tensor):
         gathered, outs = forward(a, bs)
         ctx.call, ctx.gd, ctx.sizes, ctx.keep = call, gd, list(sizes), keep
+        ctx.defer = TOP_HOOKS(False) is None  # see _deferred
         ctx.save_for_backward(gathered if keep else a, *bs)
         if keep:
             ctx.mark_non_differentiable(gathered)
@@ -106,7 +109,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, _dgathered, *douts):
         x, *bs = ctx.saved_tensors
         da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
-                                             ctx.needs_input_grad[5], ctx.needs_input_grad[6:])
+                                             ctx.needs_input_grad[5], ctx.needs_input_grad[6:], ctx.defer)
         return (None, None, None, None, None, da, *dbs)
 
 
@@ -189,6 +192,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         if reduce_op == "avg":
             z = z.div_(call.world_size)
         ctx.call, ctx.sd, ctx.avg = call, sd, reduce_op == "avg"
+        ctx.defer = TOP_HOOKS(False) is None  # see _deferred
         ctx.save_for_backward(a, b)
         return z
 
@@ -196,7 +200,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, dz):
         a, b = ctx.saved_tensors
         da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[4],
-                                                ctx.needs_input_grad[5])
+                                                ctx.needs_input_grad[5], ctx.defer)
         return None, None, None, None, da, db
 
 
