@@ -12,11 +12,10 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -233,8 +232,6 @@ def tp_styles(rank, n):
 
         against_plain("colwise-rowwise", _seeded(make, 1), _rows(n, rank, (2, 4 * n, 16), 100), NORM_MODES)
 
-    cache = llama.rope_cache(8, 4 * n)
-
     def block():
         def make():
             model = llama.Block(dim=8 * n, n_heads=2 * n, n_kv_heads=n, ffn=8 * n)
@@ -260,7 +257,6 @@ def tp_styles(rank, n):
     _run(results, "colwise-rowwise", mlp)
     _run(results, "attention-swiglu-block", block)
     _run(results, "block-auto-bf16", block_auto_bf16)
-    del cache
     return results
 
 
