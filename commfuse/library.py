@@ -53,8 +53,8 @@ from commfuse.planning.calls import C10D_WORLD
 from commfuse.planning.pipelined import layer_config
 
 __all__ = [
-    "all_gather_matmul", "attention_reduce_scatter", "group_name", "matmul_reduce_scatter", "replicated",
-    "sharded_linear",
+    "CHECKPOINT_RECOMPUTE", "CHECKPOINT_SAVE", "all_gather_matmul", "attention_reduce_scatter", "group_name",
+    "matmul_reduce_scatter", "replicated", "sharded_linear",
 ]
 
 # -- groups by name ----------------------------------------------------------
@@ -234,7 +234,9 @@ def _agmm_setup(ctx, inputs, output):
 
 
 def _agmm_backward(ctx, _dgathered, douts):
-    a, gathered, *bs = ctx.saved_tensors
+    # detached, as commfuse.autograd's backwards take them: torch.matmul folds a 3-D input by whether the
+    # weight wants a gradient, and the saved tensors of a recomputed region do not
+    a, gathered, *bs = (t.detach() for t in ctx.saved_tensors)
     gather_dim, group_name, algorithm, gathered_size = ctx.options
     need_a, need_b = ctx.needs_input_grad[0], list(ctx.needs_input_grad[1])  # a list input: one flag per tensor
     da, dbs = torch.ops.commfuse.all_gather_matmul_backward(a, gathered, bs, list(douts), gather_dim, group_name,
@@ -315,7 +317,7 @@ def _mmrs_setup(ctx, inputs, output):
 
 
 def _mmrs_backward(ctx, dz):
-    a, b = ctx.saved_tensors
+    a, b = (t.detach() for t in ctx.saved_tensors)  # as commfuse.autograd's backwards take them
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da, db = torch.ops.commfuse.matmul_reduce_scatter_backward(a, b, dz, *ctx.options, need_a, need_b)
     return (da if need_a else None), (db if need_b else None), None, None, None, None
@@ -573,6 +575,33 @@ _replicated.register_autograd(_replicated_backward, setup_context=_replicated_se
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     """``commfuse.nn._common.replicated`` as an op: identity forward, the gradient summed over ``group``."""
     return torch.ops.commfuse.replicated(t, group_name(group))
+
+
+# -- activation checkpointing ----------------------------------------------------------------------------------
+# What a selective checkpointing policy (torch.utils.checkpoint.create_selective_checkpoint_contexts, torchtitan's
+# per-op save list) should do with each forward op. The policy sees these ops when the region is compiled, and in
+# eager too for the calls that can run as the op (commfuse.ops' all_gather_matmul and matmul_reduce_scatter
+# without timeout, check, backend or report; the tp styles, ParallelAttention and ShardedLinear): every other
+# commfuse call is one op the policy does not see, run whole again in the recompute (commfuse.runtime.checkpointing).
+
+#: Save these: each output is this rank's shard of a reduce-scatter (1/N of the sequence), and a recompute would
+#: run the GEMMs (every query slice's attention) and the whole ring again; torchtitan saves
+#: ``_c10d_functional.reduce_scatter_tensor`` for the same reason. Their backwards do not need them recomputed.
+CHECKPOINT_SAVE = (
+    torch.ops.commfuse.matmul_reduce_scatter.default,
+    torch.ops.commfuse.attention_reduce_scatter.default,
+)
+
+#: Recompute these unless memory allows: ``all_gather_matmul``'s outputs span the whole sequence (and, with a
+#: gradient, it keeps the gathered input as well), the largest activations of a tensor-parallel block, made
+#: again by one ring; ``sharded_linear`` gathers the weights again, as its backward does anyway; ``replicated``
+#: is a copy. Saving ``all_gather_matmul`` trades that memory for its ring, as torchtitan's policy saves every
+#: second matmul.
+CHECKPOINT_RECOMPUTE = (
+    torch.ops.commfuse.all_gather_matmul.default,
+    torch.ops.commfuse.sharded_linear.default,
+    torch.ops.commfuse.replicated.default,
+)
 
 
 # -- autocast ------------------------------------------------------------------------------------------------

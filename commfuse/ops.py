@@ -71,6 +71,8 @@ from commfuse.planning.pipelined import (
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
+from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
+from commfuse.runtime.checkpointing import depth as _modes
 from commfuse.runtime import sites as _sites
 from commfuse.schedule import Collective, parse_algorithm
 
@@ -168,6 +170,15 @@ def _autocast_weights(b):
     return b
 
 
+def _as_op(group, *options) -> bool:
+    """Whether a call under selective activation checkpointing runs as its custom op (``torch.ops.commfuse``),
+    one op the policy saves or recomputes as it does when compiled (``as_custom_op``). The op takes the group
+    by name and nothing of ``timeout``, ``check``, ``backend`` and ``report``; a call that gives one runs as one
+    op the policy cannot see instead (recomputed whole)."""
+    return (all(o is None for o in options) and (group is None or isinstance(getattr(group, "group_name", None), str))
+            and as_custom_op())
+
+
 def _library():
     """``commfuse.library``, the custom ops (registered when this module is imported: see its end)."""
     return sys.modules["commfuse.library"]
@@ -221,6 +232,16 @@ def all_gather_matmul(
                                             return_gathered=return_gathered, gathered_size=gathered_size,
                                             keep_gathered=keep_gathered, timeout=timeout, check=check,
                                             backend=backend, report=report)
+    count = _modes()
+    if count and selective(count):  # one op to selective checkpointing (commfuse.runtime.checkpointing)
+        if _as_op(group, timeout, check, backend, report):  # the custom op, on which the policy decides
+            return _library().all_gather_matmul(a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                                                return_gathered=return_gathered, gathered_size=gathered_size,
+                                                keep_gathered=keep_gathered)
+        return aside_call(all_gather_matmul, a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                          return_gathered=return_gathered, gathered_size=gathered_size,
+                          keep_gathered=keep_gathered, timeout=timeout, check=check, backend=backend,
+                          report=report, config=config)
     if _any_autocast():
         a_shard, b = _autocast(a_shard), _autocast_weights(b)
     try:
@@ -283,6 +304,14 @@ def matmul_reduce_scatter(
         return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
                                                 algorithm=algorithm, timeout=timeout, check=check, backend=backend,
                                                 report=report)
+    count = _modes()
+    if count and selective(count):  # one op to selective checkpointing (commfuse.runtime.checkpointing)
+        if _as_op(group, timeout, check, backend, report):  # the custom op, on which the policy decides
+            return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
+                                                    algorithm=algorithm)
+        return aside_call(matmul_reduce_scatter, a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
+                          algorithm=algorithm, timeout=timeout, check=check, backend=backend, report=report,
+                          config=config)
     if _any_autocast():
         a, b = _autocast(a), _autocast(b)
     try:
@@ -316,6 +345,7 @@ def _checked(what: str, call):
         raise CommfuseTypeError(f"{what} must be callable, got {type(call).__name__}")
 
 
+@atomic
 def all_gather_consume(
     shard: torch.Tensor,
     consumer: Callable[[torch.Tensor, int], Any],
@@ -369,6 +399,7 @@ def all_gather_consume(
     return all_gather_consume_core(call, shard, consumer, d, private=True)
 
 
+@atomic
 def produce_reduce_scatter(
     producer: Callable[..., torch.Tensor],
     *,
@@ -436,6 +467,7 @@ def produce_reduce_scatter(
     return out
 
 
+@atomic
 def all_to_all_consume(
     chunks: Sequence[torch.Tensor],
     consumer: Callable[[torch.Tensor, int], Any],
@@ -512,6 +544,7 @@ def all_to_all_consume(
     return all_to_all_consume_core(call, chunks, consumer, d, private=True)
 
 
+@atomic
 def produce_all_to_all(
     producer: Callable[[int], torch.Tensor],
     *,
@@ -599,6 +632,7 @@ def produce_all_to_all(
     return got
 
 
+@atomic
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

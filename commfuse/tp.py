@@ -102,6 +102,7 @@ from commfuse.nn._blocks import (
 )
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
+from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.runtime.groups import state_of_group
 from commfuse.runtime.loop import counted_calls, leave_calls
 from commfuse.schedule import Collective, site_algorithm
@@ -1467,8 +1468,10 @@ class AttentionParallel(_AttentionStyle):
         scores = dict(scale=parts.scale, softcap=parts.softcap, window=window)
         wo = parts.wo
         want = _normalized(self.output_layouts[0], 3)
-        if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
-            from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
+        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or as_custom_op()):
+            # one op in the graph (and, under selective activation checkpointing, to its policy): attention and
+            # out-projection, reduce-scattered
+            from commfuse import library
 
             z = library.attention_reduce_scatter(q, k, v, wo.weight.to_local(), causal=causal,
                                                  group=mesh.get_group(), algorithm=self.algorithm, mask=mask,

@@ -40,6 +40,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
 
@@ -342,6 +343,7 @@ def partial_bytes(batch: int, rows: int, hidden: int, dtype: torch.dtype) -> int
     return batch * rows * hidden * dtype.itemsize
 
 
+@atomic
 def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, dtype: torch.dtype, group=None,
                         backend=None, device=None):
     """The reduce-scatter ring's call for the query-split attention (None at world size 1): ``algorithm``
@@ -352,6 +354,7 @@ def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, d
                      "attention_reduce_scatter", group, backend)
 
 
+@atomic
 def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, *,
                              causal: bool, mask: AttentionMask | None = None, config: tuple | None = None,
                              scale: float | None = None, softcap: float | None = None, window: int | None = None):

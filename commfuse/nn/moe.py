@@ -81,6 +81,7 @@ from commfuse.nn._common import (
 )
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
@@ -1224,6 +1225,7 @@ class MoE(nn.Module):
         self._ddp_seen[ddp] = True
 
     @site_forward
+    @atomic  # one op to selective checkpointing: its router, exchanges and experts (commfuse.runtime.checkpointing)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtensor = sys.modules.get("torch.distributed.tensor")
         sharded = x if dtensor is not None and isinstance(x, dtensor.DTensor) else None
