@@ -53,7 +53,7 @@ def test_the_table():
     width = max(map(len, cases.FAMILIES)) + 2
     lines = [f"{RANKS} gloo ranks, float64, 2 AdamW steps; the largest relative difference of the loss and "
              "every gradient from the model in one process, and how many of commfuse's sites ran a fused op "
-             "(rank 0):", "", "model".ljust(width) + "".join(run.ljust(32) for run in cases.RUNS) + "seconds"]
+             "(rank 0):", "", "model".ljust(width) + "".join(run.ljust(34) for run in cases.RUNS) + "seconds"]
     notes = []
     for name in cases.FAMILIES:
         per_rank = [r[name] for r in results]
@@ -69,6 +69,6 @@ def test_the_table():
                 cell += f" ({len(refusals)} refused)"
                 notes += [f"{name}, {run}: refused {path}: {' '.join(message.split())[:260]}..."
                           for path, message in refusals]
-            cells.append(cell.ljust(32))
+            cells.append(cell.ljust(34))
         lines.append(name.ljust(width) + "".join(cells) + f"{seconds:.1f}")
     print("\n" + "\n".join(lines + [""] + notes))
