@@ -78,9 +78,8 @@ def test_two_jobs_in_one_folder_are_not_merged_and_the_killed_rank_of_the_newer_
     # main's analyze merged job a's rank 1 into job b and named no rank
     _two_jobs(tmp_path)
     (group,) = analyze(tmp_path)
-    assert group.folder.job == "job-b"
     assert set(group.culprits) == {1} and "left no dump" in group.culprits[1], group.verdict
-    assert group.stuck == (LANE, 2)
+    assert group.stuck == (LANE, 2) and group.folder.job == "job-b"
     text = render([group])
     head = text.split("\n\n")[0]
     assert "job job-b" in head and "holds the dumps of 2 jobs" in head, text
