@@ -2,7 +2,11 @@
 
 Each rank's recorder (``commfuse.runtime.recorder``) writes one JSON file per
 group when a call fails, on SIGTERM, or on demand. This module reads the
-files of one directory, groups them by process group, and names:
+files of one directory and takes those of one job: every dump names its job
+(an identity its ranks agreed in the store), and the dumps of two jobs are
+never merged; the newest job is analysed, unless ``--job`` names another, and
+what was left out is said. It groups that job's dumps by process group, and
+names:
 
 * the rank or ranks that never posted a step their peers waited for (no
   dump at all: killed, or ended where Python could not act; a dump with no
@@ -14,6 +18,12 @@ files of one directory, groups them by process group, and names:
   site at the same call number);
 * per rank, the time its host spent waiting on each peer (where the backend's
   host blocks in waits: gloo).
+
+A file that cannot be used (unreadable, cut short, over ``--max-mib``, or with
+a field of the wrong type or range: every field the analysis reads is
+checked, :func:`check_dump`) is named in one line with what is wrong with it,
+and its rank is never named for it: what that rank did is unknown. Dumps of a
+commfuse that wrote no job identity are read, and said to carry none.
 
 It prints a short verdict first and the detail after, and writes a Perfetto
 (Chrome trace event format) file of the last calls. Times are the ranks' own
@@ -319,8 +329,9 @@ class Folder:
             elif got is not None:
                 dumps.append(got)
         if not dumps:
-            raise CommfuseValueError(f"{folder}: no usable flight recorder dumps ({FORMAT}) in it"
-                                     + ("".join(f"; {u.line()}" for u in unusable)))
+            raise CommfuseValueError(f"{folder}: no flight recorder dumps ({FORMAT}) in it"
+                                     + ("" if not unusable else " that could be used: "
+                                        + "; ".join(u.line() for u in unusable)))
         jobs: dict[str | None, list[dict]] = defaultdict(list)
         for d in dumps:
             jobs[d["job"]].append(d)
@@ -436,6 +447,8 @@ class Group:
         that name this group and a rank of it are this group's: that rank is said to have an unusable dump,
         and never named for what it did."""
         self.name = name
+        #: the reading of the folder the dumps came from (:class:`Folder`), where :func:`analyze` made the group
+        self.folder: Folder | None = None
         checked = []
         for i, d in enumerate(dumps):
             if "_path" in d:
@@ -698,7 +711,7 @@ def analyze(directory: str | os.PathLike, job: str | None = None, max_mib: int =
 
 def _stray(groups: list[Group]) -> list[Unusable]:
     """The unusable files no group took (no group or rank known, or one the job has no dump of)."""
-    folder = groups[0].folder if groups and hasattr(groups[0], "folder") else None
+    folder = groups[0].folder if groups else None
     if folder is None:
         return []
     taken = {(g.name, r) for g in groups for r in g.unusable}
@@ -707,7 +720,7 @@ def _stray(groups: list[Group]) -> list[Unusable]:
 
 def render(groups: list[Group]) -> str:
     lines = []
-    folder = groups[0].folder if groups and hasattr(groups[0], "folder") else None
+    folder = groups[0].folder if groups else None
     if folder is not None:
         if folder.job is NO_JOB:
             lines.append("job: unknown (the dumps carry no job identity)")
