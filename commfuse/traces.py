@@ -144,7 +144,7 @@ def check_dump(data) -> dict:
     ws = _int(d, "world_size", "world_size", 1, MAX_WORLD_SIZE)
     out = {"format": FORMAT, "group": _str(d, "group", "group", none=False, optional=False, cap=200),
            "rank": _int(d, "rank", "rank", 0, ws - 1), "world_size": ws,
-           "has_job": "job" in d, "job": _str(d, "job", "job", cap=200),
+           "has_job": "job" in d, "job": _str(d, "job", "job", cap=200) or None,
            "job_from": _str(d, "job_from", "job_from", cap=200),
            "host": _str(d, "host", "host", cap=1000), "pid": _int(d, "pid", "pid", none=True, optional=True),
            "reason": _str(d, "reason", "reason", cap=1000),
@@ -247,7 +247,8 @@ def _load_one(path: Path, max_bytes: int) -> dict | Unusable | None:
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            group, rank, job, ours = _sniff(path, path.open("rb").read(1 << 16).decode("utf-8", "replace"))
+            with path.open("rb") as f:
+                group, rank, job, ours = _sniff(path, f.read(1 << 16).decode("utf-8", "replace"))
             if not ours:
                 return None
             return Unusable(name, f"{size / 2**20:.1f} MiB, larger than the {max_bytes / 2**20:.0f} MiB analyze "
@@ -283,23 +284,10 @@ def _load_one(path: Path, max_bytes: int) -> dict | Unusable | None:
 
 
 def _cut(text: str) -> bool:
-    """Whether JSON text ends before its brackets close (a file cut short), as opposed to text that is not JSON."""
-    depth, quoted, escaped = 0, False, False
-    for ch in text:
-        if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-    return depth > 0 or quoted
+    """Whether JSON text ends before its brackets close (a file cut short), as opposed to text that is not JSON:
+    with its complete strings taken out, a quote is left open or more brackets open than close."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+    return '"' in bare or bare.count("[") + bare.count("{") > bare.count("]") + bare.count("}")
 
 
 #: the job of the dumps that carry no identity (an older commfuse's, or a recorder that reached no store)
@@ -337,11 +325,12 @@ class Folder:
             jobs[d["job"]].append(d)
         newest = {j: max(d["written_ns"] for d in ds) for j, ds in jobs.items()}
         if job is not None:
+            job = NO_JOB if job == "none" else job
             if job not in jobs:
                 raise CommfuseValueError(f"--job {job}: no dump of that job in {folder}; its jobs: "
                                          + ", ".join(_job_name(j) for j in sorted(jobs, key=lambda j: newest[j])))
             self.job = job
-        else:
+        else:  # the newest: the job whose latest dump was written last
             self.job = max(jobs, key=lambda j: (newest[j], j or ""))
         chosen = jobs[self.job]
         self.notes: list[str] = []
@@ -373,8 +362,8 @@ class Folder:
         for d in sorted(chosen, key=lambda d: d["written_ns"]):
             seen = by_group[d["group"]].get(d["rank"])
             if seen is not None:
-                self.left_out.append(f"left out: {seen['_path']}, an older dump of group {d['group']} rank "
-                                     f"{d['rank']} of the same job than {d['_path']}")
+                self.left_out.append(f"left out: {seen['_path']}, a dump of group {d['group']} rank {d['rank']} of "
+                                     f"the same job, older than {d['_path']}")
             by_group[d["group"]][d["rank"]] = d
         self.groups = {g: [ranks[r] for r in sorted(ranks)] for g, ranks in sorted(by_group.items())}
         # an unusable file counts for the analysed job unless what is left of it names another job
@@ -384,7 +373,6 @@ class Folder:
                 self.left_out.append(f"left out: {u.file}, unusable and of {_job_name(u.job)}: {u.why}")
             else:
                 self.unusable.append(u)
-
 
     def dumps_from(self) -> str | None:
         """Where the analysed job's identity came from (``store``, ``TORCHELASTIC_RUN_ID``), when one did."""
@@ -806,7 +794,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--last", type=integer(1, 100000), default=20, help="calls per rank in the trace (20)")
     a.add_argument("--json", action="store_true", help="print the findings as JSON instead of text")
     a.add_argument("--job", metavar="ID", default=None,
-                   help="the job whose dumps to analyse, where DIR holds several (default: the newest)")
+                   help="the job whose dumps to analyse, where DIR holds several (default: the newest; 'none': the dumps "
+                   "that carry no job identity)")
     a.add_argument("--max-mib", type=integer(1, 1 << 20), default=MAX_FILE_MIB,
                    help=f"the largest dump file read, in MiB ({MAX_FILE_MIB}); a larger one is named, not read")
 

@@ -100,6 +100,7 @@ def test_dumps_of_an_older_commfuse_are_read_and_said_to_lack_a_job_identity(tmp
     _two_jobs(tmp_path, legacy=True)
     (group,) = analyze(tmp_path)
     assert group.folder.job is None and sorted(group.dumps) == [0, 1]
+    assert sorted(analyze(tmp_path, job="none")[0].dumps) == [0, 1]  # asked for by name
     text = render([group])
     assert "job: unknown (the dumps carry no job identity)" in text, text
     assert "carry no job identity (written by a commfuse that records none)" in text, text
