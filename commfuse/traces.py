@@ -477,6 +477,8 @@ class Group:
             self.verdict.append("the dumps disagree on the group's world size: " + "; ".join(
                 f"{_ranks(ranks)} {'say' if len(ranks) > 1 else 'says'} {ws}" for ws, ranks in sorted(sizes.items()))
                 + f"; read as {self.world_size}")
+        if all(d["job"] is None for d in checked):
+            self._apart()
         for r, why in sorted(self.unusable.items()):
             self.verdict.append(f"rank {r}'s dump is unusable ({why}): nothing is concluded about rank {r}, and "
                                 "it is not named for it")
@@ -492,6 +494,25 @@ class Group:
         if not self.culprits and self.stuck is None and self.disagree is None:
             self.verdict.append("no rank failed or waits in the calls recorded"
                                 + ("" if not self.missing else f"; {_ranks(self.missing)} left no dump"))
+
+    def _apart(self) -> None:
+        """Dumps without a job identity cannot be told apart by it; where one rank's recorded calls all ended
+        before another's first began, say that they may be two runs' (the ranks of one run call together)."""
+        spans = {}
+        for r, d in self.dumps.items():
+            calls = d["calls"]
+            if calls:
+                spans[r] = (min(c["start_ns"] for c in calls),
+                            max(c["end_ns"] or c["start_ns"] for c in calls))
+        if len(spans) < 2:
+            return
+        first = min(spans, key=lambda r: spans[r][1])  # the rank whose calls ended first
+        last = max(spans, key=lambda r: spans[r][0])  # the rank whose calls began last
+        gap = spans[last][0] - spans[first][1]
+        if gap > 0:
+            self.verdict.append(f"rank {first}'s recorded calls all ended {_ms(gap)} before rank {last}'s first "
+                                "began, and the dumps carry no job identity: they may be two runs' dumps, which "
+                                "the analysis below mixes (give each run its own COMMFUSE_TRACE_DIR)")
 
     def _disagreement(self) -> None:
         for key in sorted(self.calls, key=lambda k: (k[1], k[0])):

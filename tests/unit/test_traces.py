@@ -104,6 +104,8 @@ def test_dumps_of_an_older_commfuse_are_read_and_said_to_lack_a_job_identity(tmp
     text = render([group])
     assert "job: unknown (the dumps carry no job identity)" in text, text
     assert "carry no job identity (written by a commfuse that records none)" in text, text
+    # without identities, that rank 1's calls all ended before rank 0's began is the hint left
+    assert "rank 1's recorded calls all ended 0.1 ms before rank 0's first began" in text, text
     done = _cli(tmp_path, "--json")
     assert done.returncode == 0, done.stderr
     (found,) = json.loads(done.stdout)
