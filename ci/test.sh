@@ -4,9 +4,11 @@
 # with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the XLA stage in its own environment
-# (ci/test_xla.sh), the torchtitan stage in its own environment (ci/test_torchtitan.sh:
-# torchtitan 0.3's models with commfuse's modules), and the CPU tests again on the torch
-# floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest run.
+# (ci/test_xla.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models under
+# torch's and commfuse's tensor-parallel plans, against each model in one process), the torchtitan stage in its
+# own environment (ci/test_torchtitan.sh: torchtitan 0.3's models with commfuse's modules), and the CPU tests
+# again on the torch floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest
+# run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,7 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
 PY
 bash ci/test_backends.sh || status=1
 bash ci/test_xla.sh || status=1
+bash ci/test_transformers.sh || status=1
 bash ci/test_torchtitan.sh || status=1
 bash ci/test_torch_floor.sh || status=1
 exit $status

@@ -43,6 +43,9 @@ class SiteReport:
     taken: tuple[tuple[str, int, str, str], ...]
     #: why an activation went through DTensor instead of a fused op, once each
     fallbacks: tuple[str, ...]
+    #: whether a forward of the site has completed (in eager mode): a site that ran and took nothing had
+    #: nothing to communicate in its forward (a column-parallel linear given a replicated input)
+    ran: bool = False
 
 
 class Explanation(list):
@@ -56,7 +59,8 @@ class Explanation(list):
         for s in self:
             lines.append(f"{s.path}: {s.kind} on {s.group}, world size {s.world_size}, algorithm {s.algorithm!r}")
             if not s.taken and not s.fallbacks:
-                lines.append("    took: nothing yet (no forward has run in eager mode)")
+                lines.append("    took: nothing to communicate in its forward (its input was replicated: nothing to "
+                             "fuse)" if s.ran else "    took: nothing yet (no forward has run in eager mode)")
             for collective, hop, name, why in s.taken:
                 lines.append(f"    {collective}{f', {hop} bytes per hop' if hop else ''}: took {name} ({why})")
             for why in s.fallbacks:
@@ -78,7 +82,7 @@ def explain(model: nn.Module) -> Explanation:
             path=site.path, kind=site.kind, group=_group_text(site.group, module), world_size=site.world_size,
             algorithm=str(site.algorithm),
             taken=tuple((c, hop, name, why) for (c, hop), (name, why) in site.taken.items()),
-            fallbacks=tuple(site.fallbacks)))
+            fallbacks=tuple(site.fallbacks), ran=site.seen != -1))
     return out
 
 

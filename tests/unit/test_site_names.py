@@ -193,3 +193,21 @@ def test_explain_lists_every_commfuse_nn_layer_before_any_forward():
     taken = {s.path: s.taken for s in cf.explain(model)}
     nothing = ("nothing (world size 1)", "world size 1: nothing to communicate")
     assert taken["mlp.fc1"] == (("all_gather", 2 * 4 * 16 * 4, *nothing),), taken  # the whole input: one shard
+
+
+def test_explain_tells_a_site_that_ran_with_nothing_to_fuse_from_one_that_never_ran(tmp_path):
+    # a column-parallel linear given a replicated input has no collective in its forward: once it has run, explain
+    # says so, instead of "nothing yet", which it says of a site whose forward has not run
+    out = _run("""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+        from commfuse.tp import ColwiseParallel
+        mesh = init_device_mesh("cpu", (4,))
+        ran, idle = nn.Linear(8, 16), nn.Linear(8, 16)
+        parallelize_module(ran, mesh, ColwiseParallel())  # input_layouts Replicate(): nothing to communicate
+        parallelize_module(idle, mesh, ColwiseParallel())
+        ran(torch.randn(2, 4, 8))
+        print(json.dumps({"ran": str(cf.explain(ran)), "idle": str(cf.explain(idle))}))
+    """, tmp_path)
+    assert "took: nothing to communicate in its forward (its input was replicated" in out["ran"], out["ran"]
+    assert "took: nothing yet (no forward has run in eager mode)" in out["idle"], out["idle"]
