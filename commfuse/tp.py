@@ -1783,7 +1783,8 @@ def _named(fn) -> str | None:
     """A callable by its module and qualified name (None for None), as the ranks compare a rope hook."""
     if fn is None:
         return None
-    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _described(value) -> str:

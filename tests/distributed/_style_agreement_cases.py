@@ -123,7 +123,9 @@ def _usable(mesh, rank: int, n: int) -> str | None:
         got = cf.all_gather_matmul(whole.tensor_split(n)[rank], w, group=mesh.get_group(), algorithm="ring")
     except Exception as e:  # noqa: BLE001 - reported
         return f"the call after it raised {type(e).__name__}: {e}"
-    return None if torch.allclose(got, whole @ w, rtol=1e-5, atol=1e-6) else "the call after it computed a wrong product"
+    if not torch.allclose(got, whole @ w, rtol=1e-5, atol=1e-6):
+        return "the call after it computed a wrong product"
+    return None
 
 
 def apply_case(rank: int, n: int, name: str) -> dict:
