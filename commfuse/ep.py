@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commfuse import backends
-from commfuse.errors import CommfuseTypeError, CommfuseValueError, MismatchError
+from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn import MoE, ShardedLinear
+from commfuse.nn._agree import agree
 from commfuse.nn._common import local
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
@@ -153,56 +153,50 @@ def _axes(mesh, dp_axis: str, ep_axis: str, where: str):
 
 
 def _layers(module: nn.Module, mesh, dp_axis: str, ep_axis: str, flat, where: str) -> list[tuple[str, MoE]]:
-    """``module``'s MoE layers ``(path, layer)``, each checked against the mesh, and the same on every rank."""
-    ep_ranks = dist.get_process_group_ranks(mesh[ep_axis].get_group())
-    rank = dist.get_rank()
-    layers, facts = [], [mesh[dp_axis].size(), mesh[ep_axis].size()]
-    for path, m in module.named_modules():
-        name = path or type(m).__name__
-        if isinstance(m, ShardedLinear):
-            raise CommfuseValueError(
-                f"{where}: rank {rank}: {name} is a commfuse ShardedLinear, which shards its weight over its own "
-                "data-parallel group; on a dp x ep mesh the dense parameters are sharded over dp x ep: use an "
-                "nn.Linear there")
-        if not isinstance(m, MoE):
-            continue
-        mine = dist.get_process_group_ranks(m.group if m.group is not None else dist.group.WORLD)
-        if mine != ep_ranks:
-            raise CommfuseValueError(
-                f"{where}: rank {rank}: the MoE layer {name} runs over global ranks {mine}; the mesh's {ep_axis!r} "
-                f"axis here is global ranks {ep_ranks}: build it with group=mesh[{ep_axis!r}]")
-        if m.loss != "per_rank":
-            raise CommfuseValueError(
-                f"{where}: rank {rank}: the MoE layer {name} was built with loss={m.loss!r}; on a dp x ep mesh every "
-                "rank has tokens and a loss of its own, which the dense parameters' average over dp x ep assumes: "
-                "build it with loss='per_rank'")
-        layers.append((path, m))
-        facts += [m.experts, m.hidden_size, m.ffn_size, m.topk, sum(p.numel() for p in m.parameters())]
-    _agree(flat, facts, len(layers), where)
-    return layers
+    """``module``'s MoE layers ``(path, layer)``, each checked against the mesh, and the same on every rank:
+    each rank's verdict (its layers, or its refusal) and what it holds are agreed over the dp x ep ranks in one
+    exchange before anything is sharded (``commfuse.nn._agree``), so a rank that refuses alone, or holds other
+    layers, is named on every rank."""
+
+    def decide() -> list[tuple[str, MoE]]:
+        ep_ranks = dist.get_process_group_ranks(mesh[ep_axis].get_group())
+        rank = dist.get_rank()
+        layers = []
+        for path, m in module.named_modules():
+            name = path or type(m).__name__
+            if isinstance(m, ShardedLinear):
+                raise CommfuseValueError(
+                    f"{where}: rank {rank}: {name} is a commfuse ShardedLinear, which shards its weight over its "
+                    "own data-parallel group; on a dp x ep mesh the dense parameters are sharded over dp x ep: use "
+                    "an nn.Linear there")
+            if not isinstance(m, MoE):
+                continue
+            mine = dist.get_process_group_ranks(m.group if m.group is not None else dist.group.WORLD)
+            if mine != ep_ranks:
+                raise CommfuseValueError(
+                    f"{where}: rank {rank}: the MoE layer {name} runs over global ranks {mine}; the mesh's "
+                    f"{ep_axis!r} axis here is global ranks {ep_ranks}: build it with group=mesh[{ep_axis!r}]")
+            if m.loss != "per_rank":
+                raise CommfuseValueError(
+                    f"{where}: rank {rank}: the MoE layer {name} was built with loss={m.loss!r}; on a dp x ep mesh "
+                    "every rank has tokens and a loss of its own, which the dense parameters' average over dp x ep "
+                    "assumes: build it with loss='per_rank'")
+            layers.append((path, m))
+        return layers
+
+    def described(layers) -> list:
+        facts = [("mesh (dp, ep)", f"({mesh[dp_axis].size()}, {mesh[ep_axis].size()})"), ("MoE layers", len(layers))]
+        for path, m in layers:
+            facts.append((f"MoE layer {path or type(m).__name__!r} (experts, hidden, ffn, top-k, parameters)",
+                          f"({m.experts}, {m.hidden_size}, {m.ffn_size}, {m.topk}, "
+                          f"{sum(p.numel() for p in m.parameters())})"))
+        return facts
+
+    return agree(flat.get_group(), f"{where} (the MoE layers on the dp x ep mesh)", decide, described,
+                 label="ep.layers", device=flat.device_type)
 
 
-def _agree(flat, facts: list[int], count: int, where: str) -> None:
-    """Every rank of ``flat`` has the same ``facts`` (the axes' sizes, then each MoE layer's), or every rank
-    raises naming the ranks that differ from the first. A rank with another count of layers is named by the
-    exchange's own check (the shapes differ). One all-gather through commfuse."""
-    group = flat.get_group()
-    device = torch.device(flat.device_type)
-    be = backends.resolve(None, group, device)
-    mine = torch.tensor(facts, dtype=torch.int64, device=getattr(be, "device", None) or device)
-    call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, backend=be, device=mine.device)
-    got = [t.cpu() for t in pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label="ep.layers")]
-    ranks = dist.get_process_group_ranks(group)
-    differ = [ranks[q] for q, t in enumerate(got) if not torch.equal(t, got[0])]
-    if differ:
-        raise MismatchError(
-            f"{where}: global ranks {differ} hold other MoE layers or mesh sizes than global rank {ranks[0]}: "
-            f"(dp, ep, then per layer experts, hidden, ffn, top-k, parameters) {got[0].tolist()} on rank "
-            f"{ranks[0]}, {got[ranks.index(differ[0])].tolist()} on rank {differ[0]} ({count} layers here)")
-
-
-register_format("ep.layers", lambda v: (f"commfuse.ep's check of the mesh and of {(v[3] - 2) // 5} MoE layers"
-                                        if len(v) > 3 else "commfuse.ep's check of the mesh and the MoE layers"))
+register_format("ep.layers", lambda v: "commfuse.ep's agreement of the ranks on the mesh and the MoE layers")
 
 
 # -- the gradient norm ---------------------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ import commfuse.ops as ops
 from commfuse.context import check_layout, positions
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
+from commfuse.nn._agree import agree, structure
 from commfuse.nn._blocks import (
     ACTIVATIONS,
     activation_name,
@@ -180,6 +181,32 @@ class _Style(ParallelStyle):
                                     f"'auto' or 'ring', got {algorithm!r}")
         self.algorithm = site_algorithm(f"commfuse.tp.{type(self).__name__}", algorithm, *self._collectives,
                                         native=self._native)
+
+    def _agreed(self, module: nn.Module, mesh: DeviceMesh, decide=None):
+        """What ``decide()`` reads of ``module`` (the block's parts; None without it), once every rank of the
+        mesh agrees (``commfuse.nn._agree``): each rank's verdict (applied, or its refusal) and what it decided
+        (the style's arguments, :meth:`_decisions` of what it read, the module's structure) are exchanged once,
+        before anything is distributed, so that a rank that refuses, or reads its module otherwise, is named on
+        every rank instead of leaving its peers in ``distribute_tensor``'s scatter."""
+        self._check_mesh(mesh)  # the same mesh on every rank (made together); its one axis is the group
+        who = f"commfuse.tp.{type(self).__name__} on {where(module)}"
+
+        def described(decided) -> list:
+            return [("module", who), *self._arguments_given(), *self._decisions(decided), *structure(module)]
+
+        return agree(mesh.get_group() if mesh.size() > 1 else None, who, decide or (lambda: None), described,
+                     label="tp.apply", device=mesh.device_type)
+
+    def _arguments_given(self) -> list[tuple[str, object]]:
+        """The style's arguments, as :meth:`_agreed` compares them over the ranks."""
+        return [("style", f"commfuse.tp.{type(self).__name__}"), ("input_layouts", repr(self.input_layouts[0])),
+                ("output_layouts", repr(self.output_layouts[0])), ("use_local_output", self.use_local_output),
+                ("algorithm", self.algorithm)]
+
+    def _decisions(self, decided) -> list[tuple[str, object]]:
+        """What the style read of the block and will compute with (:meth:`_agreed`); the per-linear styles
+        read nothing beyond the linear's structure."""
+        return []
 
     def _check(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if not isinstance(module, nn.Linear):
@@ -353,7 +380,7 @@ class ColwiseParallel(_Style):
                          use_local_output=use_local_output, algorithm=algorithm)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._check(module, device_mesh)
+        self._agreed(module, device_mesh, lambda: self._check(module, device_mesh))
         _colwise(self, module, device_mesh)
         return self._install(module, device_mesh, self._forward)
 
@@ -386,7 +413,7 @@ class RowwiseParallel(_Style):
                          use_local_output=use_local_output, algorithm=algorithm)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._check(module, device_mesh)
+        self._agreed(module, device_mesh, lambda: self._check(module, device_mesh))
         _rowwise(self, module, device_mesh)
         return self._install(module, device_mesh, self._forward)
 
@@ -712,8 +739,16 @@ class SwiGLUParallel(_Style):
                 f"{'' if parts.up is not None or parts.gate_up is not None else ', not gated'}) by {off:.3g} "
                 f"relative on a random input: the block computes something else; {instead}")
 
+    def _arguments_given(self) -> list[tuple[str, object]]:
+        return [*super()._arguments_given(), *((f"{k}=", v) for k, v in self.given.items()), ("gated", self.gated),
+                ("activation", self.activation)]
+
+    def _decisions(self, parts: _MLP) -> list[tuple[str, object]]:
+        return [("read as", " ".join(f"{k}={v!r}" for k, v in parts.names.items())), ("transformers", parts.hf),
+                ("input", parts.input_name), *((f"computes {k}", v) for k, v in parts.options)]
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        parts = self._read(module, device_mesh)
+        parts = self._agreed(module, device_mesh, lambda: self._read(module, device_mesh))
         if parts.gate_up is not None:
             _replicated_stacked(self, parts.gate_up, device_mesh)
             half = parts.gate_up.out_features // 2
@@ -878,6 +913,20 @@ def _norm(norm: nn.Module, t: torch.Tensor, group) -> torch.Tensor:
     return torch.func.functional_call(norm, local, (t,), strict=False)
 
 
+def _attention_config(style: _Style, parts: _Attention) -> tuple:
+    """What an :class:`AttentionParallel` computes with that the shapes do not show, for its ops'
+    fingerprints (and the ranks' agreement when it is applied)."""
+    return (("causal", parts.causal), ("head_dim", parts.head_dim), ("rope", style.rope is not None),
+            ("rope_module", style.rope_takes_module), ("layout", parts.layout),
+            *zip(("q_bias", "k_bias", "v_bias") if len(parts.projections) == 3 else ("qkv_bias",),
+                 (lin.bias is not None for lin in parts.projections)),
+            ("heads_per_kv", parts.heads_per_kv or 0), ("o_bias", parts.wo.bias is not None),
+            ("q_norm", type(parts.q_norm).__name__), ("k_norm", type(parts.k_norm).__name__),
+            ("scale", 0.0 if parts.scale is None else float(parts.scale)),
+            ("softcap", 0.0 if parts.softcap is None else float(parts.softcap)),
+            ("window", parts.window or 0), ("transformers", parts.implementation or "no"))
+
+
 class _AttentionStyle(_Style):
     """What the attention block styles share: the projections named by their paths (three, or one fused
     ``qkv``), ``head_dim``, the rope hook and the block's other forward arguments (masks by name, the rest to
@@ -897,6 +946,21 @@ class _AttentionStyle(_Style):
     @property
     def _who(self) -> str:
         return f"commfuse.tp.{type(self).__name__}"
+
+    def _arguments_given(self) -> list[tuple[str, object]]:
+        return [*super()._arguments_given(), ("head_dim", self.head_dim), ("causal", self.causal),
+                ("rope", _named(self.rope)), ("rope_takes_module", self.rope_takes_module),
+                *((f"{k}=", v) for k, v in {**self.given, **self.norm_names}.items()),
+                *((k, getattr(self, k, None)) for k in ("scale", "softcap", "window", "qkv_layout"))]
+
+    def _decisions(self, parts: _Attention) -> list[tuple[str, object]]:
+        return [("read as", " ".join(f"{k}={v!r}" for k, v in parts.names.items())), ("qkv layout", parts.layout),
+                ("head_dim read", parts.head_dim), ("query heads per key/value head", parts.heads_per_kv),
+                ("query norm", type(parts.q_norm).__name__), ("key norm", type(parts.k_norm).__name__),
+                ("scale read", parts.scale), ("softcap read", parts.softcap), ("window read", parts.window),
+                ("causal read", parts.causal), ("attention dropout", parts.dropout), ("transformers", parts.hf),
+                ("attention function", parts.implementation), ("rotary function", _named(parts.rope_fn)),
+                ("input", parts.input_name), ("forward arguments", ", ".join(parts.arg_names))]
 
     def _attention_options(self, *, head_dim: int | None, causal: bool | None, rope, rope_takes_module: bool, wq, wk,
                            wv, qkv, wo, q_norm=None, k_norm=None, scale=None, softcap=None, window=None,
@@ -1321,9 +1385,14 @@ class AttentionParallel(_AttentionStyle):
                 f"algorithm={self.algorithm!r})")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        parts = self._read(module, device_mesh, device_mesh.size())
-        if parts.hf:
-            self._verify(module, parts)
+        def decide() -> _Attention:
+            parts = self._read(module, device_mesh, device_mesh.size())
+            if parts.hf:
+                self._verify(module, parts)
+            parts.options = _attention_config(self, parts)
+            return parts
+
+        parts = self._agreed(module, device_mesh, decide)
         parts.rows = None
         for linear in parts.projections:
             if parts.layout == "stacked":
@@ -1337,15 +1406,6 @@ class AttentionParallel(_AttentionStyle):
             for child in () if norm is None else norm.modules():
                 for name, _ in list(child.named_parameters(recurse=False)):
                     self._distribute(child, name, device_mesh, Replicate())
-        parts.options = (("causal", parts.causal), ("head_dim", parts.head_dim), ("rope", self.rope is not None),
-                         ("rope_module", self.rope_takes_module), ("layout", parts.layout),
-                         *zip(("q_bias", "k_bias", "v_bias") if len(parts.projections) == 3 else ("qkv_bias",),
-                              (lin.bias is not None for lin in parts.projections)),
-                         ("heads_per_kv", parts.heads_per_kv or 0), ("o_bias", parts.wo.bias is not None),
-                         ("q_norm", type(parts.q_norm).__name__), ("k_norm", type(parts.k_norm).__name__),
-                         ("scale", 0.0 if parts.scale is None else float(parts.scale)),
-                         ("softcap", 0.0 if parts.softcap is None else float(parts.softcap)),
-                         ("window", parts.window or 0), ("transformers", parts.implementation or "no"))
 
         def read(args, kwargs):
             return self._read_call(module, device_mesh, parts, args, kwargs)
@@ -1579,8 +1639,11 @@ class RingAttentionParallel(_AttentionStyle):
         return (f"commfuse.tp.RingAttentionParallel(head_dim={self.head_dim}, causal={self.causal}, "
                 f"layout={self.layout!r}, algorithm={self.algorithm!r}, sum_grads={self.sum_grads})")
 
+    def _arguments_given(self) -> list[tuple[str, object]]:
+        return [*super()._arguments_given(), ("layout", self.layout), ("sum_grads", self.sum_grads)]
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        parts = self._read(module, device_mesh, 1)  # no head split under CP
+        parts = self._agreed(module, device_mesh, lambda: self._read(module, device_mesh, 1))  # no head split
         projections, wo, heads_per_kv = parts.projections, parts.wo, parts.heads_per_kv
         names = parts.arg_names  # the block's own parameters, read before it is replaced
 
@@ -1714,6 +1777,14 @@ def _takes_keyword(hook, name: str) -> bool:
         return True
     return any(p.kind == p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
                for p in params)
+
+
+def _named(fn) -> str | None:
+    """A callable by its module and qualified name (None for None), as the ranks compare a rope hook."""
+    if fn is None:
+        return None
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _described(value) -> str:

@@ -210,7 +210,9 @@ def _swap_qk(q, k):  # a "rope" that is not the identity: it changes what is com
 
 
 def tp_attention_mismatch(rank, n, which):
-    """commfuse.tp.AttentionParallel with the mask or the rope hook different on the last rank."""
+    """commfuse.tp.AttentionParallel with the mask or the rope hook different on the last rank: what each rank
+    raised, applying the style (where the ranks' agreement names it) or in the block's first call, and how long
+    it took."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -228,9 +230,9 @@ def tp_attention_mismatch(rank, n, which):
                                   rope=_swap_qk if which == "rope" and odd else None)
         return parallelize_module(root, mesh["tp"], {"attention": style}).attention
 
-    block = build(odd)
     start = time.perf_counter()
     try:
+        block = build(odd)
         block(_ints((2, 3, 4 * n), rank))
         got = ("ok", "")
     except CommfuseError as e:

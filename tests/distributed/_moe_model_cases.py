@@ -220,13 +220,14 @@ def torch_clip_on_dp_by_ep(rank: int, n: int, wrapper: str) -> str:
 
 
 RECIPE_REFUSALS = ("group on dp", "shared loss", "no ep axis", "ddp given a process group",
-                   "rank 3's layer differs", "rank 3 has one layer more")
+                   "rank 3's layer differs", "rank 3 has one layer more", "rank 3 alone shares its loss")
 
 
 def recipe_refusals(rank: int, n: int) -> dict[str, str]:
     """``commfuse.ep``'s refusals on a 2 x 2 (dp, ep) mesh, one after the other on the same ranks (each a
     fresh model): an MoE layer on the dp axis, one with loss='shared', a mesh without an ep axis, DDP given a
-    process group, a rank (3) whose layer differs, a rank (3) with one layer more; what each rank raised."""
+    process group, a rank (3) whose layer differs, a rank (3) with one layer more, a rank (3) alone whose layers
+    have loss='shared' (it refuses, its peers do not); what each rank raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "ep"))
@@ -235,7 +236,7 @@ def recipe_refusals(rank: int, n: int) -> dict[str, str]:
         group, loss, ffn, layers = mesh["ep"], "per_rank", FFN, 2
         if what == "group on dp":
             group = mesh["dp"]
-        if what == "shared loss":
+        if what == "shared loss" or (what == "rank 3 alone shares its loss" and rank == 3):
             loss = "shared"
         if what == "rank 3's layer differs" and rank == 3:
             ffn = FFN + 4

@@ -55,8 +55,9 @@ RECIPE_REFUSALS = {  # what commfuse.ep refuses, and what every rank's error say
     "shared loss": "loss='shared'",
     "no ep axis": "without ['ep']",
     "ddp given a process group": "process_group= is not taken",
-    "rank 3's layer differs": "global ranks [3] hold other MoE layers",
-    "rank 3 has one layer more": "of 3 MoE layers",  # rank 3's, in the exchange's own check
+    "rank 3's layer differs": "differ in MoE layer 'blocks.0.moe' (experts, hidden, ffn, top-k, parameters)",
+    "rank 3 has one layer more": "MoE layers: 2 on rank 0",
+    "rank 3 alone shares its loss": "loss='shared'",  # rank 3's refusal, in its own words on every rank
 }
 
 
@@ -65,7 +66,9 @@ def test_the_recipe_refuses_by_name_on_every_rank():
     for rank, said in enumerate(launch(cases.recipe_refusals, 4, timeout=300)):
         for what, named in RECIPE_REFUSALS.items():
             text = said[what]
-            assert text.startswith(("CommfuseValueError: ", "MismatchError: ")), f"rank {rank}, {what}: {text}"
+            alone = what == "rank 3 alone shares its loss" and rank != 3  # told of rank 3's refusal
+            kinds = ("PeerFailedError: ",) if alone else ("CommfuseValueError: ", "MismatchError: ")
+            assert text.startswith(kinds), f"rank {rank}, {what}: {text}"
             assert named in text, f"rank {rank}, {what}: {text}"
             if what in ("group on dp", "shared loss", "no ep axis"):
                 assert f"rank {rank}" in text, f"rank {rank}, {what}: {text}"
