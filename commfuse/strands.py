@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError, MismatchError
+from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError
 from commfuse.runtime.checkpointing import apart, strands_running
 from commfuse.sim import _strands as planning
 
@@ -154,29 +154,6 @@ def _detached(values: tuple) -> tuple:
     return tuple(v.detach().requires_grad_(v.requires_grad or v.is_floating_point()) for v in values)
 
 
-def _check_agreed(schedule: list, group) -> None:
-    """Every rank of ``group`` holds ``schedule``, or all raise naming the ranks that differ."""
-    import torch.distributed as dist
-
-    if group is None and not dist.is_initialized():
-        return
-    n = dist.get_world_size(group)
-    if n == 1:
-        return
-    digest = zlib.crc32(repr(schedule).encode())
-    # on the group's own device: a group with no CPU transport (a plain "nccl" group) refuses CPU tensors
-    backend = str(dist.get_backend(group))
-    device = "cpu" if "gloo" in backend or "cpu" in backend else torch.accelerator.current_accelerator()
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
-    dist.all_gather(every, mine, group=group)
-    digests = [int(t.item()) for t in every]
-    if len(set(digests)) > 1:
-        rank = dist.get_rank(group)
-        raise MismatchError(f"rank {rank}: commfuse.strands.run: the ranks hold different stage orders (digests by "
-                            f"rank {digests}); give every rank the same stages, profiles and plan")
-
-
 def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, plan: str = "auto",
         slowdown: float = 0.0, group=None, defer_weight_grads: bool | None = None) -> list[torch.Tensor]:
     """Forward and backward of ``micro_batches`` through ``stages`` as two strands (see the module docstring);
@@ -209,14 +186,18 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     from commfuse.runtime import loop
 
     batches = list(micro_batches)
-    _check_stages(stages, "run")
-    if not callable(loss_fn):
-        raise CommfuseTypeError(f"commfuse.strands.run needs a loss_fn (outputs, target) -> scalar, got "
-                                f"{type(loss_fn).__name__}; commfuse.strands.forward runs forwards only")
-    slots = _slots(stages, len(batches), plan, slowdown)
+
+    def decide():
+        _check_stages(stages, "run")
+        if not callable(loss_fn):
+            raise CommfuseTypeError(f"commfuse.strands.run needs a loss_fn (outputs, target) -> scalar, got "
+                                    f"{type(loss_fn).__name__}; commfuse.strands.forward runs forwards only")
+        return _slots(stages, len(batches), plan, slowdown)
+
+    slots, on = _start(decide, group, "run")
     if defer_weight_grads is None:
         defer_weight_grads = plan != "sequential"
-    runner = _Runner(stages, batches, loss_fn, slots, _start(slots, group, "run"))
+    runner = _Runner(stages, batches, loss_fn, slots, on)
     if defer_weight_grads:
         autograd.WGRAD_SINK.append(runner.defer)
     try:
@@ -247,9 +228,13 @@ def forward(stages: Sequence[Stage], micro_batches: Sequence, *, plan: str = "au
     from commfuse.runtime import loop
 
     batches = list(micro_batches)
-    _check_stages(stages, "forward")
-    slots = _forward_slots(stages, len(batches), plan, slowdown)
-    runner = _Runner(stages, batches, None, slots, _start(slots, group, "forward"))
+
+    def decide():
+        _check_stages(stages, "forward")
+        return _forward_slots(stages, len(batches), plan, slowdown)
+
+    slots, on = _start(decide, group, "forward")
+    runner = _Runner(stages, batches, None, slots, on)
     try:
         with strands_running():
             runner.walk()
@@ -266,21 +251,47 @@ def _check_stages(stages: Sequence[Stage], who: str) -> None:
             raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
 
 
-def _start(slots: list, group, who: str):
-    """Before the first stage: refuse a dead group and another strands call in flight on this thread, check
-    that every rank holds the same order; return the group the stages' calls are counted on."""
+def _start(decide: Callable[[], list], group, who: str) -> tuple[list, object]:
+    """Before the first stage: refuse a dead group; then, agreed with every rank in one exchange through
+    commfuse (its numbering and timeout), this rank's checks of its arguments and the order ``decide()``
+    makes (a rank that refuses, say an empty list of micro-batches, is named on every rank and every rank
+    raises; ranks holding other orders all raise ``MismatchError``; the group stays usable). Returns the order
+    and the group the stages' calls are counted on."""
     from commfuse import autograd
+    from commfuse.nn._agree import agree
     from commfuse.runtime import loop
     from commfuse.runtime.groups import state_of_group
 
     on = _group(group)
     if on is not None:  # before the order's check, which a dead group would leave waiting
         loop.refuse_dead(state_of_group(on), f"commfuse.strands.{who}")
-    if loop.FILLERS or autograd.WGRAD_SINK:
-        raise CommfuseValueError(f"commfuse.strands.{who} cannot run inside another strands call (work is already "
-                                 "handed to the ops' waits)")
-    _check_agreed([e for slot in slots for e in slot], group)
-    return on
+
+    def checked():
+        if loop.FILLERS or autograd.WGRAD_SINK:
+            raise CommfuseValueError(f"commfuse.strands.{who} cannot run inside another strands call (work is "
+                                     "already handed to the ops' waits)")
+        return decide()
+
+    def described(slots: list) -> list:
+        order = [e for slot in slots for e in slot]
+        return [("the stage order's digest (different stage orders: give every rank the same stages, profiles "
+                 "and plan)", zlib.crc32(repr(order).encode()))]
+
+    slots = agree(on, f"commfuse.strands.{who}", checked, described, label=f"strands.{who}", device=_device(on),
+                  so="no rank runs a stage (the group is usable)")
+    return slots, on
+
+
+def _device(group):
+    """Where the agreement's tensors live: the CPU for a group with a CPU transport, else the accelerator (a
+    plain "nccl" group refuses CPU tensors)."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    return "cpu" if "gloo" in backend or "cpu" in backend or backend == "fake" else \
+        torch.accelerator.current_accelerator()
 
 
 def _group(group):

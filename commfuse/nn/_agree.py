@@ -49,7 +49,7 @@ _SHOWN = 8
 
 
 def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], list[tuple[str, object]]], *,
-          label: str, device=None) -> T:
+          label: str, device=None, so: str = "no rank applies it (nothing was distributed; the group is usable)") -> T:
     """``decide()`` on this rank, agreed with every rank of ``group`` before the caller acts on it.
 
     ``decided = decide()`` may raise (a refusal: any ``Exception``); ``described(decided)`` lists what it
@@ -65,7 +65,7 @@ def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], li
     - else ``decided`` is returned.
 
     ``group`` None or of one rank, or torch's ``fake`` group: nothing is exchanged, a refusal is raised as
-    it is."""
+    it is. ``so`` says what then happens on every rank, in the errors."""
     error, decided, items = None, None, []
     try:
         decided = decide()
@@ -96,13 +96,11 @@ def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], li
                          + (f"; other ranks refused too: {told}" if others else ""))
             raise error
         raise PeerFailedError(
-            f"{what}: {_ranks(refused, name)} refused it, so no rank applies it (nothing was distributed; the "
-            f"group is usable): {told}")
+            f"{what}: {_ranks(refused, name)} refused it, so {so}: {told}")
     rows = [[(str(k), v) for k, v in row.get("decided", ())] for row in table]
     if all(row == rows[0] for row in rows):
         return decided
-    raise MismatchError(f"{what}: the ranks decided differently, so no rank applies it (nothing was distributed; "
-                        f"the group is usable): {_differences(rows, name)}")
+    raise MismatchError(f"{what}: the ranks decided differently, so {so}: {_differences(rows, name)}")
 
 
 def structure(module: nn.Module) -> list[tuple[str, str]]:
@@ -217,3 +215,6 @@ def _note(error: BaseException, text: str) -> None:
 
 
 register_format("tp.apply", lambda v: "commfuse.tp's agreement of the ranks on a style they apply")
+register_format("strands.run", lambda v: "commfuse.strands.run's agreement of the ranks on their arguments and order")
+register_format("strands.forward", lambda v: "commfuse.strands.forward's agreement of the ranks on their arguments "
+                                             "and order")

@@ -172,6 +172,31 @@ def ranks_disagree_on_the_plan(rank: int, n: int) -> tuple:
     return "ok", ""
 
 
+def a_step_refused_on_one_rank(rank: int, n: int) -> dict:
+    """A training loop that catches commfuse's errors and skips the step: at step 0 rank 1 hands ``run`` an
+    empty list of micro-batches, which it refuses before any stage runs. Every rank must raise at step 0
+    (rank 1 its own refusal, the others naming rank 1), and the next step must pair with the next step on every
+    rank: its losses and gradients those of sequential micro-batches (before, the peers' order check paired
+    with rank 1's next step, and every later step's gradients were another step's)."""
+    torch.set_num_threads(1)
+    from commfuse.errors import CommfuseError
+
+    problems: list[str] = []
+    ours = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    theirs = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    stages_ours, stages_theirs = _stages(ours, "ring", False), _stages(theirs, "ring", False)
+    try:
+        strands.run(stages_ours, [] if rank == 1 else _batches(rank, n, 2, 0), _loss, plan="alternate")
+        first = ("ok", "")
+    except CommfuseError as e:
+        first = (type(e).__name__, str(e))
+    for p in ours.values():
+        p.grad = None
+    against_sequential(ours, theirs, stages_ours, stages_theirs, lambda step: _batches(rank, n, 2, step + 1), _loss,
+                       "alternate", problems)
+    return {"first": first, "problems": problems}
+
+
 def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
     """``where`` = (stage name, kind) raises on rank 1 only (kind ``"F"`` after the stage's forward ops,
     ``"B"`` before its backward ops, ``"W"`` in the first deferred weight gradient): every rank must raise,
