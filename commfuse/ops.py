@@ -335,6 +335,11 @@ def all_gather_consume(
         if shard.ndim == 0:
             raise CommfuseValueError("shard is a 0-d tensor; give it at least one dim")
         d = check_dim("dim", dim, shard.ndim)
+        if type(shard) is not torch.Tensor:  # a tensor subclass: perhaps a backend's that runs the op whole
+            be = backends.resolve(backend, group, shard.device)
+            if backends.whole_op(be, "all_gather_consume"):
+                return be.run_op("all_gather_consume", shard=shard, consumer=consumer, group=group, dim=d,
+                                 algorithm=algorithm)
         call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=backend, device=shard.device,
                             slice_bytes=shard.numel() * shard.element_size(), timeout=timeout, check=check,
                             report=report)
@@ -387,6 +392,9 @@ def produce_reduce_scatter(
                 check_tensor(f"inputs[{i}]", t)
         device = inputs[0].device if inputs else None
         be = backends.resolve(backend, group, device)
+        if backends.whole_op(be, "produce_reduce_scatter"):
+            return be.run_op("produce_reduce_scatter", producer=producer, inputs=inputs, group=group, dim=dim,
+                             algorithm=algorithm)
         n = 1 if be is None else be.world_size
         call_producer = producer if inputs is None else (lambda d: producer(d, *inputs))
         if n == 1:
@@ -461,6 +469,9 @@ def all_to_all_consume(
     try:
         chunks, be, n, d = _a2a_chunks(chunks, group, backend, dim, uneven or output_splits is not None)
         _checked("consumer", consumer)
+        if backends.whole_op(be, "all_to_all_consume"):
+            return be.run_op("all_to_all_consume", chunks=chunks, consumer=consumer, group=group, dim=d,
+                             algorithm=algorithm, output_splits=output_splits, uneven=uneven)
         uneven = uneven or output_splits is not None
         row_bytes = chunks[0].element_size() * (chunks[0].numel() // max(chunks[0].shape[d], 1)) if uneven else 0
         call = resolve_call(Collective.ALL_TO_ALL, algorithm, group=group, backend=be if be is not None else backend,
@@ -630,6 +641,11 @@ def ring_attention(
         )
     if _any_autocast():  # as SDPA under autocast: q, k, v in its dtype (K/V travel in it); blocks merge in float32
         q, k, v = _autocast(q), _autocast(k), _autocast(v)
+    if type(q) is not torch.Tensor and isinstance(q, torch.Tensor):  # perhaps a backend's that runs it whole
+        be = backends.resolve(None, group, q.device)
+        if backends.whole_op(be, "ring_attention"):
+            return be.run_op("ring_attention", q=q, k=k, v=v, group=group, causal=causal, scale=scale, layout=layout,
+                             algorithm=algorithm, document_lengths=document_lengths, ulysses_group=ulysses_group)
     return _ring.ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                 algorithm=algorithm, document_lengths=document_lengths, timeout=timeout,
                                 ulysses_group=ulysses_group)
