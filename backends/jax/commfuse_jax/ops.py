@@ -40,6 +40,18 @@ __all__ = ["all_gather_consume", "all_gather_matmul", "all_to_all_consume", "mat
            "produce_reduce_scatter", "ring_attention"]
 
 
+def _varying(x, axis_name):
+    """``x`` typed as varying over the axis (``lax.pcast``): a replicated weight enters a custom_vjp as varying,
+    so its per-device gradient is summed over the axis by JAX's transpose of the cast (as for any op)."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    kind = jax.typeof(x)
+    varying = getattr(getattr(kind, "manual_axis_type", None), "varying", None)  # jax 0.10
+    if varying is None:
+        varying = getattr(kind, "vma", frozenset())  # older spelling
+    missing = tuple(n for n in names if n not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _rows(x, start, length: int, dim: int):
     return lax.dynamic_slice_in_dim(x, start, length, axis=dim)
 
@@ -145,7 +157,8 @@ def all_gather_matmul(a, bs, *, axis_name, algorithm: str = "auto", gather_dim: 
             f"jax backend: all_gather_matmul gathers dim {gather_dim}, the contraction (last) dim of a "
             f"{list(a.shape)}; gather a dim other than the last"
         )
-    outs = _all_gather_matmul(axis_name, algorithm, gd, bool(keep_gathered), a, list(bs))
+    outs = _all_gather_matmul(axis_name, algorithm, gd, bool(keep_gathered), _varying(a, axis_name),
+                              [_varying(b, axis_name) for b in bs])
     if not return_gathered:
         return None, outs
     axis = Axis(axis_name)
@@ -224,7 +237,7 @@ def matmul_reduce_scatter(a, b, *, axis_name, algorithm: str = "auto", scatter_d
             f"jax backend: matmul_reduce_scatter scatters dim {sd} of size {out_shape[sd]} over {n} devices of "
             f"axis {axis_name!r}; one program on every device moves one shape, so the size must divide by {n}"
         )
-    out = _matmul_reduce_scatter(axis_name, algorithm, sd, a, b)
+    out = _matmul_reduce_scatter(axis_name, algorithm, sd, _varying(a, axis_name), _varying(b, axis_name))
     return out / n if reduce_op == "avg" else out
 
 
@@ -351,9 +364,10 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, scale: float | No
             kpos = lax.dynamic_slice_in_dim(_positions(rank, length, n, layout), start, size)
             allowed = qpos[:, None] >= kpos[None, :]
             s = jnp.where(allowed, s, -jnp.inf)
-        m_new = jnp.maximum(state["m"], s.max(axis=-1))
-        # the output does not depend on the shift, so it carries no gradient; rows that saw no key yet stay empty
-        safe = lax.stop_gradient(jnp.where(jnp.isfinite(m_new), m_new, 0.0))
+        # the running max is only a shift, which the output does not depend on: it carries no gradient; rows
+        # that saw no key yet stay empty
+        m_new = lax.stop_gradient(jnp.maximum(state["m"], s.max(axis=-1)))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - safe[..., None])
         correction = jnp.exp(state["m"] - safe)
         state["l"] = state["l"] * correction + p.sum(axis=-1)
