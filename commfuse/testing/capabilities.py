@@ -32,6 +32,13 @@ class Capabilities:
     lets the calls after such a fault raise commfuse's error (never return a
     wrong result), and counts a rank that commfuse's watchdog ended with the
     named error as told.
+    ``traced_check``: ``module:function`` for a backend whose ranks are the
+    devices of one traced program (its plugin record declares ``whole_ops``:
+    the JAX lowering, where the rank is a value of the graph), which the
+    suite cannot launch as processes. Set, the tiers that launch ranks skip
+    by this capability and the ``traced`` tier calls ``function(world_size)``,
+    which runs the backend's ops on that many devices of its own runtime
+    against the references and returns its failures, as lines.
     """
 
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
@@ -44,6 +51,7 @@ class Capabilities:
     device: str = "cpu"
     dist_backend: str = "gloo"
     group_survives_one_rank_failure: bool = True
+    traced_check: str | None = None
 
     def as_dict(self) -> dict:
         names = [n for n in dir(self) if not n.startswith("_") and not callable(getattr(self, n))]

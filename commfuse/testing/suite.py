@@ -122,12 +122,20 @@ def _skip_reason(case: str, caps: Capabilities) -> str | None:
     return None
 
 
+def _skip_traced(caps: Capabilities) -> None:
+    """The tiers that launch ranks skip a backend whose ranks are one traced program (``traced_check``)."""
+    if getattr(caps, "traced_check", None):
+        pytest.skip("capability: traced_check is set: this backend's ranks are the devices of one traced program, "
+                    "not processes the suite launches; its traced tier checks it")
+
+
 class _Tier:
     @pytest.fixture(autouse=True)
     def _commfuse(self, commfuse_backend_name, commfuse_world_size, commfuse_capabilities):
         self.backend, self.world_size, self.caps = commfuse_backend_name, commfuse_world_size, commfuse_capabilities
 
     def _result(self, tier: str, case: str, record_property) -> None:
+        _skip_traced(self.caps)
         reason = _skip_reason(case, self.caps)
         if reason:
             pytest.skip(reason)
@@ -205,6 +213,7 @@ class CaptureTests(_Tier):
 
     @pytest.mark.commfuse_tier("capture")
     def test_capture(self, commfuse_case, record_property):
+        _skip_traced(self.caps)
         reason = declared_capture_skip(self.backend)
         if reason:
             pytest.skip(reason)
@@ -236,6 +245,7 @@ class RobustnessTests(_Tier):
     @pytest.mark.commfuse_tier("robustness")
     def test_robustness(self, commfuse_case, record_property):
         caps, n = self.caps, self.world_size
+        _skip_traced(caps)
         if _under_torchrun():
             pytest.skip(torchrun_skip_reason(self.backend, n, caps))
         if commfuse_case == "peer-death" and not caps.survives_peer_death:
@@ -541,6 +551,25 @@ def _judge_one_rank(case: str, out: list, limit: float) -> list[str]:
     return failures
 
 
+class TracedTests(_Tier):
+    """A backend whose ranks are the devices of one traced program (``Capabilities.traced_check``): its own
+    check runs every op on ``world_size`` devices of its runtime against the references; skipped by that
+    capability for the backends whose ranks the other tiers launch."""
+
+    def test_traced(self, record_property):
+        ref = getattr(self.caps, "traced_check", None)
+        if not ref:
+            pytest.skip("capability: traced_check is not set (the backend's ranks are processes: the other tiers "
+                        "check it)")
+        import importlib
+
+        module, _, attr = ref.partition(":")
+        failures = getattr(importlib.import_module(module), attr)(self.world_size)
+        record_property("failures", len(failures))
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+
 class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, CaptureTests,
-                       RobustnessTests):
+                       RobustnessTests, TracedTests):
     """Every tier. A vendor's test module: ``class TestConformance(ConformanceSuite): pass``."""
