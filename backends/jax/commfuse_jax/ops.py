@@ -151,6 +151,7 @@ def all_gather_matmul(a, bs, *, axis_name, algorithm: str = "auto", gather_dim: 
                       return_gathered: bool = False, keep_gathered: bool = True):
     """``[all_gather(a, gather_dim) @ b for b in bs]`` (and the gathered ``a``, carrying no gradient, when
     ``return_gathered``), the gather walked on ``axis_name`` with ``algorithm``."""
+    Axis(axis_name)  # an axis that is not bound is named before anything is traced on it
     gd = gather_dim % a.ndim
     if gd == a.ndim - 1:
         raise CommfuseValueError(

@@ -1,0 +1,128 @@
+"""Tier (c) on CPU host devices (needs jax and torchax: the environment of ci/setup_jax.sh): commfuse's public
+ops on torchax tensors inside jax.jit(shard_map) equal plain torch forward and backward, their lowered HLO
+follows the schedule, wrong lowerings fail the check, and bad input is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed here: run bash ci/test_jax.sh")
+pytest.importorskip("torchax", reason="torchax is not installed here: run bash ci/test_jax.sh")
+
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+import torchax  # noqa: E402
+from jax import shard_map  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import commfuse as cf  # noqa: E402
+from commfuse.errors import CommfuseValueError  # noqa: E402
+from commfuse_jax import verify  # noqa: E402
+from commfuse_jax.ops import all_gather_matmul  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", verify.CASES, ids=str)
+def test_every_case_matches_plain_torch_and_its_hlo_the_schedule(case, n):
+    for dtype in ("float32", "bfloat16"):
+        fwd, bwd, scale = verify.run_case(case, n, dtype)
+        tol = verify.tolerance(case, dtype) * scale
+        assert fwd <= tol and bwd <= tol, f"{dtype}: forward error {fwd}, backward {bwd}, allowed {tol}"
+    assert verify.check_hlo(case, n, verify.lowered_hlo(case, n)) == []
+
+
+def _mesh(n, name="tp"):
+    return Mesh(jax.devices()[:n], (name,))
+
+
+def _hlo_of(fn, n, *args, specs):
+    return jax.jit(shard_map(fn, mesh=_mesh(n), in_specs=specs, out_specs=P("tp"))).lower(*args).as_text(
+        dialect="hlo")
+
+
+def test_a_ring_sent_the_wrong_way_fails_the_values_and_the_hlo():
+    """The same walk with every permute reversed: the results are wrong, and the HLO check names the pairs."""
+    n = 4
+    from commfuse_jax import lowering
+
+    real = lowering.Axis.permute
+    try:
+        lowering.Axis.permute = lambda self, x, shift: jax.lax.ppermute(x, self.name, perm=self.ring.pairs(-shift))
+        fwd, _, _ = verify.run_case(verify.Case("all_gather_matmul", "ring"), n, "float32")
+        text = verify.lowered_hlo(verify.Case("all_gather_matmul", "ring"), n)
+    finally:
+        lowering.Axis.permute = real
+    assert fwd > 0
+    assert any("pairs" in f for f in verify.check_hlo(verify.Case("all_gather_matmul", "ring"), n, text))
+
+
+def test_a_dot_that_waits_for_every_hop_fails_the_hlo_check():
+    """All hops first, then the dots: the values are right but nothing overlaps, and the check says so."""
+    n = 4
+
+    def late(a, b):
+        held, got = a, [a]
+        for _ in range(n - 1):
+            held = jax.lax.ppermute(held, "tp", perm=[(i, (i + 1) % n) for i in range(n)])
+            got.append(held)
+        last = got[-1]
+        return jnp.concatenate([(g + 0 * last) @ b for g in got])[None]
+
+    text = _hlo_of(late, n, jnp.ones((n * 2, 8)), jnp.ones((8, 3)), specs=(P("tp"), P()))
+    failures = verify.check_hlo(verify.Case("all_gather_matmul", "ring"), n, text)
+    assert any("out of schedule order" in f for f in failures)
+
+
+def test_an_unbound_axis_is_named_with_the_axes_in_scope():
+    with pytest.raises(CommfuseValueError, match=r"mesh axis 'sp' is not bound here.*\['tp'\]"):
+        jax.jit(shard_map(lambda a, b: all_gather_matmul(a, [b], axis_name="sp")[1][0], mesh=_mesh(2),
+                          in_specs=(P("tp"), P()), out_specs=P("tp")))(jnp.ones((4, 8)), jnp.ones((8, 3)))
+
+
+def test_no_group_with_two_axes_in_scope_is_refused_by_name():
+    env = torchax.default_env()
+    mesh = Mesh(jax.devices()[:4].reshape(2, 2) if hasattr(jax.devices()[:4], "reshape") else
+                [[d for d in jax.devices()[:2]], [d for d in jax.devices()[2:4]]], ("dp", "tp"))
+
+    def body(a, b):
+        ta, tb = env.j2t_iso((a, b))
+        with env:
+            return env.t2j_iso(cf.all_gather_matmul(ta, tb, algorithm="ring"))
+
+    with pytest.raises(CommfuseValueError, match=r"binds the axes \['dp', 'tp'\]: pass the one"):
+        jax.jit(shard_map(body, mesh=mesh, in_specs=(P(("dp", "tp")), P()), out_specs=P(("dp", "tp"))))(
+            jnp.ones((8, 8)), jnp.ones((8, 3)))
+
+
+def test_a_size_that_does_not_divide_by_the_axis_is_named():
+    env = torchax.default_env()
+
+    def body(a, b):
+        ta, tb = env.j2t_iso((a, b))
+        with env:
+            return env.t2j_iso(cf.matmul_reduce_scatter(ta, tb, algorithm="ring"))
+
+    with pytest.raises(CommfuseValueError, match=r"scatters dim 0 of size 5 over 3 devices"):
+        jax.jit(shard_map(body, mesh=_mesh(3), in_specs=(P("tp"), P()), out_specs=P("tp")))(
+            jnp.ones((15, 8)), jnp.ones((8, 3)))
+
+
+def test_chunks_of_different_shapes_are_refused_by_name():
+    env = torchax.default_env()
+
+    def body(a, w):
+        ta, tw = env.j2t_iso((a, w))
+        with env:
+            chunks = [ta[:2], ta[2:5]]
+            return env.t2j_iso(torch.stack(cf.all_to_all_consume(chunks, lambda t, s: t.sum(0), algorithm="ring", uneven=True)))
+
+    with pytest.raises(CommfuseValueError, match=r"chunks differ \(\[\[2, 8\], \[3, 8\]\]\)"):
+        jax.jit(shard_map(body, mesh=_mesh(2), in_specs=(P("tp"), P()), out_specs=P("tp")))(
+            jnp.ones((10, 8)), jnp.ones((8, 3)))
+
+
+def test_an_op_the_backend_does_not_run_whole_is_refused_by_name():
+    from commfuse_jax.backend import JaxBackend
+
+    with pytest.raises(CommfuseValueError, match="needs the rank as an int"):
+        JaxBackend("tp").post([], [])
