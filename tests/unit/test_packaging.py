@@ -27,7 +27,7 @@ def _project(folder: Path) -> dict:
 
 
 def test_every_backend_distribution_is_found():
-    assert {p.name for p in BACKENDS} == {"cuda", "npu", "xla", "_template"}
+    assert {p.name for p in BACKENDS} == {"cuda", "npu", "xla", "jax", "tpu", "_template"}
 
 
 @pytest.mark.parametrize("folder", BACKENDS, ids=lambda p: p.name)
