@@ -202,6 +202,12 @@ def run_case(case: Case, n: int, dtype: str, mesh=None) -> tuple[float, float, f
 
     (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
 
+    if jax.process_count() > 1:  # the results span the devices of every process: bring them here
+        from jax.experimental import multihost_utils
+
+        got = multihost_utils.process_allgather(got, tiled=True)
+        grads = [multihost_utils.process_allgather(x, tiled=True) for x in grads]
+
     def err(a, b) -> float:
         return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b.detach().numpy()))) if b.numel() else 0.0
 
