@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Create the torch-floor environment: torch==2.9.0 (pyproject's floor), commfuse editable from this
-# working tree, and the test extras; ci/test_torch_floor.sh runs the CPU tests there. torch 2.9.0 is
-# installed with --no-deps from PyPI (its CUDA build: about 900 MB instead of the 4 GB its NVIDIA
-# libraries add; on a machine without a GPU torch imports and runs on the CPU without them), then its
-# pure-Python requirements. Idempotent: a venv that already has the pinned torch is reused as it is.
+# working tree, and the test extras; ci/test_torch_floor.sh runs the CPU tests there. torch 2.9.0 from
+# PyPI is its CUDA build with NVIDIA's libraries (it does not import without them, even on a CPU), but
+# without torch-xla. Idempotent: a venv that already has the pinned torch is reused as it is.
 #   COMMFUSE_FLOOR_VENV  where it lives (default: ~/.cache/commfuse/venv-floor)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +16,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$venv/bin/python" -m pip install --quiet --upgrade pip
 fi
 if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
-    "$venv/bin/python" -m pip install --quiet --no-deps "torch==$torch_version"
-    "$venv/bin/python" -m pip install --quiet filelock "typing-extensions>=4.10" "sympy>=1.13.3" networkx jinja2 fsspec
+    "$venv/bin/python" -m pip install --quiet "torch==$torch_version"
 fi
 "$venv/bin/python" -m pip install --quiet "pluggy>=1.3,<2" "pytest>=7.4" "hypothesis>=6.80" numpy "matplotlib>=3.7" \
     "import-linter>=2.1" "setuptools>=77"
