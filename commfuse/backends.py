@@ -287,14 +287,21 @@ def _whole_for(device) -> str | None:
     a JAX trace) is what the caller means, and world size 1 would be a wrong, unsharded result."""
     if device is None:
         return None
-    kind = _device_type(device)
+    kind = getattr(device, "type", None)  # a torch.device's, in one read; a tensor's .type is a method
+    if not isinstance(kind, str):
+        kind = _device_type(device)
     if kind == "cpu":
         return None
+    return table.find(("whole-for", kind), lambda: _whole_named(kind)) or None
+
+
+def _whole_named(kind: str) -> str:
+    """:func:`_whole_for`'s search of the registry, for the planning table ("": none)."""
     registry = manager.registry()
     for s in sorted(registry.specs.values(), key=lambda s: (-s.priority, s.name)):
         if kind in s.device_types and s.capabilities.whole_ops and registry.availability(s).ok:
             return s.name
-    return None
+    return ""
 
 
 def adopt(backend, *, group=None, device=None) -> None:

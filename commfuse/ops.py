@@ -335,7 +335,7 @@ def all_gather_consume(
         if shard.ndim == 0:
             raise CommfuseValueError("shard is a 0-d tensor; give it at least one dim")
         d = check_dim("dim", dim, shard.ndim)
-        if type(shard) is not torch.Tensor:  # a tensor subclass: perhaps a backend's that runs the op whole
+        if type(shard) is not torch.Tensor:  # a tensor subclass: perhaps a traced backend's, which runs it whole
             be = backends.resolve(backend, group, shard.device)
             if backends.whole_op(be, "all_gather_consume"):
                 return be.run_op("all_gather_consume", shard=shard, consumer=consumer, group=group, dim=d,
@@ -392,7 +392,8 @@ def produce_reduce_scatter(
                 check_tensor(f"inputs[{i}]", t)
         device = inputs[0].device if inputs else None
         be = backends.resolve(backend, group, device)
-        if backends.whole_op(be, "produce_reduce_scatter"):
+        # a traced backend, which runs it whole, has tensors of a subclass; without inputs only be can say
+        if (not inputs or type(inputs[0]) is not torch.Tensor) and backends.whole_op(be, "produce_reduce_scatter"):
             return be.run_op("produce_reduce_scatter", producer=producer, inputs=inputs, group=group, dim=dim,
                              algorithm=algorithm)
         n = 1 if be is None else be.world_size
@@ -469,7 +470,7 @@ def all_to_all_consume(
     try:
         chunks, be, n, d = _a2a_chunks(chunks, group, backend, dim, uneven or output_splits is not None)
         _checked("consumer", consumer)
-        if backends.whole_op(be, "all_to_all_consume"):
+        if type(chunks[0]) is not torch.Tensor and backends.whole_op(be, "all_to_all_consume"):  # traced: run whole
             return be.run_op("all_to_all_consume", chunks=chunks, consumer=consumer, group=group, dim=d,
                              algorithm=algorithm, output_splits=output_splits, uneven=uneven)
         uneven = uneven or output_splits is not None

@@ -124,6 +124,9 @@ class Capabilities:
     #: Read by: ``commfuse.ops`` and ``commfuse.fused.matmul``: a call of an op listed here, on tensors of
     #: this backend's device, is handed to the backend's ``run_op(op, **arguments)``
     #: (``commfuse.runtime.protocol``) with the public op's arguments, and what it returns is the op's result.
+    #: Such a backend's tensors are a tensor subclass (torchax's, for the JAX lowering): the ops ask only for
+    #: a call whose tensors are not plain ``torch.Tensor`` (``produce_reduce_scatter`` without ``inputs``:
+    #: always), so a plain tensor's call pays one type check (the matmul ops decide once per signature).
     #: Read by ``commfuse.backends.resolve`` too: with no group and no torch.distributed, a backend that
     #: declares whole ops is taken for tensors of its own device type (its ranks come from its runtime).
     whole_ops: tuple[str, ...] = ()
