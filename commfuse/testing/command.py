@@ -53,7 +53,7 @@ def _check_backend(ref: str) -> None:
 
 def _declared_capabilities(ref: str) -> str | None:
     """For a registered backend whose ranks are one traced program (its record declares ``whole_ops``), the
-    capabilities file beside its plugin (``<package>.conformance:Capabilities``), which names its traced check:
+    capabilities file beside its plugin (``<package>.conformance:Capabilities``), which names its traced runner:
     without it the suite would launch processes that such a backend has no rank in. None otherwise."""
     if ":" in ref:
         return None
