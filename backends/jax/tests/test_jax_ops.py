@@ -1,6 +1,8 @@
 """Tier (c) on CPU host devices (needs jax and torchax: the environment of ci/setup_jax.sh): commfuse's public
 ops on torchax tensors inside jax.jit(shard_map) equal plain torch forward and backward, their lowered HLO
-follows the schedule, wrong lowerings fail the check, and bad input is refused by name."""
+follows the schedule, the conformance suite's traced tier passes through this backend's runner and
+``commfuse conformance --backend jax`` runs it, wrong lowerings fail both checks, and bad input is refused by
+name."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ import pytest
 
 jax = pytest.importorskip("jax", reason="jax is not installed here: run bash ci/test_jax.sh")
 pytest.importorskip("torchax", reason="torchax is not installed here: run bash ci/test_jax.sh")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
@@ -17,18 +23,60 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import commfuse as cf  # noqa: E402
 from commfuse.errors import CommfuseValueError  # noqa: E402
-from commfuse_jax import verify  # noqa: E402
+from commfuse.testing import traced  # noqa: E402
+from commfuse_jax import conformance, verify  # noqa: E402
 from commfuse_jax.ops import all_gather_matmul  # noqa: E402
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("case", verify.CASES, ids=str)
-def test_every_case_matches_plain_torch_and_its_hlo_the_schedule(case, n):
+# Every verify case at 2, 3, 4 and 8 devices, both dtypes, and its HLO: ci/test_jax.sh runs the table
+# (python -m commfuse_jax.verify); here, one case of each op, and the suite's traced tier through the runner.
+
+
+@pytest.mark.parametrize("case", [verify.Case("all_gather_matmul", "ring:2"),
+                                  verify.Case("matmul_reduce_scatter", "bidirectional"),
+                                  verify.Case("all_gather_consume", "ring"), verify.Case("produce_reduce_scatter", "ring"),
+                                  verify.Case("all_to_all_consume", "ring:2"),
+                                  verify.Case("ring_attention", "ring", "zigzag")], ids=str)
+def test_one_case_of_each_op_matches_plain_torch_and_its_hlo_the_schedule(case):
+    n = 3
     for dtype in ("float32", "bfloat16"):
         fwd, bwd, scale = verify.run_case(case, n, dtype)
         tol = verify.tolerance(case, dtype) * scale
         assert fwd <= tol and bwd <= tol, f"{dtype}: forward error {fwd}, backward {bwd}, allowed {tol}"
     assert verify.check_hlo(case, n, verify.lowered_hlo(case, n)) == []
+
+
+@pytest.mark.parametrize("case", ["traced-all_gather_matmul-sliced:2-bfloat16",
+                                  "traced-produce_reduce_scatter-bidirectional-bfloat16",
+                                  "traced-all_to_all_consume-ring:2-float32",
+                                  "traced-ring_attention-zigzag-bidirectional-float32"])
+def test_the_suites_traced_cases_pass_through_the_runner(case):
+    """The conformance suite's problems and references (commfuse.testing.traced), run by this backend's runner."""
+    assert traced.check(conformance.run, case, 4) == []
+
+
+def test_a_ring_sent_the_wrong_way_fails_the_suites_traced_case(monkeypatch):
+    from commfuse_jax import lowering
+
+    monkeypatch.setattr(lowering.Axis, "permute",
+                        lambda self, x, shift: jax.lax.ppermute(x, self.name, perm=self.ring.pairs(-shift)))
+    failures = traced.check(conformance.run, "traced-matmul_reduce_scatter-ring-float32", 4)
+    assert any(f.startswith("rank 0: output") for f in failures), failures
+    assert any("gradient of argument 0" in f for f in failures), failures
+
+
+def test_the_conformance_command_runs_the_traced_tier_and_skips_the_launching_tiers(tmp_path):
+    report = tmp_path / "jax.json"
+    done = subprocess.run([sys.executable, "-m", "commfuse", "conformance", "--backend", "jax", "-n", "2", "--report",
+                           str(report), "-k", "traced-all_gather_matmul-ring-float32 or traced-check or "
+                           "ring-shift-forward or all_gather_matmul-ring-float32-exact"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tests = {t["test"].split("[", 1)[1].rstrip("]"): t for t in json.loads(report.read_text())["tests"]}
+    assert tests["traced-all_gather_matmul-ring-float32"]["outcome"] == "passed"
+    assert tests["traced-check"]["outcome"] == "passed"
+    for launched in ("ring-shift-forward", "all_gather_matmul-ring-float32-exact"):
+        assert tests[launched]["outcome"] == "skipped" and "traced_runner" in tests[launched]["reason"]
 
 
 def _mesh(n, name="tp"):
