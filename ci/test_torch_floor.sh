@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The torch floor: the unit, gloo and conformance tests (tests/unit, tests/distributed,
 # tests/conformance) again on the oldest torch pyproject.toml admits, in an environment of
-# its own (ci/setup_floor.sh: torch 2.9.0 alone, without torch-xla or NVIDIA's libraries),
+# its own (ci/setup_floor.sh: torch 2.9.0 with the NVIDIA libraries it needs to import, without torch-xla),
 # with commfuse from this working tree. tests/unit/test_packaging.py holds pyproject's
 # floor to the torch pinned there. Extra arguments go to pytest.
 #   COMMFUSE_FLOOR_VENV  the environment (default: ~/.cache/commfuse/venv-floor)
