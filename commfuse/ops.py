@@ -98,6 +98,10 @@ _compiling = torch.compiler.is_compiling
 _planned = table.get
 #: torch.distributed's world: its default group goes into every key (see commfuse.planning.table)
 _WORLD = C10D_WORLD
+#: the plain tensor type, bound once: a call whose tensors are not of it may be a traced backend's, which runs
+#: the op whole (``Capabilities.whole_ops``); the check costs a global read (``torch.Tensor`` goes through the
+#: torch module's ``__getattr__`` path, about three times the instructions)
+_TENSOR = torch.Tensor
 
 
 # -- autocast ----------------------------------------------------------------
@@ -335,7 +339,7 @@ def all_gather_consume(
         if shard.ndim == 0:
             raise CommfuseValueError("shard is a 0-d tensor; give it at least one dim")
         d = check_dim("dim", dim, shard.ndim)
-        if type(shard) is not torch.Tensor:  # a tensor subclass: perhaps a traced backend's, which runs it whole
+        if type(shard) is not _TENSOR:  # a tensor subclass: perhaps a traced backend's, which runs it whole
             be = backends.resolve(backend, group, shard.device)
             if backends.whole_op(be, "all_gather_consume"):
                 return be.run_op("all_gather_consume", shard=shard, consumer=consumer, group=group, dim=d,
@@ -393,7 +397,7 @@ def produce_reduce_scatter(
         device = inputs[0].device if inputs else None
         be = backends.resolve(backend, group, device)
         # a traced backend, which runs it whole, has tensors of a subclass; without inputs only be can say
-        if (not inputs or type(inputs[0]) is not torch.Tensor) and backends.whole_op(be, "produce_reduce_scatter"):
+        if (not inputs or type(inputs[0]) is not _TENSOR) and backends.whole_op(be, "produce_reduce_scatter"):
             return be.run_op("produce_reduce_scatter", producer=producer, inputs=inputs, group=group, dim=dim,
                              algorithm=algorithm)
         n = 1 if be is None else be.world_size
@@ -470,7 +474,7 @@ def all_to_all_consume(
     try:
         chunks, be, n, d = _a2a_chunks(chunks, group, backend, dim, uneven or output_splits is not None)
         _checked("consumer", consumer)
-        if type(chunks[0]) is not torch.Tensor and backends.whole_op(be, "all_to_all_consume"):  # traced: run whole
+        if type(chunks[0]) is not _TENSOR and backends.whole_op(be, "all_to_all_consume"):  # traced: run whole
             return be.run_op("all_to_all_consume", chunks=chunks, consumer=consumer, group=group, dim=d,
                              algorithm=algorithm, output_splits=output_splits, uneven=uneven)
         uneven = uneven or output_splits is not None
@@ -642,7 +646,7 @@ def ring_attention(
         )
     if _any_autocast():  # as SDPA under autocast: q, k, v in its dtype (K/V travel in it); blocks merge in float32
         q, k, v = _autocast(q), _autocast(k), _autocast(v)
-    if type(q) is not torch.Tensor and isinstance(q, torch.Tensor):  # perhaps a backend's that runs it whole
+    if type(q) is not _TENSOR and isinstance(q, torch.Tensor):  # perhaps a traced backend's, which runs it whole
         be = backends.resolve(None, group, q.device)
         if backends.whole_op(be, "ring_attention"):
             return be.run_op("ring_attention", q=q, k=k, v=v, group=group, causal=causal, scale=scale, layout=layout,
