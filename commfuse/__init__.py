@@ -38,6 +38,7 @@ _LAZY = {
     "nn": None,
     "tp": None,
     "fsdp": None,
+    "ep": None,
     "autograd": None,
     "library": None,
     "graphs": None,

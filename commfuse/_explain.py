@@ -7,8 +7,10 @@ dim's name where it has one, and the global ranks), its world size, the
 algorithm it was given and, once it has run a forward in eager mode, what
 that algorithm took for each collective and ring hop size, and why; and each
 place where a style moved an activation through DTensor instead of a fused
-op, and why. Calling it also names the sites, so the ``COMMFUSE_LOG=info``
-lines that follow carry their paths.
+op, and why. The paths are those of ``model``, without the names torch's
+wrappers add (``_orig_mod``, ``_checkpoint_wrapped_module``). A site is named
+the same way at its first forward without this (``commfuse.runtime.sites``);
+calling it names the sites by ``model``'s paths from then on.
 
 Functional ops called from a module of the user's own are not sites (the ops
 log what ``auto`` took per signature); a compiled model records nothing on
@@ -41,6 +43,9 @@ class SiteReport:
     taken: tuple[tuple[str, int, str, str], ...]
     #: why an activation went through DTensor instead of a fused op, once each
     fallbacks: tuple[str, ...]
+    #: whether a forward of the site has completed (in eager mode): a site that ran and took nothing had
+    #: nothing to communicate in its forward (a column-parallel linear given a replicated input)
+    ran: bool = False
 
 
 class Explanation(list):
@@ -54,7 +59,8 @@ class Explanation(list):
         for s in self:
             lines.append(f"{s.path}: {s.kind} on {s.group}, world size {s.world_size}, algorithm {s.algorithm!r}")
             if not s.taken and not s.fallbacks:
-                lines.append("    took: nothing yet (no forward has run in eager mode)")
+                lines.append("    took: nothing to communicate in its forward (its input was replicated: nothing to "
+                             "fuse)" if s.ran else "    took: nothing yet (no forward has run in eager mode)")
             for collective, hop, name, why in s.taken:
                 lines.append(f"    {collective}{f', {hop} bytes per hop' if hop else ''}: took {name} ({why})")
             for why in s.fallbacks:
@@ -66,15 +72,9 @@ def explain(model: nn.Module) -> Explanation:
     """Every commfuse site in ``model``, by module path (see the module docstring)."""
     if not isinstance(model, nn.Module):
         raise CommfuseTypeError(f"commfuse.explain takes an nn.Module, got {type(model).__name__}")
-    from commfuse.nn import ColumnParallelLinear, MoE, ParallelAttention, RowParallelLinear, ShardedLinear
-    from commfuse.nn import UlyssesAttention
-
-    layers = (ColumnParallelLinear, RowParallelLinear, ParallelAttention, UlyssesAttention, ShardedLinear, MoE)
     out = Explanation()
-    for path, module in model.named_modules():
-        site = module.__dict__.get("_commfuse_site")
-        if site is None and isinstance(module, layers):
-            site = sites.layer_site(module)
+    for path, module in sites.module_paths(model):
+        site = sites.site_of(module)
         if site is None:
             continue
         site.path = path or "(the model itself)"
@@ -82,7 +82,7 @@ def explain(model: nn.Module) -> Explanation:
             path=site.path, kind=site.kind, group=_group_text(site.group, module), world_size=site.world_size,
             algorithm=str(site.algorithm),
             taken=tuple((c, hop, name, why) for (c, hop), (name, why) in site.taken.items()),
-            fallbacks=tuple(site.fallbacks)))
+            fallbacks=tuple(site.fallbacks), ran=site.seen != -1))
     return out
 
 

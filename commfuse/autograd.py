@@ -15,6 +15,7 @@ plan as one without. Built on the pipelined primitives of
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from commfuse.planning.pipelined import (
     rows_of,
     scatter_spans,
 )
+from commfuse.runtime.checkpointing import TOP_HOOKS
 from commfuse.runtime.programs import dtype_code
 from commfuse.schedule import split_sizes
 
@@ -49,7 +51,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 #: :func:`all_gather_matmul_fn` (with the gathered input kept) and of :func:`matmul_reduce_scatter_fn` hands it
 #: each weight-gradient GEMM as a closure, instead of running it in the ring's step, and returns no gradient
 #: for that weight to autograd: the closure adds into the weight's ``.grad`` itself. Only for a leaf weight
-#: without gradient hooks (DDP's and FSDP's hooks must see their gradients): any other weight's gradient is
+#: without gradient hooks (DDP's and FSDP's hooks must see their gradients), saved without saved-tensor hooks:
+#: under activation checkpointing (or offloading) the weight a backward unpacks is a new tensor that only
+#: shares the parameter's gradient accumulator, whose ``.grad`` nobody reads. Any other weight's gradient is
 #: computed in the ring as always.
 WGRAD_SINK: list = []
 
@@ -95,6 +99,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, forward: Callable, call: Call, gd: int, sizes, keep: bool, a: torch.Tensor, *bs: torch.Tensor):
         gathered, outs = forward(a, bs)
         ctx.call, ctx.gd, ctx.sizes, ctx.keep = call, gd, list(sizes), keep
+        ctx.defer = TOP_HOOKS(False) is None  # see _deferred
         ctx.save_for_backward(gathered if keep else a, *bs)
         if keep:
             ctx.mark_non_differentiable(gathered)
@@ -104,7 +109,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, _dgathered, *douts):
         x, *bs = ctx.saved_tensors
         da, dbs = all_gather_matmul_backward(ctx.call, x, bs, douts, ctx.gd, ctx.sizes, ctx.keep,
-                                             ctx.needs_input_grad[5], ctx.needs_input_grad[6:])
+                                             ctx.needs_input_grad[5], ctx.needs_input_grad[6:], ctx.defer)
         return (None, None, None, None, None, da, *dbs)
 
 
@@ -135,6 +140,10 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
         gather_spans(call, x, gd, sizes, lambda spans: wgrad(join(spans, gd), lambda d: rows_of(d, spans, gd)),
                      label="all_gather_matmul.wgrad", meta=gather_matmul_meta(x, bs, gd, sum(sizes)))
     if need_a and pairs:
+        # the weights detached: torch.matmul folds a 3-D input by whether the weight requires a gradient, and a
+        # saved weight may or may not (checkpointing's recomputed ones do not): the same GEMMs either way
+        pairs = [(b.detach(), d) for b, d in pairs]
+
         def produce(spans):
             part = None
             for b, d in pairs:
@@ -183,6 +192,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         if reduce_op == "avg":
             z = z.div_(call.world_size)
         ctx.call, ctx.sd, ctx.avg = call, sd, reduce_op == "avg"
+        ctx.defer = TOP_HOOKS(False) is None  # see _deferred
         ctx.save_for_backward(a, b)
         return z
 
@@ -190,7 +200,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, dz):
         a, b = ctx.saved_tensors
         da, db = matmul_reduce_scatter_backward(ctx.call, a, b, dz, ctx.sd, ctx.avg, ctx.needs_input_grad[4],
-                                                ctx.needs_input_grad[5])
+                                                ctx.needs_input_grad[5], ctx.defer)
         return None, None, None, None, da, db
 
 
@@ -204,7 +214,7 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
     sink = _deferred(b) if defer and need_b else None
     db = torch.zeros_like(b) if need_b and sink is None else None
     sizes = split_sizes(a.shape[sd], call.world_size)
-    bt = b.t()
+    bt = b.detach().t()  # as all_gather_matmul_backward's dgrad takes its weights
 
     def consume(spans):
         piece = join(spans, sd)
@@ -230,6 +240,52 @@ def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: 
     return _MatmulReduceScatter.apply(forward, call, sd, reduce_op, a, b)
 
 
+def recomputed() -> bool:
+    """Whether saved-tensor hooks are active (``torch.autograd.graph.saved_tensors_hooks``): non-reentrant
+    activation checkpointing (``torch.utils.checkpoint``, ``checkpoint_wrapper``, torch's composable
+    ``checkpoint``) and offloading install them. What a Function saves then goes through them, and a graph
+    kept some other way would keep its tensors or be recomputed where the Function cannot choose."""
+    return TOP_HOOKS(False) is not None
+
+
+class Replay:
+    """What each call of a producer was made under in a forward, so that a backward can make it again: the
+    random-number state (the CPU's, and the device's of the first input that is not on the CPU) and autocast.
+    :meth:`record` runs ``fn(d, *inputs)`` and keeps them; :meth:`replay` runs it again under them."""
+
+    __slots__ = ("device", "autocast", "states")
+
+    def __init__(self, inputs) -> None:
+        self.device = next((t.device for t in inputs if t.device.type != "cpu"), None)
+        self.autocast: list = []
+        self.states: dict[int, tuple] = {}
+
+    def _rng(self) -> tuple:
+        device = self.device
+        if device is None:
+            return (torch.get_rng_state(), None)
+        return (torch.get_rng_state(), torch.get_device_module(device.type).get_rng_state(device))
+
+    def record(self, d: int, fn: Callable, inputs) -> torch.Tensor:
+        kinds = ("cpu",) if self.device is None else ("cpu", self.device.type)
+        self.autocast = [(kind, torch.get_autocast_dtype(kind)) for kind in kinds if torch.is_autocast_enabled(kind)]
+        self.states[d] = self._rng()
+        return fn(d, *inputs)
+
+    def replay(self, d: int, fn: Callable, inputs) -> torch.Tensor:
+        cpu, dev = self.states[d]
+        device = self.device
+        devices = [] if device is None else [device]
+        with torch.random.fork_rng(devices=devices, device_type="cpu" if device is None else device.type):
+            torch.set_rng_state(cpu)
+            if device is not None:
+                torch.get_device_module(device.type).set_rng_state(dev, device)
+            with contextlib.ExitStack() as stack:
+                for kind, dtype in self.autocast:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype))
+                return fn(d, *inputs)
+
+
 class _ProduceReduceScatter(torch.autograd.Function):
     """``out = sum over ranks of fn(this_rank, *inputs)`` where each rank makes every rank's partial.
 
@@ -244,10 +300,26 @@ class _ProduceReduceScatter(torch.autograd.Function):
     detached copies of ``inputs``) and kept; the backward back-propagates each
     destination's output gradient through its partial as that gradient
     arrives, hiding the next hop. Shapes: every p_d and dout_d alike.
+
+    Under saved-tensor hooks (activation checkpointing, offloading: see
+    :func:`recomputed`), nothing of the partials is kept: the forward makes
+    them without graphs and saves ``inputs`` through the hooks, and the
+    backward makes each destination's partial again, with its graph, as its
+    gradient arrives (with the forward's random-number state and autocast).
+    A kept graph would be back-propagated in a graph task of its own, in
+    which non-reentrant checkpointing recomputes the region again, inside
+    this ring.
     """
 
     @staticmethod
     def forward(ctx, call: Call, fn: Callable, dim: int, *inputs: torch.Tensor):
+        ctx.call, ctx.fn = call, fn
+        if recomputed():
+            states = Replay(inputs)
+            out = produce_reduce_scatter_core(call, lambda d: states.record(d, fn, inputs), dim, early=None)
+            ctx.states, ctx.graphs = states, None
+            ctx.save_for_backward(*inputs)
+            return out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
         graphs: dict[int, torch.Tensor] = {}
 
@@ -258,17 +330,29 @@ class _ProduceReduceScatter(torch.autograd.Function):
             return p.detach()
 
         out = produce_reduce_scatter_core(call, producer, dim, early=None)
-        ctx.call, ctx.graphs, ctx.leaves = call, graphs, leaves
+        ctx.graphs, ctx.leaves = graphs, leaves
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        leaves, graphs = ctx.leaves, ctx.graphs
+        graphs = ctx.graphs
+        if graphs is None:
+            # unpacked before the ring takes the group: non-reentrant checkpointing recomputes the region here
+            inputs = ctx.saved_tensors
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad[3:])]
+            states, fn = ctx.states, ctx.fn
+
+            def partial(d: int) -> torch.Tensor:
+                with torch.enable_grad():
+                    return states.replay(d, fn, leaves)
+        else:
+            leaves = ctx.leaves
+            partial = graphs.pop
         wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
         grads: list[torch.Tensor | None] = [None] * len(leaves)
 
         def consume(g: torch.Tensor, d: int) -> None:
-            p = graphs.pop(d)
+            p = partial(d)
             got = torch.autograd.grad(p, [leaves[i] for i in wanted], g, allow_unused=True)
             for i, gi in zip(wanted, got):
                 if gi is not None:

@@ -35,8 +35,8 @@ KNOWN_BACKENDS = {
 }
 
 __all__ = [
-    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "process_group",
-    "refuse_destroyed", "release", "resolve", "spec", "specs", "whole_op",
+    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "plan_bytes",
+    "plan_usage", "process_group", "refuse_destroyed", "release", "resolve", "spec", "specs", "whole_op",
 ]
 
 
@@ -329,11 +329,36 @@ def refuse_destroyed(group) -> None:
 
 
 def release() -> None:
-    """Forget every cached backend object, resolved call, plan and group state.
+    """Forget every cached backend object, resolved call, plan and group state, and let every receive buffer
+    commfuse keeps go.
 
     Call it before ``torch.distributed.destroy_process_group()``: a backend (and
     its buffers) kept past destroy can abort the process at exit, and a later
-    group must not inherit an old one's call numbers.
+    group must not inherit an old one's call numbers. Between, what commfuse
+    keeps per call signature is bounded by :func:`plan_bytes`.
     """
     _SEEN[0] = _NEVER
     table.forget()
+
+
+#: what :func:`plan_bytes` is given when it is asked, not told
+_ASKED = object()
+
+
+def plan_bytes(limit: int | None = _ASKED) -> int:
+    """The bound, in bytes, on what commfuse keeps per call signature: the planning table, each signature's
+    plan with its Python objects and the receive buffers it reserves (``BufferPool.MAX_FREE`` of each
+    shape). ``plan_bytes(n)`` sets it to ``n`` first, evicting down to it at once, whatever
+    ``COMMFUSE_PLAN_BYTES`` says; ``plan_bytes(None)`` goes back to the variable (else 1 GiB). Past the
+    bound the least recently used signatures are evicted and planned again when they come back (see
+    ``commfuse.planning.table``)."""
+    if limit is not _ASKED:
+        table.set_bound(limit)
+    return table.bound()
+
+
+def plan_usage() -> dict[str, int]:
+    """What the planning table holds now, in bytes and counts (``commfuse.planning.table.usage``): ``bytes``
+    against ``bound``, of which ``reserved`` for receive buffers (``buffers`` of them held now) and
+    ``objects`` for Python objects; ``entries``, ``evictions``, ``replanned``."""
+    return table.usage()

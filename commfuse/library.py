@@ -53,8 +53,8 @@ from commfuse.planning.calls import C10D_WORLD
 from commfuse.planning.pipelined import layer_config
 
 __all__ = [
-    "all_gather_matmul", "attention_reduce_scatter", "group_name", "matmul_reduce_scatter", "replicated",
-    "sharded_linear",
+    "CHECKPOINT_RECOMPUTE", "CHECKPOINT_SAVE", "all_gather_matmul", "attention_reduce_scatter", "group_name",
+    "matmul_reduce_scatter", "replicated", "sharded_linear",
 ]
 
 # -- groups by name ----------------------------------------------------------
@@ -234,7 +234,9 @@ def _agmm_setup(ctx, inputs, output):
 
 
 def _agmm_backward(ctx, _dgathered, douts):
-    a, gathered, *bs = ctx.saved_tensors
+    # detached, as commfuse.autograd's backwards take them: torch.matmul folds a 3-D input by whether the
+    # weight wants a gradient, and the saved tensors of a recomputed region do not
+    a, gathered, *bs = (t.detach() for t in ctx.saved_tensors)
     gather_dim, group_name, algorithm, gathered_size = ctx.options
     need_a, need_b = ctx.needs_input_grad[0], list(ctx.needs_input_grad[1])  # a list input: one flag per tensor
     da, dbs = torch.ops.commfuse.all_gather_matmul_backward(a, gathered, bs, list(douts), gather_dim, group_name,
@@ -315,7 +317,7 @@ def _mmrs_setup(ctx, inputs, output):
 
 
 def _mmrs_backward(ctx, dz):
-    a, b = ctx.saved_tensors
+    a, b = (t.detach() for t in ctx.saved_tensors)  # as commfuse.autograd's backwards take them
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da, db = torch.ops.commfuse.matmul_reduce_scatter_backward(a, b, dz, *ctx.options, need_a, need_b)
     return (da if need_a else None), (db if need_b else None), None, None, None, None
@@ -349,12 +351,13 @@ def _attention_call(q, wo, name, algorithm, n):
                                                device=q.device)
 
 
-def _attention_config(q, k, causal, attn_mask, document_ids, scale) -> tuple:
-    """What joins the ring's fingerprint: the mask (its kind), the heads and the scores' scale, which the
-    partials' shape does not show."""
+def _attention_config(q, k, causal, attn_mask, document_ids, scale, softcap=None, window=None) -> tuple:
+    """What joins the ring's fingerprint: the mask (its kind), the heads, the scores' scale, cap and window,
+    which the partials' shape does not show."""
     kind = "dense" if attn_mask is not None else "documents" if document_ids is not None else "none"
     return layer_config("attention_reduce_scatter", causal=bool(causal), heads=q.shape[2], kv_heads=k.shape[2],
-                        head_dim=q.shape[3], mask=kind, scale=0.0 if scale is None else float(scale))
+                        head_dim=q.shape[3], mask=kind, scale=0.0 if scale is None else float(scale),
+                        softcap=0.0 if softcap is None else float(softcap), window=0 if window is None else int(window))
 
 
 def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> None:
@@ -384,18 +387,21 @@ def _check_attention(q, k, v, wo, n: int, attn_mask=None, document_ids=None) -> 
 @torch.library.custom_op("commfuse::attention_reduce_scatter", mutates_args=())
 def _attention_reduce_scatter(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, causal: bool,
                               group_name: str, algorithm: str, attn_mask: torch.Tensor | None = None,
-                              document_ids: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                              document_ids: torch.Tensor | None = None, scale: float | None = None,
+                              softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     _, n = _world(group_name)
     _check_attention(q, k, v, wo, n, attn_mask, document_ids)
     call = _attention_call(q, wo, group_name, algorithm, n)
     with torch.no_grad():
         return fused_attention.attention_reduce_scatter(
             call, q, k, v, wo, causal=causal, mask=fused_attention.mask_of(attn_mask, document_ids),
-            config=_attention_config(q, k, causal, attn_mask, document_ids, scale), scale=scale).contiguous()
+            config=_attention_config(q, k, causal, attn_mask, document_ids, scale, softcap, window), scale=scale,
+            softcap=softcap, window=window).contiguous()
 
 
 @_attention_reduce_scatter.register_fake
-def _(q, k, v, wo, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None):
+def _(q, k, v, wo, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None, softcap=None,
+      window=None):
     _, n = _world(group_name)
     return q.new_empty(q.shape[0], q.shape[1] // n, wo.shape[0])
 
@@ -405,7 +411,8 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
                                        dout: torch.Tensor, causal: bool, group_name: str, algorithm: str,
                                        attn_mask: torch.Tensor | None = None,
                                        document_ids: torch.Tensor | None = None,
-                                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                       scale: float | None = None, softcap: float | None = None,
+                                       window: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                           torch.Tensor, torch.Tensor]:
     # each query slice's attention again, as its output gradient arrives (a custom op cannot keep the
     # forward's graphs)
@@ -413,43 +420,47 @@ def _attention_reduce_scatter_backward(q: torch.Tensor, k: torch.Tensor, v: torc
     grads = fused_attention.attention_reduce_scatter_backward(
         _attention_call(q, wo, group_name, algorithm, n), q, k, v, wo, dout, causal=causal,
         mask=fused_attention.mask_of(attn_mask, document_ids),
-        config=_attention_config(q, k, causal, attn_mask, document_ids, scale), scale=scale)
+        config=_attention_config(q, k, causal, attn_mask, document_ids, scale, softcap, window), scale=scale,
+        softcap=softcap, window=window)
     return tuple(_grad_like(g, t) for g, t in zip(grads, (q, k, v, wo)))
 
 
 @_attention_reduce_scatter_backward.register_fake
-def _(q, k, v, wo, dout, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None):
+def _(q, k, v, wo, dout, causal, group_name, algorithm, attn_mask=None, document_ids=None, scale=None, softcap=None,
+      window=None):
     return tuple(torch.empty_like(t) for t in (q, k, v, wo))
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, wo, causal, group_name, algorithm, attn_mask, document_ids, scale = inputs
+    q, k, v, wo, causal, group_name, algorithm, attn_mask, document_ids, scale, softcap, window = inputs
     ctx.save_for_backward(q, k, v, wo, attn_mask, document_ids)
     ctx.options = (causal, group_name, algorithm)
-    ctx.scale = scale
+    ctx.scores = (scale, softcap, window)
 
 
 def _attention_backward(ctx, dout):
     q, k, v, wo, attn_mask, document_ids = ctx.saved_tensors
     grads = torch.ops.commfuse.attention_reduce_scatter_backward(q, k, v, wo, dout, *ctx.options, attn_mask,
-                                                                 document_ids, ctx.scale)
-    # the masks and the scale are constants: no gradient (commfuse.fused.attention.resolve_mask refuses a mask
-    # that wants one)
+                                                                 document_ids, *ctx.scores)
+    # the masks, the scale, the cap and the window are constants: no gradient (commfuse.fused.attention.
+    # resolve_mask refuses a mask that wants one)
     return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])), None, None, None, None, None,
-            None)
+            None, None, None)
 
 
 _attention_reduce_scatter.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm: str = "auto",
-                             mask=None, scale: float | None = None) -> torch.Tensor:
+                             mask=None, scale: float | None = None, softcap: float | None = None,
+                             window: int | None = None) -> torch.Tensor:
     """Query-split attention fused with the out-projection's reduce-scatter, as one op: q (b, s, Hq, d), k and
     v (b, s, Hkv, d) for this rank's heads, ``wo`` (hidden, Hq * d) this rank's columns of the out-projection;
     returns (b, s / N, hidden), this rank's rows of the summed output. ``mask``: a resolved
     ``commfuse.fused.attention.AttentionMask`` or None; it travels as a dense ``attn_mask`` (a BlockMask
     evaluated for the whole sequence: an op takes no callables) or as ``document_ids``. ``scale``: the scores'
-    factor (None: ``1 / sqrt(head_dim)``)."""
+    factor (None: ``1 / sqrt(head_dim)``); ``softcap`` and ``window`` as ``commfuse.fused.attention.attend``
+    takes them."""
     attn_mask = document_ids = None
     if mask is not None:
         mask = mask.whole(q.shape[1])
@@ -458,7 +469,7 @@ def attention_reduce_scatter(q, k, v, wo, *, causal: bool, group=None, algorithm
         else:
             attn_mask = mask.tensor
     return torch.ops.commfuse.attention_reduce_scatter(q, k, v, wo, causal, group_name(group), algorithm, attn_mask,
-                                                       document_ids, scale)
+                                                       document_ids, scale, softcap, window)
 
 
 # -- sharded_linear (commfuse.nn.ShardedLinear) --------------------------------------------------------------
@@ -564,6 +575,33 @@ _replicated.register_autograd(_replicated_backward, setup_context=_replicated_se
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     """``commfuse.nn._common.replicated`` as an op: identity forward, the gradient summed over ``group``."""
     return torch.ops.commfuse.replicated(t, group_name(group))
+
+
+# -- activation checkpointing ----------------------------------------------------------------------------------
+# What a selective checkpointing policy (torch.utils.checkpoint.create_selective_checkpoint_contexts, torchtitan's
+# per-op save list) should do with each forward op. The policy sees these ops when the region is compiled, and in
+# eager too for the calls that can run as the op (commfuse.ops' all_gather_matmul and matmul_reduce_scatter
+# without timeout, check, backend or report; the tp styles, ParallelAttention and ShardedLinear): every other
+# commfuse call is one op the policy does not see, run whole again in the recompute (commfuse.runtime.checkpointing).
+
+#: Save these: each output is this rank's shard of a reduce-scatter (1/N of the sequence), and a recompute would
+#: run the GEMMs (every query slice's attention) and the whole ring again; torchtitan saves
+#: ``_c10d_functional.reduce_scatter_tensor`` for the same reason. Their backwards do not need them recomputed.
+CHECKPOINT_SAVE = (
+    torch.ops.commfuse.matmul_reduce_scatter.default,
+    torch.ops.commfuse.attention_reduce_scatter.default,
+)
+
+#: Recompute these unless memory allows: ``all_gather_matmul``'s outputs span the whole sequence (and, with a
+#: gradient, it keeps the gathered input as well), the largest activations of a tensor-parallel block, made
+#: again by one ring; ``sharded_linear`` gathers the weights again, as its backward does anyway; ``replicated``
+#: is a copy. Saving ``all_gather_matmul`` trades that memory for its ring, as torchtitan's policy saves every
+#: second matmul.
+CHECKPOINT_RECOMPUTE = (
+    torch.ops.commfuse.all_gather_matmul.default,
+    torch.ops.commfuse.sharded_linear.default,
+    torch.ops.commfuse.replicated.default,
+)
 
 
 # -- autocast ------------------------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ from commfuse.planning.pipelined import (
     produce_all_to_all_core,
     produce_reduce_scatter_core,
 )
+from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
+from commfuse.runtime.checkpointing import depth as _modes
+from commfuse.runtime import sites as _sites
 from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
@@ -94,7 +97,8 @@ log = logging.getLogger("commfuse")
 #: knows the function, however it is reached, and takes it as True while it traces
 _compiling = torch.compiler.is_compiling
 
-#: the planning table's one look-up, bound once (the fast path of a planned signature)
+#: the planning table's one look-up, bound once (the fast path of a planned signature); :func:`_watched` while
+#: a site watches its forward
 _planned = table.get
 #: torch.distributed's world: its default group goes into every key (see commfuse.planning.table)
 _WORLD = C10D_WORLD
@@ -102,6 +106,26 @@ _WORLD = C10D_WORLD
 #: the op whole (``Capabilities.whole_ops``); the check costs a global read (``torch.Tensor`` goes through the
 #: torch module's ``__getattr__`` path, about three times the instructions)
 _TENSOR = torch.Tensor
+
+
+def _watched(key):
+    """The fast path's look-up while a site watches its forward (``commfuse.runtime.sites``): an entry found
+    tells this thread's site what its call takes, as planning the entry told the site that planned it."""
+    run = table.get(key)
+    if run is not None:
+        site = _sites.here.site
+        resolved = getattr(run, "resolved", None)
+        if site is not None and resolved is not None:
+            _sites.saw(site, *resolved)
+    return run
+
+
+def _watch(on: bool) -> None:
+    global _planned
+    _planned = _watched if on else table.get
+
+
+_sites.on_watch(_watch)
 
 
 # -- autocast ----------------------------------------------------------------
@@ -148,6 +172,15 @@ def _autocast_weights(b):
     if isinstance(b, (list, tuple)):
         return [_autocast(x) for x in b]
     return b
+
+
+def _as_op(group, *options) -> bool:
+    """Whether a call under selective activation checkpointing runs as its custom op (``torch.ops.commfuse``),
+    one op the policy saves or recomputes as it does when compiled (``as_custom_op``). The op takes the group
+    by name and nothing of ``timeout``, ``check``, ``backend`` and ``report``; a call that gives one runs as one
+    op the policy cannot see instead (recomputed whole)."""
+    return (all(o is None for o in options) and (group is None or isinstance(getattr(group, "group_name", None), str))
+            and as_custom_op())
 
 
 def _library():
@@ -203,6 +236,16 @@ def all_gather_matmul(
                                             return_gathered=return_gathered, gathered_size=gathered_size,
                                             keep_gathered=keep_gathered, timeout=timeout, check=check,
                                             backend=backend, report=report)
+    count = _modes()
+    if count and selective(count):  # one op to selective checkpointing (commfuse.runtime.checkpointing)
+        if _as_op(group, timeout, check, backend, report):  # the custom op, on which the policy decides
+            return _library().all_gather_matmul(a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                                                return_gathered=return_gathered, gathered_size=gathered_size,
+                                                keep_gathered=keep_gathered)
+        return aside_call(all_gather_matmul, a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                          return_gathered=return_gathered, gathered_size=gathered_size,
+                          keep_gathered=keep_gathered, timeout=timeout, check=check, backend=backend,
+                          report=report, config=config)
     if _any_autocast():
         a_shard, b = _autocast(a_shard), _autocast_weights(b)
     try:
@@ -265,6 +308,14 @@ def matmul_reduce_scatter(
         return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
                                                 algorithm=algorithm, timeout=timeout, check=check, backend=backend,
                                                 report=report)
+    count = _modes()
+    if count and selective(count):  # one op to selective checkpointing (commfuse.runtime.checkpointing)
+        if _as_op(group, timeout, check, backend, report):  # the custom op, on which the policy decides
+            return _library().matmul_reduce_scatter(a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
+                                                    algorithm=algorithm)
+        return aside_call(matmul_reduce_scatter, a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op,
+                          algorithm=algorithm, timeout=timeout, check=check, backend=backend, report=report,
+                          config=config)
     if _any_autocast():
         a, b = _autocast(a), _autocast(b)
     try:
@@ -298,6 +349,7 @@ def _checked(what: str, call):
         raise CommfuseTypeError(f"{what} must be callable, got {type(call).__name__}")
 
 
+@atomic
 def all_gather_consume(
     shard: torch.Tensor,
     consumer: Callable[[torch.Tensor, int], Any],
@@ -356,6 +408,7 @@ def all_gather_consume(
     return all_gather_consume_core(call, shard, consumer, d, private=True)
 
 
+@atomic
 def produce_reduce_scatter(
     producer: Callable[..., torch.Tensor],
     *,
@@ -427,6 +480,7 @@ def produce_reduce_scatter(
     return out
 
 
+@atomic
 def all_to_all_consume(
     chunks: Sequence[torch.Tensor],
     consumer: Callable[[torch.Tensor, int], Any],
@@ -506,6 +560,7 @@ def all_to_all_consume(
     return all_to_all_consume_core(call, chunks, consumer, d, private=True)
 
 
+@atomic
 def produce_all_to_all(
     producer: Callable[[int], torch.Tensor],
     *,
@@ -593,6 +648,7 @@ def produce_all_to_all(
     return got
 
 
+@atomic
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError, MismatchError
+from commfuse.runtime.checkpointing import apart, strands_running
 from commfuse.sim import _strands as planning
 
 __all__ = ["Stage", "forward", "order", "profile", "run"]
@@ -219,7 +220,8 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     if defer_weight_grads:
         autograd.WGRAD_SINK.append(runner.defer)
     try:
-        runner.walk()
+        with strands_running():
+            runner.walk()
         try:
             runner.flush()
         except BaseException as e:
@@ -249,7 +251,8 @@ def forward(stages: Sequence[Stage], micro_batches: Sequence, *, plan: str = "au
     slots = _forward_slots(stages, len(batches), plan, slowdown)
     runner = _Runner(stages, batches, None, slots, _start(slots, group, "forward"))
     try:
-        runner.walk()
+        with strands_running():
+            runner.walk()
     finally:
         loop.FILLERS.clear()
     return [out[0] if len(out) == 1 else out for out in runner.outputs]
@@ -360,7 +363,8 @@ class _Runner:
     def _captured(self, work: Callable) -> Callable:
         def fill() -> None:
             try:
-                work()
+                with apart():  # as it would run alone: not in the region of the stage whose wait runs it
+                    work()
             except BaseException as e:  # noqa: BLE001 - raised once the op whose wait ran it is complete
                 self.failed.append(e)
         return fill

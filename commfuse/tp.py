@@ -36,6 +36,14 @@ rotary embeddings, and whose out-projection reduce-scatter is fed by
 per-query-slice attention. :class:`RingAttentionParallel` is the same block
 under context parallelism, applied on the CP axis: the weights replicated,
 the sequence sharded, K/V passed around the ring (``commfuse.ring_attention``).
+A block style replaces the block's forward, so it takes over only what it
+verified when it is applied: every part of the block is one it computes
+(projections, per-head norms, an activation it knows), and where the block's
+own forward can run on a small input it is compared with the style's
+computation; anything else is refused by name, pointing at the per-linear
+styles, which keep the block's own forward. HuggingFace transformers attention
+and MLP modules take the block styles with no arguments: each class's
+docstring says what it reads from them.
 
 Every other layout (a replicated input, a replicated or feature-sharded
 output, shards of unequal size) has nothing to fuse: the style then moves the
@@ -71,6 +79,8 @@ import inspect
 import itertools
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -78,11 +88,23 @@ from torch.distributed.tensor.placement_types import Placement
 
 import commfuse.ops as ops
 from commfuse.context import check_layout, positions
-from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError
 from commfuse.fused import attention as fused_attention
+from commfuse.nn._blocks import (
+    ACTIVATIONS,
+    activation_name,
+    differs,
+    is_transformers,
+    per_head,
+    transformers_rope,
+    unclaimed,
+    where,
+)
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
-from commfuse.runtime.loop import counted_calls
+from commfuse.runtime.checkpointing import as_custom_op
+from commfuse.runtime.groups import state_of_group
+from commfuse.runtime.loop import counted_calls, leave_calls
 from commfuse.schedule import Collective, site_algorithm
 
 #: a number per module a style was applied to, for the key under which ``counted_calls`` learns how many calls
@@ -201,38 +223,58 @@ class _Style(ParallelStyle):
             out = out.redistribute(placements=[want])
         return out.to_local() if self.use_local_output else out
 
-    def _install(self, module: nn.Module, mesh: DeviceMesh, forward) -> nn.Module:
-        """``module`` with ``forward(module, mesh, *args)`` in place of its own forward."""
+    def _install(self, module: nn.Module, mesh: DeviceMesh, forward, read=None) -> nn.Module:
+        """``module`` with ``forward(module, mesh, *args)`` in place of its own forward. ``read(args, kwargs)``,
+        when given, reads the module's arguments into one record (a :class:`_Call`) before anything is computed
+        or sent, and ``forward(module, mesh, call)`` takes that: a refusal there is told to the peers, which
+        wait in this forward's first call (``leave_calls``: this rank leaves the calls it will not make, as
+        many as the forward made the last time it ran, or one before it ever ran), so that one rank's bad input
+        is named on every rank."""
         label = f"{type(self).__name__} forward"
         # what this module runs and takes, for COMMFUSE_LOG and commfuse.explain (commfuse.runtime.sites)
         site = sites.Site(f"commfuse.tp.{type(self).__name__}", self, mesh, mesh.size(),
-                          f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}")
+                          f"{type(self).__name__} on {type(module).__name__}{_shape_of(module)}", module)
 
         serial = next(_FORWARDS)
+        group = mesh.get_group() if mesh.size() > 1 else None
 
         def fused_forward(*args, **kwargs):
+            if read is not None:
+                try:
+                    args, kwargs = (read(args, kwargs),), {}
+                except CommfuseError as error:
+                    if group is not None and not torch.compiler.is_compiling():
+                        first = args[0] if args else next(iter(kwargs.values()), None)
+                        _tell_peers(group, label, ("commfuse.tp", serial, (getattr(first, "shape", None),),
+                                                   torch.is_grad_enabled()), error)
+                    raise
             if torch.compiler.is_compiling():
                 return forward(module, mesh, *args, **kwargs)
             # a hook of the user's that raises between the style's calls (the rope hook) leaves the calls
             # this rank will not make on the group's board, for the peers that wait in them
             key = ("commfuse.tp", serial, tuple(getattr(a, "shape", None) for a in args[:1]), torch.is_grad_enabled())
-            with counted_calls(mesh.get_group() if mesh.size() > 1 else None, label, key), sites.at_site(site):
+            with counted_calls(group, label, key), sites.at_site(site):
                 return forward(module, mesh, *args, **kwargs)
 
         module.forward = fused_forward
         module.__dict__["_commfuse_site"] = site
         return module
 
-    def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple) -> list[torch.Tensor]:
+    def _columns(self, mesh: DeviceMesh, x, linears, who: str, options: tuple,
+                 rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """``x`` (the module input, placed ``input_layouts`` when local) through column-parallel ``linears``:
         each one's local output, sharded on its features. A sequence-sharded input is gathered once, fused
         with every GEMM (``all_gather_matmul`` with one weight per linear); any other layout is gathered
         through DTensor first. ``options``: the style's options for the fused op's fingerprint
-        (:func:`~commfuse.nn._common.config`)."""
+        (:func:`~commfuse.nn._common.config`). ``rows``: this rank's rows of one replicated projection
+        (a stacked one, :func:`_stacked_rows`), its weight's and bias's gradients summed over the mesh."""
         local, have = _local_input(x, self.input_layouts[0], mesh, who)
+        n = mesh.size()
+        if rows is not None:
+            (lin,) = linears
+            linears = [_Rows(lin, rows, mesh.get_group() if n > 1 else None)]
         # weights read per call: fully_shard swaps in the unsharded parameters before each forward
         ws = [lin.weight.to_local().t() for lin in linears]
-        n = mesh.size()
         feature = local.ndim - 1
         if isinstance(have, Shard) and have.dim != feature and n > 1 and _even(have.dim, n, x):
             ys = ops.all_gather_matmul(local, ws if len(ws) > 1 else ws[0], group=mesh.get_group(),
@@ -397,70 +439,469 @@ def _linears(style: _Style, module: nn.Module, names: dict[str, str], mesh: Devi
     return found
 
 
-class SwiGLUParallel(_Style):
-    """A SwiGLU feed-forward block, ``w2(silu(w1(x)) * w3(x))``, its two up projections fed by one gather.
+class _Call:
+    """One call of a block style's forward, read before anything is computed or sent (``_Style._install``'s
+    ``read``): the block's input and what it was given besides (masks by name; what goes to the rope hook;
+    transformers' ``position_embeddings``)."""
 
-    Apply it to the block (e.g. a Llama ``feed_forward``), not its linears:
-    ``w1`` and ``w3`` become column-parallel and ``w2`` row-parallel, with
-    torch's placements. With a sequence-sharded input (``input_layouts``,
-    default ``Shard(1)``) the forward is one ``all_gather_matmul`` serving both
-    up projections, the gate, and one ``matmul_reduce_scatter`` into
-    ``output_layouts`` (default ``Shard(1)``). ``w1``, ``w2``, ``w3`` name the
-    block's ``nn.Linear`` projections by their path in it, dotted where they
-    sit deeper (``"mlp.w1"``); they are found when the style is applied.
-    ``use_local_output`` (default True) as torch's ``RowwiseParallel`` on
-    ``w2``, whose output the block's is: :mod:`commfuse.tp` says when to set
-    it False (a DTensor residual stream).
+    __slots__ = ("x", "shape", "masks", "args", "kwargs", "rotary")
+
+    def __init__(self, x, masks=None, args=(), kwargs=None, rotary=None) -> None:
+        self.x, self.shape = x, getattr(x, "shape", None)
+        self.masks, self.args, self.kwargs, self.rotary = masks or {}, args, kwargs or {}, rotary
+
+
+def _input_name(forward) -> str:
+    """The name of a module forward's first parameter, its input (``x``; transformers' ``hidden_states``)."""
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return "x"
+    return params[0].name if params else "x"
+
+
+def _input_of(who: str, block: str, name: str, args: tuple, kwargs: dict) -> tuple[object, tuple, dict]:
+    """The block's input, given positionally or by its keyword (transformers calls ``self_attn(hidden_states=
+    ...)``), and the rest of its arguments."""
+    if args:
+        return args[0], args[1:], kwargs
+    if name in kwargs:
+        rest = dict(kwargs)
+        return rest.pop(name), (), rest
+    raise CommfuseTypeError(f"{who}: {block}'s forward got no input: neither a positional argument nor {name}= "
+                            f"(got {', '.join(f'{k}=' for k in kwargs) or 'nothing'})")
+
+
+def _per_linear(inputs: list[str], output: str, stacked: bool = False) -> str:
+    """What to use instead of a block style: the per-linear styles, which keep the block's own forward. A
+    stacked projection (``[q; k; v]``, ``[gate; up]``) is no per-rank cut under ``Shard(0)``: its output is
+    gathered whole, and the output projection takes it whole (every rank then computes every head)."""
+    if stacked:
+        plan = ", ".join([f"'{p}': ColwiseParallel(output_layouts=Replicate())" for p in inputs]
+                         + [f"'{output}': RowwiseParallel(input_layouts=Replicate())"])
+    else:
+        plan = ", ".join([f"'{p}': ColwiseParallel()" for p in inputs] + [f"'{output}': RowwiseParallel()"])
+    return (f"leave the block's forward to it and fuse each linear with commfuse.tp's per-linear styles "
+            f"({plan}, by their paths in the block)")
+
+
+def _module_at(block: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _probe_input(block: nn.Module, features: int, seq: int = 4) -> torch.Tensor | None:
+    """A small random input (2, ``seq``, ``features``) in the block's dtype and on its device, from a generator
+    of its own (the caller's random stream is left as it was); None where the block's weights are not real
+    (the meta device: nothing can be computed before they are)."""
+    param = next(block.parameters(), None)
+    if param is None or param.device.type == "meta":
+        return None
+    x = torch.randn(2, seq, features, generator=torch.Generator().manual_seed(1234), dtype=torch.float64)
+    return x.to(device=param.device, dtype=param.dtype)
+
+
+def _own_forward_runs(block: nn.Module, *, required: tuple = ()) -> bool:
+    """Whether the block's class defines a forward that can be called with its input and the keywords
+    ``required`` only (every other parameter has a default)."""
+    forward = type(block).forward
+    if forward is nn.Module.forward:
+        return False
+    try:
+        params = list(inspect.signature(forward).parameters.values())[2:]  # self, the input
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in required
+               for p in params)
+
+
+def _run_own(block: nn.Module, x: torch.Tensor, **kwargs):
+    """The block's own forward (its class's, before a style replaced it; no hooks of the block) in eval mode,
+    without gradients; each module's training flag is put back after."""
+    modes = [(m, m.training) for m in block.modules()]
+    try:
+        block.eval()
+        with torch.no_grad():
+            return type(block).forward(block, x, **kwargs)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _tolerance(x: torch.Tensor) -> float:
+    """How far a style's computation may be from the block's own on the probe: sums in another order only."""
+    return 1e-4 if x.dtype in (torch.float32, torch.float64) else 3e-2
+
+
+class _MLP:
+    """A feed-forward block as :class:`SwiGLUParallel` read it (per block: one style may be applied to many)."""
+
+    __slots__ = ("where", "names", "gate", "up", "gate_up", "down", "activation", "options", "input_name",
+                 "hf", "rows")
+
+    def hidden(self, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+        """The activation of the gate, times the up projection's output where the block is gated."""
+        h = ACTIVATIONS[self.activation](gate)
+        return h if up is None else h * up
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output as the style computes it, on whole weights in this process (the check)."""
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
+        else:
+            gate = F.linear(x, self.gate.weight, self.gate.bias)
+            up = None if self.up is None else F.linear(x, self.up.weight, self.up.bias)
+        return F.linear(self.hidden(gate, up), self.down.weight, self.down.bias)
+
+
+class SwiGLUParallel(_Style):
+    """A feed-forward block, ``w2(act(w1(x)) * w3(x))`` (gated: SwiGLU, GeGLU) or ``w2(act(w1(x)))``, its up
+    projections fed by one gather.
+
+    Apply it to the block (e.g. a Llama ``feed_forward``, a transformers ``LlamaMLP``), not its linears:
+    ``w1`` and ``w3`` become column-parallel and ``w2`` row-parallel, with torch's placements. With a
+    sequence-sharded input (``input_layouts``, default ``Shard(1)``) the forward is one ``all_gather_matmul``
+    serving both up projections, the activation and gate, and one ``matmul_reduce_scatter`` into
+    ``output_layouts`` (default ``Shard(1)``). ``use_local_output`` (default True) as torch's
+    ``RowwiseParallel`` on ``w2``, whose output the block's is: :mod:`commfuse.tp` says when to set it False
+    (a DTensor residual stream).
+
+    **The block's parts.** ``w1`` (gate), ``w3`` (up) and ``w2`` (down) name the block's ``nn.Linear``
+    projections by their paths in it, dotted where they sit deeper (``"mlp.w1"``); ``gate_up`` names one
+    fused projection whose rows are ``[gate; up]`` (Phi-3's ``gate_up_proj``), in place of ``w1`` and
+    ``w3``; it is placed ``Replicate()``, its rows as the block holds them (so ``state_dict``, DCP and
+    ``full_tensor()`` see the truth), and each rank computes with its rows of the gate and of the up
+    projection, their gradients summed over the mesh: the price is that projection's whole weight on every
+    rank and an all-reduce of its gradient. (``_StridedShard(0, split_factor=2)`` would state the cut to
+    ``full_tensor()``, but torch 2.13's DCP saves and loads such a shard at the wrong rows.)
+    ``gated=False`` takes a plain ``w2(act(w1(x)))`` block. ``activation``: ``"silu"`` (the default),
+    ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``. Biases on any projection are computed.
+
+    **transformers modules.** Given no names, a transformers MLP is read from itself: ``gate_proj``,
+    ``up_proj``, ``down_proj`` (Llama, Qwen, Mistral, Gemma), ``gate_up_proj`` and ``down_proj`` (Phi-3),
+    ``fc1`` and ``fc2`` (plain); its activation is its ``act_fn`` / ``activation_fn`` module, told by what it
+    computes. ``SwiGLUParallel()`` on a ``Qwen3MLP`` or a ``Gemma3MLP`` needs no arguments.
+
+    **What it verifies when applied.** Every parameter, buffer and submodule of the block is one the style
+    computes with (the projections and the activation module); an activation module must compute one of the
+    activations above; and where the block's own forward takes its input alone, it is run on a small random
+    input in this process and compared with the style's computation on the same whole weights. Anything
+    else is refused by name (``CommfuseValueError``: the block's path where it can be found, else its class;
+    the part; what to use instead, the per-linear styles, which keep the block's own forward).
     """
 
-    _roles = {"w1": "gate projection", "w2": "down projection", "w3": "up projection"}
+    _roles = {"w1": "gate projection", "w2": "down projection", "w3": "up projection",
+              "gate_up": "fused gate and up projection"}
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True, algorithm: str = "auto", w1: str = "w1", w2: str = "w2",
-                 w3: str = "w3") -> None:
+                 use_local_output: bool = True, algorithm: str = "auto", w1: str | None = None,
+                 w2: str | None = None, w3: str | None = None, gate_up: str | None = None,
+                 gated: bool | None = None, activation: str | None = None) -> None:
         super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
                          use_local_output=use_local_output, algorithm=algorithm)
-        self.names = {"w1": w1, "w2": w2, "w3": w3}
+        who = "commfuse.tp.SwiGLUParallel"
+        if activation is not None and activation not in ACTIVATIONS:
+            raise CommfuseValueError(f"{who}: activation={activation!r} is not one the style computes; it takes "
+                                     f"{', '.join(map(repr, ACTIVATIONS))}")
+        if gate_up is not None and (w1 is not None or w3 is not None):
+            raise CommfuseValueError(f"{who}: gate_up={gate_up!r} names one fused projection in place of w1 and w3, "
+                                     "but w1 or w3 is given too: give one or the other")
+        if gated is False and (w3 is not None or gate_up is not None):
+            raise CommfuseValueError(f"{who}: gated=False takes a block without an up projection, but "
+                                     f"{'w3' if w3 is not None else 'gate_up'}= names one")
+        self.given = {"w1": w1, "w2": w2, "w3": w3, "gate_up": gate_up}
+        self.gated, self.activation = gated, activation
+
+    def __repr__(self) -> str:
+        return (f"commfuse.tp.SwiGLUParallel(input_layouts={self.input_layouts[0]}, "
+                f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output}, "
+                f"algorithm={self.algorithm!r}, activation={self.activation!r})")
+
+    def _names(self, module: nn.Module) -> dict[str, str]:
+        given = self.given
+        if given["gate_up"] is not None:
+            return {"gate_up": given["gate_up"], "w2": given["w2"] or "w2"}
+        if all(v is None for v in given.values()) and is_transformers(module):
+            for names in ({"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+                          {"gate_up": "gate_up_proj", "w2": "down_proj"}, {"w1": "fc1", "w2": "fc2"}):
+                gated = "w3" in names or "gate_up" in names
+                if all(isinstance(_module_at(module, p), nn.Linear) for p in names.values()) and (
+                        self.gated is None or self.gated == gated):
+                    return names
+        names = {"w1": given["w1"] or "w1", "w2": given["w2"] or "w2"}
+        if self.gated is not False:
+            names["w3"] = given["w3"] or "w3"
+        return names
+
+    def _read(self, module: nn.Module, mesh: DeviceMesh) -> _MLP:
+        who = "commfuse.tp.SwiGLUParallel"
+        names = self._names(module)
+        lin = _linears(self, module, names, mesh)
+        parts = _MLP()
+        parts.where, parts.names, parts.hf = where(module), names, is_transformers(module)
+        parts.gate, parts.up, parts.gate_up, parts.down = lin.get("w1"), lin.get("w3"), lin.get("gate_up"), lin["w2"]
+        parts.input_name = _input_name(module.forward)
+        claimed = list(names.values())
+        acts = [p for p in ("act_fn", "activation_fn", "act", "activation") if isinstance(getattr(module, p, None),
+                                                                                        nn.Module)]
+        inputs = [p for k, p in names.items() if k != "w2"]
+        instead = _per_linear(inputs, names["w2"], stacked="gate_up" in names)
+        parts.activation = self.activation or "silu"
+        if acts:
+            path, child = acts[0], getattr(module, acts[0])
+            found = activation_name(child)
+            if found is None:
+                raise CommfuseValueError(
+                    f"{who}: {parts.where} has the activation {path!r} ({type(child).__name__}), which computes none "
+                    f"of the activations the style computes ({', '.join(ACTIVATIONS)}); {instead}")
+            if self.activation is not None and self.activation != found:
+                raise CommfuseValueError(
+                    f"{who}: {parts.where}'s activation {path!r} ({type(child).__name__}) computes {found!r}, but "
+                    f"activation={self.activation!r} is given: give the block's, or none")
+            parts.activation = found
+            claimed.append(path)
+        left = unclaimed(module, claimed)
+        if left:
+            raise CommfuseValueError(
+                f"{who}: {parts.where} holds {', '.join(left)}, which the style does not compute (it computes "
+                f"{' and '.join(repr(p) for p in claimed)}: down(act(gate(x)) * up(x))); {instead}")
+        down = parts.down
+        up_out = parts.gate_up.out_features // 2 if parts.gate_up is not None else parts.gate.out_features
+        if parts.up is not None and parts.up.out_features != up_out or down.in_features != up_out:
+            raise CommfuseValueError(
+                f"{who}: {parts.where}'s projections do not chain: the gate gives {up_out} features, "
+                f"{'' if parts.up is None else f'the up projection {parts.up.out_features}, '}the down "
+                f"projection {names['w2']!r} takes {down.in_features}")
+        if parts.gate_up is not None and (parts.gate_up.out_features % 2
+                                          or (parts.gate_up.out_features // 2) % mesh.size()):
+            raise CommfuseValueError(
+                f"{who}: {parts.where}'s fused gate and up projection {names['gate_up']!r} has "
+                f"{parts.gate_up.out_features} rows, which are not [gate; up] of equal size each dividing by the "
+                f"mesh's {mesh.size()} ranks (each rank computes with its rows of each)")
+        self._verify(module, parts, instead)
+        parts.options = (("gate_bias", bool((parts.gate_up or parts.gate).bias is not None)),
+                         ("up_bias", bool(parts.up is not None and parts.up.bias is not None)),
+                         ("down_bias", down.bias is not None), ("activation", parts.activation),
+                         ("gated", parts.up is not None or parts.gate_up is not None),
+                         ("gate_up", parts.gate_up is not None))
+        return parts
+
+    def _verify(self, module: nn.Module, parts: _MLP, instead: str) -> None:
+        """The block's own forward against the style's computation, on a small input (where it can run)."""
+        if not _own_forward_runs(module):
+            return
+        x = _probe_input(module, (parts.gate_up or parts.gate).in_features)
+        if x is None:
+            return
+        try:
+            want = _run_own(module, x)
+        except Exception:  # noqa: BLE001 - a forward that needs more than its input: not checked this way
+            return
+        if not isinstance(want, torch.Tensor) or want.shape[:-1] != x.shape[:-1]:
+            return
+        with torch.no_grad():
+            got = parts.reference(x)
+        off = differs(got, want) if got.shape == want.shape else float("inf")
+        if not off <= _tolerance(x):
+            raise CommfuseValueError(
+                f"commfuse.tp.SwiGLUParallel: {parts.where}'s own forward differs from what the style computes "
+                f"(down(act(gate(x)) * up(x)) with activation {parts.activation!r}"
+                f"{'' if parts.up is not None or parts.gate_up is not None else ', not gated'}) by {off:.3g} "
+                f"relative on a random input: the block computes something else; {instead}")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        lin = _linears(self, module, self.names, device_mesh)
-        _colwise(self, lin["w1"], device_mesh)
-        _colwise(self, lin["w3"], device_mesh)
-        _rowwise(self, lin["w2"], device_mesh)
-        w1, w2, w3 = lin["w1"], lin["w2"], lin["w3"]
-
-        def forward(module, mesh, x):
-            return self._forward(mesh, w1, w2, w3, x)
-
-        return self._install(module, device_mesh, forward)
-
-    def _forward(self, mesh: DeviceMesh, w1: nn.Linear, w2: nn.Linear, w3: nn.Linear, x) -> torch.Tensor:
+        parts = self._read(module, device_mesh)
+        if parts.gate_up is not None:
+            _replicated_stacked(self, parts.gate_up, device_mesh)
+            half = parts.gate_up.out_features // 2
+            parts.rows = _stacked_rows([half, half], device_mesh.get_local_rank(), device_mesh.size())
+        else:
+            _colwise(self, parts.gate, device_mesh)
+            if parts.up is not None:
+                _colwise(self, parts.up, device_mesh)
+        _rowwise(self, parts.down, device_mesh)
         who = "commfuse.tp.SwiGLUParallel"
-        options = config(who, gate_bias=w1.bias is not None, up_bias=w3.bias is not None,
-                         down_bias=w2.bias is not None)
-        gate, up = self._columns(mesh, x, [w1, w3], who, options)
-        return self._row(mesh, nn.functional.silu(gate) * up, w2, who, options)
+
+        def read(args, kwargs):
+            x, rest, more = _input_of(who, parts.where, parts.input_name, args, kwargs)
+            if rest or more:
+                given = [f"argument {i + 2} ({_described(v)})" for i, v in enumerate(rest)]
+                given += [f"{k}= ({_described(v)})" for k, v in more.items()]
+                raise CommfuseTypeError(f"{who}: {parts.where}'s forward got {', '.join(given)} besides its input; "
+                                        "a feed-forward block takes its input only: commfuse does not ignore an "
+                                        "argument")
+            return _Call(x)
+
+        def forward(module, mesh, call):
+            return self._forward(mesh, parts, call.x)
+
+        return self._install(module, device_mesh, forward, read)
+
+    def _forward(self, mesh: DeviceMesh, parts: _MLP, x) -> torch.Tensor:
+        who = "commfuse.tp.SwiGLUParallel"
+        options = (who, parts.options)
+        if parts.gate_up is not None:
+            (both,) = self._columns(mesh, x, [parts.gate_up], who, options, parts.rows)
+            gate, up = both.chunk(2, dim=-1)  # this rank's rows of each
+        elif parts.up is not None:
+            gate, up = self._columns(mesh, x, [parts.gate, parts.up], who, options)
+        else:
+            (gate,), up = self._columns(mesh, x, [parts.gate], who, options), None
+        return self._row(mesh, parts.hidden(gate, up), parts.down, who, options)
+
+
+def _stacked_rows(sizes: list[int], rank: int, n: int) -> torch.Tensor:
+    """This rank's rows of a projection whose rows are blocks of ``sizes`` stacked (``[gate; up]``, ``[q; k;
+    v]``): its ``1/n`` of each block, in block order (int64 indices)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return torch.cat([torch.arange(start + rank * (size // n), start + (rank + 1) * (size // n))
+                      for start, size in zip(starts, sizes)])
+
+
+def _replicated_stacked(style: _Style, linear: nn.Linear, mesh: DeviceMesh) -> None:
+    """A stacked projection placed ``Replicate()``: every rank holds the rows as the block holds them, so
+    ``full_tensor()``, ``state_dict`` and DCP see the truth. (``_StridedShard(0, split_factor)`` states each
+    rank's rows of each block to ``full_tensor()``, but torch 2.13's DCP reads and writes such a shard as one
+    contiguous chunk at the wrong offset: a checkpoint of other rows, silently.) The style computes with this
+    rank's rows of it (:class:`_Rows`)."""
+    style._distribute(linear, "weight", mesh, Replicate())
+    if linear.bias is not None:
+        style._distribute(linear, "bias", mesh, Replicate())
+
+
+class _Rows:
+    """This rank's rows of a replicated projection, as ``_columns`` reads a linear (``weight``, ``bias``, each
+    with ``to_local()``): taken per call from the local whole, so their gradients land in the rows they came
+    from, summed over ``group`` (every rank holds the whole parameter, and each computed with its rows)."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, linear: nn.Linear, rows: torch.Tensor, group) -> None:
+        self.weight = _Local(_picked(linear.weight, rows, group))
+        self.bias = None if linear.bias is None else _Local(_picked(linear.bias, rows, group))
+
+
+class _Local:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to_local(self) -> torch.Tensor:
+        return self.t
+
+
+def _picked(param, rows: torch.Tensor, group) -> torch.Tensor:
+    whole = param.to_local() if isinstance(param, DTensor) else param
+    if group is not None:
+        whole = replicated(whole, group)
+    return whole.index_select(0, rows.to(whole.device))
+
+
+#: parameter names of a KV cache: never a rope hook's, refused when not None (the style attends over the call's
+#: own tokens and would neither read nor update a cache)
+_CACHE_NAMES = ("kv_cache", "past_key_values", "past_key_value", "layer_past", "past")
+#: what transformers' decoder layers hand an attention module that its own forward does not read under the eager
+#: and SDPA attention (the positions are in ``position_embeddings``; the cache position and ``use_cache`` only
+#: matter to a cache, which is refused; a mixture of experts' output_router_logits is its router's)
+_TRANSFORMERS_UNREAD = ("position_ids", "cache_position", "use_cache", "output_router_logits")
+#: the attention functions of transformers whose computation the style mirrors (``config._attn_implementation``)
+_TRANSFORMERS_ATTENTION = (None, "eager", "sdpa")
+
+
+class _Attention:
+    """An attention block as an attention style read it (per block: one style may be applied to many): its
+    projections and their layout, its per-head norms, its attention options and its calling convention."""
+
+    __slots__ = ("where", "names", "projections", "wo", "layout", "heads_per_kv", "head_dim", "q_norm", "k_norm",
+                 "scale", "softcap", "window", "causal", "dropout", "hf", "implementation", "rope_fn",
+                 "input_name", "arg_names", "options", "instead", "rows")
+
+    def heads(self, ys: list, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (b, s, heads, head_dim) from the projections' outputs (whole heads, or this rank's)."""
+        d = self.head_dim
+        if self.layout == "separate":
+            return tuple(y.view(b, s, -1, d) for y in ys)
+        if self.layout == "grouped":
+            return _split_qkv(ys[0], self.heads_per_kv, d)
+        # stacked [q; k; v] (whole, or this rank's rows of each): q is heads_per_kv times as wide as k and v
+        kv = ys[0].shape[-1] // (self.heads_per_kv + 2)
+        return tuple(t.reshape(b, s, -1, d) for t in ys[0].split([kv * self.heads_per_kv, kv, kv], dim=-1))
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through the block's per-head norms (QK-norm), where it has them."""
+        if self.q_norm is not None:
+            q = _norm(self.q_norm, q, group)
+        if self.k_norm is not None:
+            k = _norm(self.k_norm, k, group)
+        return q, k
+
+    def rotated(self, q: torch.Tensor, k: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated by transformers' ``position_embeddings`` (cos, sin), with the block's family's own
+        rotary function (which takes (batch, heads, seq, head_dim))."""
+        cos, sin = rotary
+        qt, kt = self.rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return qt.transpose(1, 2), kt.transpose(1, 2)
+
+    def causal_for(self, masked: bool) -> bool:
+        """Whether the attention is causal on top of the mask: transformers' SDPA attention is causal only
+        without a mask (the mask then holds it), its eager attention never (the mask holds it); a block of the
+        explicit form applies ``causal`` and its mask together."""
+        if not self.hf:
+            return self.causal
+        return self.causal and not masked and self.implementation == "sdpa"
+
+    def reference(self, x: torch.Tensor, rotary) -> torch.Tensor:
+        """The block's output as the style computes it, on whole weights in this process (the check)."""
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = self.heads([F.linear(x, lin.weight, lin.bias) for lin in self.projections], b, s)
+        q, k = self.normed(q, k)
+        q, k = self.rotated(q, k, rotary)
+        o = fused_attention.attend(q, k, v, causal=self.causal_for(False), scale=self.scale, softcap=self.softcap,
+                                   window=None if self.hf else self.window)
+        return F.linear(o.reshape(b, s, -1), self.wo.weight, self.wo.bias)
+
+
+def _norm(norm: nn.Module, t: torch.Tensor, group) -> torch.Tensor:
+    """``norm(t)`` with the norm's parameters as local tensors (they are replicated DTensors once the style is
+    applied), their gradients summed over ``group`` (each rank normalizes other heads with the same weights)."""
+    params = dict(norm.named_parameters())
+    if not params:
+        return norm(t)
+    local = {}
+    for name, p in params.items():
+        p = p.to_local() if isinstance(p, DTensor) else p
+        local[name] = replicated(p, group) if group is not None else p
+    return torch.func.functional_call(norm, local, (t,), strict=False)
 
 
 class _AttentionStyle(_Style):
     """What the attention block styles share: the projections named by their paths (three, or one fused
     ``qkv``), ``head_dim``, the rope hook and the block's other forward arguments (masks by name, the rest to
-    the hook). :class:`AttentionParallel` (heads over the mesh) and :class:`RingAttentionParallel` (the
-    sequence over the mesh) differ in what they do with them."""
+    the hook), and the reading and checking of the block (:class:`_Attention`). :class:`AttentionParallel`
+    (heads over the mesh) and :class:`RingAttentionParallel` (the sequence over the mesh) differ in what they do
+    with them."""
 
     _native = False  # their rings are the consume and produce forms, not fused GEMMs
     _roles = {"wq": "query projection", "wk": "key projection", "wv": "value projection",
-              "qkv": "fused QKV projection", "wo": "output projection"}
+              "qkv": "fused QKV projection", "wo": "output projection", "q_norm": "query norm",
+              "k_norm": "key norm"}
     #: the keywords the style itself gives the rope hook (besides ``module=`` with ``rope_takes_module``)
     _hook_keywords: tuple = ()
+    #: whether the style computes per-head norms, a scale, a soft-cap, a window and transformers modules
+    _extended = False
 
     @property
     def _who(self) -> str:
         return f"commfuse.tp.{type(self).__name__}"
 
-    def _attention_options(self, *, head_dim: int, causal: bool, rope, rope_takes_module: bool, wq, wk, wv, qkv,
-                           wo) -> None:
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+    def _attention_options(self, *, head_dim: int | None, causal: bool | None, rope, rope_takes_module: bool, wq, wk,
+                           wv, qkv, wo, q_norm=None, k_norm=None, scale=None, softcap=None, window=None,
+                           qkv_layout: str = "grouped") -> None:
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0):
             raise CommfuseValueError(f"head_dim must be a positive int, got {head_dim!r}")
         if rope is not None and not callable(rope):
             raise CommfuseTypeError(f"rope must be callable as rope(q, k, *args, **kwargs) -> (q, k), got {rope!r}")
@@ -480,6 +921,22 @@ class _AttentionStyle(_Style):
         # routed to those names
         given = (("module",) if self.rope_takes_module else ()) + self._hook_keywords
         self._rope_takes = (0, frozenset()) if rope is None else _takes(rope, 2, given=given)
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+            raise CommfuseValueError(f"{self._who}: scale must be a positive number (the scores' factor), got "
+                                     f"{scale!r}")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or softcap <= 0):
+            raise CommfuseValueError(f"{self._who}: softcap must be a positive number, got {softcap!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise CommfuseValueError(f"{self._who}: window must be a positive int (keys per query), got {window!r}")
+        if window is not None and causal is False:
+            raise CommfuseValueError(f"{self._who}: window={window} is a causal sliding window, but causal=False")
+        if qkv_layout not in ("grouped", "stacked"):
+            raise CommfuseValueError(f"{self._who}: qkv_layout must be 'grouped' (torchtitan's FusedQKVLinear: per "
+                                     f"key/value group its queries, key and value) or 'stacked' (Phi-3's qkv_proj: "
+                                     f"[all q; all k; all v]), got {qkv_layout!r}")
+        self.scale, self.softcap, self.window, self.qkv_layout = scale, softcap, window, qkv_layout
+        self.norm_names = {"q_norm": q_norm, "k_norm": k_norm}
         separate = {"wq": wq, "wk": wk, "wv": wv}
         if qkv is not None:
             given = [f"{name}={value!r}" for name, value in separate.items() if value is not None]
@@ -487,35 +944,166 @@ class _AttentionStyle(_Style):
                 raise CommfuseValueError(f"{self._who}: qkv={qkv!r} names one fused QKV "
                                          f"projection in place of wq, wk and wv, but {', '.join(given)} is given "
                                          "too: give one or the other")
-            self.names = {"qkv": qkv, "wo": wo}
-        else:
-            self.names = {**{name: value or name for name, value in separate.items()}, "wo": wo}
+        self.given = {**separate, "qkv": qkv, "wo": wo}
 
-    def _projections(self, module: nn.Module, device_mesh: DeviceMesh, n: int) -> tuple[list, nn.Linear, int | None]:
-        """The block's Q/K/V projections (three, or the one fused), its ``wo``, and the query heads per
-        key/value group of a fused one (None for three); the heads checked to split evenly over ``n`` ranks
-        (1: no head split)."""
-        lin = _linears(self, module, self.names, device_mesh)
-        d = self.head_dim
-        wo = lin["wo"]
-        if "qkv" in lin:
-            return [lin["qkv"]], wo, self._kv_groups(lin["qkv"], wo, n)
-        projections = [lin["wq"], lin["wk"], lin["wv"]]
-        for argument, linear in zip(("wq", "wk", "wv"), projections):
-            out = linear.out_features
-            if out % d or (out // d) % n:
+    def _instead(self, inputs: list[str], output: str, stacked: bool = False) -> str:
+        """What a refusal suggests instead of the style."""
+        return _per_linear(inputs, output, stacked)
+
+    def _names(self, module: nn.Module) -> tuple[dict[str, str], str]:
+        """The block's projections by argument (given, read from a transformers module, or the defaults
+        ``wq``, ``wk``, ``wv``, ``wo``) and the layout of a fused one."""
+        given = self.given
+        if given["qkv"] is not None:
+            return {"qkv": given["qkv"], "wo": given["wo"] or "wo"}, self.qkv_layout
+        explicit = any(given[k] is not None for k in ("wq", "wk", "wv"))
+        if not explicit and self._extended and is_transformers(module):
+            if isinstance(_module_at(module, "qkv_proj"), nn.Linear):
+                return {"qkv": "qkv_proj", "wo": given["wo"] or "o_proj"}, "stacked"
+            if isinstance(_module_at(module, "q_proj"), nn.Linear):
+                return {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": given["wo"] or "o_proj"}, "separate"
+        names = {name: given[name] or name for name in ("wq", "wk", "wv")}
+        return {**names, "wo": given["wo"] or "wo"}, "separate"
+
+    def _read(self, module: nn.Module, device_mesh: DeviceMesh, n: int) -> _Attention:
+        """The block read and checked: its projections (heads split evenly over ``n`` ranks; 1: no head split),
+        its norms and options, and nothing it holds that the style does not compute."""
+        who = self._who
+        parts = _Attention()
+        parts.where, parts.hf = where(module), self._extended and is_transformers(module)
+        if is_transformers(module) and not self._extended:
+            raise CommfuseValueError(
+                f"{who}: {parts.where} is a transformers module, whose calling convention (hidden_states=, "
+                f"position_embeddings=, a tuple returned) this style does not take; use AttentionParallel over "
+                "the TP axis, or a block of the explicit form")
+        names, parts.layout = self._names(module)
+        parts.names = names
+        lin = _linears(self, module, names, device_mesh)
+        parts.wo = lin["wo"]
+        parts.projections = [lin["qkv"]] if "qkv" in lin else [lin["wq"], lin["wk"], lin["wv"]]
+        parts.input_name = _input_name(module.forward)
+        parts.arg_names = _positional_names(module.forward)
+        inputs = [p for k, p in names.items() if k != "wo"]
+        parts.instead = instead = self._instead(inputs, names["wo"], parts.layout == "stacked")
+        config_ = getattr(module, "config", None) if parts.hf else None
+        # the head size, the scale, the cap, the window, causality: the block's own where it holds them
+        head_dim = self.head_dim
+        own = getattr(module, "head_dim", None) if parts.hf else None
+        if own is not None and head_dim is not None and own != head_dim:
+            raise CommfuseValueError(f"{who}: {parts.where} has head_dim {own}, but head_dim={head_dim} is given: "
+                                     "give the block's, or none")
+        head_dim = head_dim or own
+        if head_dim is None:
+            raise CommfuseValueError(f"{who}: head_dim is not given and {parts.where} holds none (a transformers "
+                                     "module's head_dim is read from it): give head_dim=")
+        parts.head_dim = head_dim
+        parts.scale, parts.softcap, parts.window = self.scale, self.softcap, self.window
+        parts.causal = True if self.causal is None else bool(self.causal)
+        parts.dropout, parts.implementation, parts.rope_fn = 0.0, None, None
+        if parts.hf:
+            self._read_transformers(module, parts, config_)
+        # the per-head norms: named, or a transformers module's q_norm / k_norm
+        norms = {}
+        for role, path in self.norm_names.items():
+            if path is None and parts.hf and isinstance(getattr(module, role, None), nn.Module):
+                path = role
+            if path is None:
+                continue
+            child = _module_at(module, path) if isinstance(path, str) else None
+            if child is None:
+                raise CommfuseValueError(f"{who}: {parts.where} has no submodule {path!r} (the {role}= argument, "
+                                         f"its {self._roles[role]})")
+            if not per_head(child, head_dim):
+                shapes = ", ".join(f"{name} {list(t.shape)}" for name, t in
+                                   [*child.named_parameters(), *child.named_buffers()])
                 raise CommfuseValueError(
-                    f"{self._who}: the {self._roles[argument]} {self.names[argument]!r} has "
-                    f"{out} features, which is not whole heads of {d} split evenly over {n} ranks: every rank "
-                    f"must hold whole heads"
-                )
-        return projections, wo, None
+                    f"{who}: {parts.where}'s {self._roles[role]} {path!r} ({type(child).__name__}: {shapes}) does "
+                    f"not normalize one head of {head_dim} features at a time; a norm over all heads' features "
+                    f"(OLMo 2's) needs every rank's heads, which the style does not gather; {instead}")
+            norms[role] = (path, child)
+        parts.q_norm = norms.get("q_norm", (None, None))[1]
+        parts.k_norm = norms.get("k_norm", (None, None))[1]
+        # the heads: whole on every rank
+        parts.heads_per_kv = None
+        if parts.layout == "grouped":
+            parts.heads_per_kv = self._kv_groups(parts, lin["qkv"], parts.wo, n)
+        elif parts.layout == "stacked":
+            self._stacked(parts, lin["qkv"], parts.wo, n)
+        else:
+            for argument in ("wq", "wk", "wv"):
+                out = lin[argument].out_features
+                if out % head_dim or (out // head_dim) % n:
+                    raise CommfuseValueError(
+                        f"{who}: the {self._roles[argument]} {names[argument]!r} has "
+                        f"{out} features, which is not whole heads of {head_dim} split evenly over {n} ranks: every "
+                        f"rank must hold whole heads")
+        claimed = list(names.values()) + [path for path, _ in norms.values()]
+        left = unclaimed(module, claimed, hook_reads_block=self.rope_takes_module)
+        if left:
+            hint = " (per-head norms are named with q_norm= and k_norm=)" if self._extended and any(
+                "Norm" in part for part in left) else ""
+            raise CommfuseValueError(
+                f"{who}: {parts.where} holds {', '.join(left)}, which the style does not compute (it computes "
+                f"{', '.join(repr(p) for p in claimed)}){hint}; {instead}")
+        return parts
 
-    def _kv_groups(self, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
+    def _read_transformers(self, module: nn.Module, parts: _Attention, config_) -> None:
+        """A transformers attention module's options, read from it: the scale (``scaling``: Gemma 2's
+        ``query_pre_attn_scalar`` is in it), the logit soft-cap, the sliding window, causality, attention
+        dropout and the attention function; the family's rotary function."""
+        who = parts.where
+        implementation = getattr(config_, "_attn_implementation", None)
+        if implementation not in _TRANSFORMERS_ATTENTION:
+            raise CommfuseValueError(
+                f"{self._who}: {who} runs transformers' {implementation!r} attention; the style computes what the "
+                f"'eager' and 'sdpa' attentions compute: build the model with attn_implementation='sdpa' or "
+                f"'eager', or {parts.instead}")
+        parts.implementation = implementation or "eager"
+        if self.rope is not None:
+            raise CommfuseValueError(f"{self._who}: {who} rotates q and k by the position_embeddings it is given, "
+                                     "with its family's own rotary function; a rope hook is not taken for it")
+        own = {"scale": getattr(module, "scaling", None), "softcap": getattr(module, "attn_logit_softcapping", None),
+               "causal": getattr(module, "is_causal", True)}
+        for name, value in own.items():
+            mine = getattr(self, name)
+            if mine is not None and value is not None and float(mine) != float(value):
+                raise CommfuseValueError(f"{self._who}: {who} has {name} {value!r}, but {name}={mine!r} is given: "
+                                         "give the block's, or none")
+        parts.scale = float(own["scale"]) if own["scale"] is not None else parts.scale
+        parts.softcap = float(own["softcap"]) if own["softcap"] is not None else parts.softcap
+        parts.causal = bool(own["causal"])
+        window = getattr(module, "sliding_window", getattr(config_, "sliding_window", None))
+        parts.window = int(window) if window else None  # transformers applies it through the mask it builds
+        parts.dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+        parts.rope_fn = transformers_rope(module)
+        if parts.rope_fn is None:
+            raise CommfuseValueError(f"{self._who}: {who}'s modeling file has no apply_rotary_pos_emb, the rotary "
+                                     f"function the style applies position_embeddings with; {parts.instead}")
+
+    def _stacked(self, parts: _Attention, qkv: nn.Linear, wo: nn.Linear, n: int) -> None:
+        """A fused projection whose rows are [all q; all k; all v] (Phi-3's ``qkv_proj``), checked: each rank's
+        1/n of each block is whole heads, its query heads those that share its key/value heads."""
+        d, path = parts.head_dim, parts.names["qkv"]
+        heads = wo.in_features // d
+        kv_heads = (qkv.out_features // d - heads) // 2
+        if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 \
+                or qkv.out_features != (heads + 2 * kv_heads) * d:
+            raise CommfuseValueError(
+                f"{self._who}: the fused QKV projection {path!r} of {parts.where} has {qkv.out_features} rows, which "
+                f"are not [q; k; v] heads of {d} with n_heads = {wo.in_features / d:g} read from the output "
+                f"projection {parts.names['wo']!r}")
+        if heads % kv_heads or kv_heads % n:
+            raise CommfuseValueError(
+                f"{self._who}: the fused QKV projection {path!r} of {parts.where} stacks {heads} query heads over "
+                f"{kv_heads} key/value heads, which do not split evenly over {n} ranks with whole groups: every rank "
+                f"must hold whole key/value heads and the query heads that share them; {parts.instead}")
+        parts.heads_per_kv = heads // kv_heads
+
+    def _kv_groups(self, parts: _Attention, qkv: nn.Linear, wo: nn.Linear, n: int) -> int:
         """The query heads per key/value head of a fused QKV projection (torchtitan's ``FusedQKVLinear``
         layout), read from its rows and ``wo``'s input features, checked: each of the ``n`` ranks must hold
         whole key/value groups."""
-        d, path = self.head_dim, self.names["qkv"]
+        d, path = parts.head_dim, parts.names["qkv"]
         heads, rows = wo.in_features // d, qkv.out_features // d
         kv_heads = (rows - heads) // 2
         if wo.in_features % d or qkv.out_features % d or kv_heads <= 0 or rows != heads + 2 * kv_heads \
@@ -524,7 +1112,7 @@ class _AttentionStyle(_Style):
                 f"{self._who}: the fused QKV projection {path!r} has {qkv.out_features} "
                 f"features, which is not (n_heads + 2 * n_kv_heads) heads of {d} laid out as torchtitan's "
                 f"FusedQKVLinear, with n_heads = {wo.in_features / d:g} read from the output projection "
-                f"{self.names['wo']!r} ({wo.in_features} input features) and n_heads dividing by n_kv_heads"
+                f"{parts.names['wo']!r} ({wo.in_features} input features) and n_heads dividing by n_kv_heads"
             )
         if kv_heads % n:
             raise CommfuseValueError(
@@ -536,19 +1124,25 @@ class _AttentionStyle(_Style):
 
     def _arguments(self, names: tuple, args: tuple, kwargs: dict) -> tuple[dict, tuple, dict]:
         """The block's extra forward arguments split into (masks by name, rope's positional, rope's keyword),
-        as the class docstring says; what is neither is refused by name."""
-        masks, rest, more = {}, [], {}
+        as the class docstring says; a KV cache that is not None, and what is neither a mask nor the hook's,
+        is refused by name."""
+        masks, rest, more, caches = {}, [], {}, []
         for i, value in enumerate(args):
             name = names[i] if i < len(names) else None
-            if fused_attention.is_mask(name, value):
+            if name in _CACHE_NAMES:
+                caches.append((name, value))
+            elif fused_attention.is_mask(name, value):
                 masks[name or f"argument {i + 1} (a {type(value).__name__})"] = value
             else:
                 rest.append((name, i, value))
         for name, value in kwargs.items():
-            if fused_attention.is_mask(name, value):
+            if name in _CACHE_NAMES:
+                caches.append((name, value))
+            elif fused_attention.is_mask(name, value):
                 masks[name] = value
             else:
                 more[name] = value
+        self._refuse_cache(caches)
         positional, keywords = self._rope_takes
         refused = [] if positional is None else \
             [f"{name or f'argument {i + 1}'} ({_described(value)})" for name, i, value in rest[positional:]]
@@ -560,10 +1154,20 @@ class _AttentionStyle(_Style):
             raise CommfuseTypeError(
                 f"{self._who}: the block's forward got {', '.join(refused)}, which is not a mask "
                 f"(a parameter named {', '.join(fused_attention.MASK_NAMES)}, or a FlexAttention BlockMask or a "
-                f"VarlenMetadata) and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or give a rope "
-                "hook that takes the argument"
+                f"VarlenMetadata) and {hook}; commfuse does not ignore an argument: name a mask's parameter so, or, "
+                "for an argument the rotary embedding reads (positions, a rotary cache), give a rope hook that takes "
+                "it"
             )
         return masks, tuple(value for _, _, value in rest), more
+
+    def _refuse_cache(self, caches: list) -> None:
+        given = [f"{name}= ({_described(value)})" for name, value in caches if value is not None]
+        if given:
+            raise CommfuseValueError(
+                f"{self._who}: the block's forward got the KV cache {', '.join(given)}; the style attends over the "
+                "tokens of this call only and would neither read the cache nor write this call's keys and values "
+                "into it. Run without a cache (transformers: use_cache=False, as training does), or generate with "
+                "the block's own forward (the per-linear styles ColwiseParallel/RowwiseParallel keep it)")
 
 
 class AttentionParallel(_AttentionStyle):
@@ -580,7 +1184,13 @@ class AttentionParallel(_AttentionStyle):
     forward, for a sequence-sharded input (``input_layouts``, default
     ``Shard(1)``):
 
-    - one ``all_gather_matmul`` of the input serves the Q, K and V projections;
+    - one ``all_gather_matmul`` of the input serves the Q, K and V projections
+      (their biases added, where they have them);
+    - ``q_norm`` and ``k_norm``, when named, are the block's per-head norms
+      (QK-norm: any norm module over one head's ``head_dim`` features, as in
+      Qwen3 and Gemma 3), applied to q and k before the rotary embedding; they
+      stay the block's modules, their parameters replicated over the mesh
+      (``Replicate()`` DTensors) and their gradients summed over it;
     - ``rope(q, k, *args, **kwargs) -> (q, k)``, when given, turns the rotary
       embeddings on with the block's own extra forward arguments (a Llama
       block's ``freqs_cis``) but its masks; q and k are (batch, sequence,
@@ -599,26 +1209,72 @@ class AttentionParallel(_AttentionStyle):
       carries one slice's partial while the next slice is computed; each
       slice takes its rows of the mask and its keys' columns.
 
-    ``causal`` (default True) masks each query to the keys up to its position.
-    ``use_local_output`` (default True) as torch's ``RowwiseParallel`` on
-    ``wo``, whose output the block's is: :mod:`commfuse.tp` says when to set
-    it False (a DTensor residual stream).
+    ``causal`` (default True) masks each query to the keys up to its
+    position; ``window`` keeps only the last ``window`` of them (a sliding
+    window). ``scale`` is the scores' factor (default ``1 / sqrt(head_dim)``)
+    and ``softcap`` caps the scores, ``softcap * tanh(scores / softcap)``,
+    before the mask and the softmax (Gemma 2). ``use_local_output`` (default
+    True) as torch's ``RowwiseParallel`` on ``wo``, whose output the block's
+    is: :mod:`commfuse.tp` says when to set it False (a DTensor residual
+    stream).
 
     **One fused QKV projection.** ``qkv`` (in place of ``wq``, ``wk``, ``wv``)
-    names one ``nn.Linear`` whose output rows are torchtitan's
-    ``FusedQKVLinear`` layout, ``(n_kv_heads, R, head_dim)`` with
-    ``R = n_heads // n_kv_heads + 2``: for each key/value head, its
-    ``n_heads // n_kv_heads`` query heads, then its key head, then its value
-    head. ``n_heads`` is read from ``wo`` (its input features over
-    ``head_dim``) and ``n_kv_heads`` from the rest of the rows. The
-    projection is column-parallel (``Shard(0)``, as torch's
+    names one ``nn.Linear``. With ``qkv_layout="grouped"`` (the default) its
+    output rows are torchtitan's ``FusedQKVLinear`` layout,
+    ``(n_kv_heads, R, head_dim)`` with ``R = n_heads // n_kv_heads + 2``: for
+    each key/value head, its ``n_heads // n_kv_heads`` query heads, then its
+    key head, then its value head. ``n_heads`` is read from ``wo`` (its input
+    features over ``head_dim``) and ``n_kv_heads`` from the rest of the rows.
+    The projection is column-parallel (``Shard(0)``, as torch's
     ``ColwiseParallel`` and torchtitan shard it), so each rank's rows are
     whole key/value groups: ``n_kv_heads`` must divide by the mesh size. The
     one gather feeds the one fused GEMM, whose output is split per group into
-    q, k and v as ``FusedQKVLinear.forward`` splits it.
+    q, k and v as ``FusedQKVLinear.forward`` splits it. With
+    ``qkv_layout="stacked"`` the rows are ``[all q; all k; all v]`` (Phi-3's
+    ``qkv_proj``), placed ``Replicate()`` so that ``full_tensor()``,
+    ``state_dict`` and DCP see the rows as the block holds them; each rank
+    computes with its rows of q, k and v, their gradients summed over the
+    mesh (the price: the projection's whole weight on every rank and an
+    all-reduce of its gradient; ``_StridedShard`` would state the cut, but
+    torch 2.13's DCP saves and loads such a shard at the wrong rows, and a
+    plain ``Shard(0)`` would hand each rank other heads). Grouped-query
+    ``[q; k; v]`` included: each rank takes its key/value heads' rows and
+    those of the query heads that share them.
+
+    **transformers modules.** Given no projection names, a transformers
+    attention module (Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Gemma 2,
+    Gemma 3, Phi-3...) is read from itself: ``q_proj``, ``k_proj``,
+    ``v_proj``, ``o_proj`` or ``qkv_proj`` (stacked) and ``o_proj``, its
+    ``head_dim``, ``scaling`` (Gemma's ``query_pre_attn_scalar`` is in it),
+    ``attn_logit_softcapping``, ``is_causal``, ``q_norm`` and ``k_norm``, its
+    ``attention_dropout`` and its config's attention function (``eager`` or
+    ``sdpa``; others are refused). ``AttentionParallel()`` on a
+    ``Qwen3Attention`` needs no arguments, and the module then takes what
+    transformers hands it: ``hidden_states=`` by keyword,
+    ``position_embeddings=(cos, sin)`` over the whole sequence (applied with
+    the family's own ``apply_rotary_pos_emb``), ``attention_mask`` (the 4-D
+    mask transformers builds per layer, sliding windows included; the
+    attention is causal where transformers' own is: without a mask under
+    ``sdpa``), ``position_ids``, ``cache_position`` and ``use_cache`` (which
+    its attention does not read), and returns ``(output, None)`` as its own
+    forward returns ``(output, attention weights)``. Refused by name there: a
+    ``past_key_values`` cache that is not None (give ``use_cache=False``), a
+    sliding-window layer called without a mask over a sequence longer than
+    its window, ``output_attentions=True``, attention dropout in training, and
+    any other argument that is not None.
+
+    **What it verifies when applied.** Every parameter, buffer and submodule
+    of the block is one the style computes with (the projections and norms;
+    with ``rope_takes_module=True`` also modules without parameters, which
+    the hook may read), a norm is per head, and the heads split evenly; for a
+    transformers module, its own forward is run on a small random input in
+    this process and compared with the style's computation on the same whole
+    weights. Anything else is refused by name (``CommfuseValueError``: the
+    block's path where it can be found, else its class; the part; what to
+    use instead, the per-linear styles, which keep the block's own forward).
 
     **Masks and the block's other arguments.** Every argument the block's
-    forward gets after its input is one of two things, decided by the name of
+    forward gets after its input is one of three things, decided by the name of
     the block's own forward parameter it binds to (or the keyword it is
     given by) and by its type:
 
@@ -632,82 +1288,234 @@ class AttentionParallel(_AttentionStyle):
       name. Masks cover the whole sequence, are the same on every rank, apply
       together with ``causal``, and go to the attention only
       (``commfuse.fused.attention.resolve_mask`` says what each may be);
+    - a KV cache, when its parameter is named ``kv_cache``,
+      ``past_key_values``, ``past_key_value``, ``layer_past`` or ``past``:
+      None passes, anything else is refused by name (the style would neither
+      read it nor write to it), and it never goes to the rope hook;
     - anything else goes to ``rope``, positionally or by keyword as it came,
       when the hook's signature takes it; an argument that is neither (no
       ``rope``, or one that does not take it) is refused by name with a
       ``CommfuseTypeError``: nothing the block is given is ignored.
+
+    A refusal of an argument happens before anything is computed or sent,
+    and the peers, waiting in the forward's first call, are told by name.
     """
 
-    def __init__(self, *, head_dim: int, input_layouts: Placement | None = None,
+    _extended = True
+
+    def __init__(self, *, head_dim: int | None = None, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True, algorithm: str = "auto",
-                 causal: bool = True, rope=None, rope_takes_module: bool = False, wq: str | None = None,
-                 wk: str | None = None, wv: str | None = None, qkv: str | None = None, wo: str = "wo") -> None:
+                 causal: bool | None = None, rope=None, rope_takes_module: bool = False, wq: str | None = None,
+                 wk: str | None = None, wv: str | None = None, qkv: str | None = None, wo: str | None = None,
+                 qkv_layout: str = "grouped", q_norm: str | None = None, k_norm: str | None = None,
+                 scale: float | None = None, softcap: float | None = None, window: int | None = None) -> None:
         super().__init__(input_layouts=input_layouts or Shard(1), output_layouts=output_layouts or Shard(1),
                          use_local_output=use_local_output, algorithm=algorithm)
         self._attention_options(head_dim=head_dim, causal=causal, rope=rope, rope_takes_module=rope_takes_module,
-                                wq=wq, wk=wk, wv=wv, qkv=qkv, wo=wo)
+                                wq=wq, wk=wk, wv=wv, qkv=qkv, wo=wo, q_norm=q_norm, k_norm=k_norm, scale=scale,
+                                softcap=softcap, window=window, qkv_layout=qkv_layout)
+
+    def __repr__(self) -> str:
+        return (f"commfuse.tp.AttentionParallel(head_dim={self.head_dim}, input_layouts={self.input_layouts[0]}, "
+                f"output_layouts={self.output_layouts[0]}, use_local_output={self.use_local_output}, "
+                f"algorithm={self.algorithm!r})")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        projections, wo, heads_per_kv = self._projections(module, device_mesh, device_mesh.size())
-        for linear in projections:
-            _colwise(self, linear, device_mesh)
-        _rowwise(self, wo, device_mesh)
-        names = _positional_names(module.forward)  # the block's own parameters, read before it is replaced
+        parts = self._read(module, device_mesh, device_mesh.size())
+        if parts.hf:
+            self._verify(module, parts)
+        parts.rows = None
+        for linear in parts.projections:
+            if parts.layout == "stacked":
+                _replicated_stacked(self, linear, device_mesh)
+                q, kv = parts.wo.in_features, parts.wo.in_features // parts.heads_per_kv
+                parts.rows = _stacked_rows([q, kv, kv], device_mesh.get_local_rank(), device_mesh.size())
+            else:
+                _colwise(self, linear, device_mesh)
+        _rowwise(self, parts.wo, device_mesh)
+        for norm in (parts.q_norm, parts.k_norm):  # replicated, as SequenceParallel places a norm's
+            for child in () if norm is None else norm.modules():
+                for name, _ in list(child.named_parameters(recurse=False)):
+                    self._distribute(child, name, device_mesh, Replicate())
+        parts.options = (("causal", parts.causal), ("head_dim", parts.head_dim), ("rope", self.rope is not None),
+                         ("rope_module", self.rope_takes_module), ("layout", parts.layout),
+                         *zip(("q_bias", "k_bias", "v_bias") if len(parts.projections) == 3 else ("qkv_bias",),
+                              (lin.bias is not None for lin in parts.projections)),
+                         ("heads_per_kv", parts.heads_per_kv or 0), ("o_bias", parts.wo.bias is not None),
+                         ("q_norm", type(parts.q_norm).__name__), ("k_norm", type(parts.k_norm).__name__),
+                         ("scale", 0.0 if parts.scale is None else float(parts.scale)),
+                         ("softcap", 0.0 if parts.softcap is None else float(parts.softcap)),
+                         ("window", parts.window or 0), ("transformers", parts.implementation or "no"))
 
-        def forward(block, mesh, x, *args, **kwargs):
-            return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
+        def read(args, kwargs):
+            return self._read_call(module, device_mesh, parts, args, kwargs)
 
-        return self._install(module, device_mesh, forward)
+        def forward(block, mesh, call):
+            return self._forward(block, mesh, parts, call)
 
-    def _forward(self, block: nn.Module, mesh: DeviceMesh, names: tuple, projections: list, wo: nn.Linear,
-                 heads_per_kv: int | None, x, *args, **kwargs) -> torch.Tensor:
-        """The block's forward: ``projections`` are wq, wk, wv, or the one fused QKV projection whose rows hold
-        ``heads_per_kv`` query heads per key/value group (None for the three)."""
-        who = "commfuse.tp.AttentionParallel"
-        given, args, kwargs = self._arguments(names, args, kwargs) if args or kwargs else ({}, args, kwargs)
-        causal = bool(self.causal)
-        if heads_per_kv is None:
-            wq, wk, wv = projections
-            layout = dict(q_bias=wq.bias is not None, k_bias=wk.bias is not None, v_bias=wv.bias is not None)
-        else:
-            layout = dict(qkv_bias=projections[0].bias is not None, heads_per_kv=heads_per_kv)
-        options = config(who, causal=causal, head_dim=self.head_dim, rope=self.rope is not None,
-                         rope_module=self.rope_takes_module, **layout, o_bias=wo.bias is not None,
-                         mask=fused_attention.mask_kind(given))
-        ys = self._columns(mesh, x, projections, who, options)
+        return self._install(module, device_mesh, forward, read)
+
+    def _verify(self, module: nn.Module, parts: _Attention) -> None:
+        """A transformers module's own forward against the style's computation on a small random input, the
+        same whole weights, made-up rotary embeddings and no mask (where the weights are real)."""
+        config_ = getattr(module, "config", None)
+        rope = getattr(config_, "rope_parameters", None) or {}
+        factor = getattr(config_, "partial_rotary_factor", None) or rope.get("partial_rotary_factor", 1.0)
+        width = int(parts.head_dim * factor)  # the rotary embeddings' width, as the model's rotary module makes it
+        seq = 4 if parts.window is None else max(1, min(4, parts.window))
+        x = _probe_input(module, parts.projections[0].in_features, seq)
+        if x is None:
+            return
+        angles = torch.rand(1, seq, width, generator=torch.Generator().manual_seed(99), dtype=torch.float64) * 6
+        rotary = (angles.cos().to(x.dtype).to(x.device), angles.sin().to(x.dtype).to(x.device))
+        try:
+            want = _run_own(module, x, position_embeddings=rotary, attention_mask=None)
+        except Exception as e:  # noqa: BLE001 - named: the style cannot say it computes what the block does
+            raise CommfuseValueError(
+                f"{self._who}: {parts.where}'s own forward did not run on a small input with position_embeddings "
+                f"and no mask ({type(e).__name__}: {e}), so the style cannot check that it computes the same; "
+                f"{parts.instead}") from e
+        want = want[0] if isinstance(want, tuple) else want
+        try:
+            with torch.no_grad():
+                got = parts.reference(x, rotary)
+        except Exception as e:  # noqa: BLE001 - the block's rotary embeddings are not applied as the style does
+            raise CommfuseValueError(
+                f"{self._who}: {parts.where}'s rotary embeddings of width {width} do not apply to its heads of "
+                f"{parts.head_dim} as the style applies them (its family's apply_rotary_pos_emb on whole heads: "
+                f"{type(e).__name__}: {e}); the block applies them its own way; {parts.instead}") from e
+        off = differs(got, want) if isinstance(want, torch.Tensor) and got.shape == want.shape else float("inf")
+        if not off <= _tolerance(x):
+            raise CommfuseValueError(
+                f"{self._who}: {parts.where}'s own forward differs from what the style computes (projections, "
+                f"{'per-head norms, ' if parts.q_norm is not None or parts.k_norm is not None else ''}rotary "
+                f"embeddings, attention with scale {parts.scale}, soft-cap {parts.softcap}, output projection) by "
+                f"{off:.3g} relative on a random input: the block computes something the style does not; "
+                f"{parts.instead}")
+
+    def _read_call(self, block: nn.Module, mesh: DeviceMesh, parts: _Attention, args: tuple, kwargs: dict) -> _Call:
+        """One call's arguments read and checked, before anything is computed or sent."""
+        who = self._who
+        x, args, kwargs = _input_of(who, parts.where, parts.input_name, args, kwargs)
+        if not parts.hf:
+            masks, args, kwargs = self._arguments(parts.arg_names, args, kwargs) if args or kwargs else ({}, args,
+                                                                                                         kwargs)
+            return _Call(x, masks, args, kwargs)
+        given = dict(zip(parts.arg_names, args))
+        twice = sorted(set(given) & set(kwargs))
+        if len(args) > len(parts.arg_names) or twice:
+            raise CommfuseTypeError(f"{who}: {parts.where}'s forward got {len(args) + 1} positional arguments"
+                                    f"{f' and {twice} again by keyword' if twice else ''}; it takes "
+                                    f"{', '.join((parts.input_name, *parts.arg_names))}")
+        given.update(kwargs)
+        rotary = given.pop("position_embeddings", None)
+        mask = given.pop("attention_mask", None)
+        self._refuse_cache([(name, given.pop(name)) for name in list(given) if name in _CACHE_NAMES])
+        for name in _TRANSFORMERS_UNREAD:
+            given.pop(name, None)
+        if given.pop("output_attentions", None):
+            raise CommfuseValueError(f"{who}: {parts.where} was asked for its attention weights "
+                                     "(output_attentions=True); the style does not form them")
+        rest = [f"{name}= ({_described(value)})" for name, value in given.items() if value is not None]
+        if rest:
+            raise CommfuseTypeError(f"{who}: {parts.where}'s forward got {', '.join(rest)}, which the style does not "
+                                    "compute with; commfuse does not ignore an argument")
+        if parts.dropout and block.training:
+            raise CommfuseValueError(f"{who}: {parts.where} is in training mode with attention_dropout "
+                                     f"{parts.dropout}; the style does not drop attention weights: build the model "
+                                     "with attention_dropout=0.0, or call .eval()")
+        if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2
+                and all(isinstance(t, torch.Tensor) for t in rotary)):
+            raise CommfuseTypeError(f"{who}: {parts.where} needs position_embeddings=(cos, sin), the rotary "
+                                    f"embeddings of the whole sequence, got {_described(rotary)}")
+        whole = _whole_sequence(x, self.input_layouts[0], mesh)
+        cos = rotary[0]
+        if whole is not None and (cos.ndim < 2 or cos.shape[-2] != whole or rotary[1].shape != cos.shape):
+            raise CommfuseValueError(
+                f"{who}: {parts.where} got position_embeddings of shapes {list(cos.shape)} and "
+                f"{list(rotary[1].shape)}; they must cover the whole sequence of {whole} positions ((batch or 1, "
+                f"{whole}, rotary dim), as the model's rotary module makes them from the whole position_ids)")
+        if mask is None and parts.window is not None and whole is not None and whole > parts.window:
+            raise CommfuseValueError(
+                f"{who}: {parts.where} is a sliding-window layer (sliding_window={parts.window}) called without an "
+                f"attention_mask over {whole} positions; transformers applies the window through the mask it builds "
+                "for the layer: call it with the model's mask")
+        return _Call(x, {"attention_mask": mask}, rotary=tuple(rotary))
+
+    def _forward(self, block: nn.Module, mesh: DeviceMesh, parts: _Attention, call: _Call):
+        """The block's forward on one read call (:meth:`_read_call`)."""
+        who = self._who
+        x, given, args, kwargs = call.x, call.masks, call.args, call.kwargs
+        kind = fused_attention.mask_kind(given) if given else "none"
+        options = (who, parts.options + (("mask", kind),))
+        ys = self._columns(mesh, x, parts.projections, who, options, parts.rows)
         if ys[0].ndim != 3:
             raise CommfuseValueError(f"{who}: takes (batch, sequence, features) inputs, got {ys[0].ndim}-D")
-        b, s, d = ys[0].shape[0], ys[0].shape[1], self.head_dim
-        if heads_per_kv is None:
-            q, k, v = (y.view(b, s, -1, d) for y in ys)
-        else:
-            q, k, v = _split_qkv(ys[0], heads_per_kv, d)
-        if self.rope_takes_module:
+        b, s = ys[0].shape[0], ys[0].shape[1]
+        n = mesh.size()
+        q, k, v = parts.heads(ys, b, s)
+        q, k = parts.normed(q, k, mesh.get_group() if n > 1 else None)
+        if parts.hf:
+            q, k = parts.rotated(q, k, call.rotary)
+        elif self.rope_takes_module:
             q, k = self.rope(q, k, *args, module=block, **kwargs)
         elif self.rope is not None:
             q, k = self.rope(q, k, *args, **kwargs)
-        n = mesh.size()
         mask = fused_attention.resolve_mask(who, given, batch=b, seq=s, heads=q.shape[2], world_size=n,
-                            rank=mesh.get_local_rank()) if given else None
+                                            rank=mesh.get_local_rank()) if kind != "none" else None
+        causal = parts.causal_for(mask is not None)
+        window = None if parts.hf or not causal else parts.window
+        scores = dict(scale=parts.scale, softcap=parts.softcap, window=window)
+        wo = parts.wo
         want = _normalized(self.output_layouts[0], 3)
-        if want == Shard(1) and n > 1 and s % n == 0 and torch.compiler.is_compiling():
-            from commfuse import library  # one op in the graph: attention and out-projection, reduce-scattered
+        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or as_custom_op()):
+            # one op in the graph (and, under selective activation checkpointing, to its policy): attention and
+            # out-projection, reduce-scattered
+            from commfuse import library
 
             z = library.attention_reduce_scatter(q, k, v, wo.weight.to_local(), causal=causal,
-                                                 group=mesh.get_group(), algorithm=self.algorithm, mask=mask)
-            return self._scattered(mesh, z, want, wo.bias)
-        if want == Shard(1) and n > 1 and s % n == 0:
+                                                 group=mesh.get_group(), algorithm=self.algorithm, mask=mask,
+                                                 **scores)
+            out = self._scattered(mesh, z, want, wo.bias)
+        elif want == Shard(1) and n > 1 and s % n == 0:
             # auto decided on the partials' size (known before any attention runs), so that each query slice's
             # attention runs once: the ring's own producer calls are the only ones
             w = wo.weight.to_local()
             call = fused_attention.reduce_scatter_call(self.algorithm, batch=b, rows=s // n, hidden=w.shape[0],
                                                        dtype=ops.autocast_dtype(q) or q.dtype,
                                                        group=mesh.get_group(), device=q.device)
-            z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask, config=options)
-            return self._scattered(mesh, z, want, wo.bias)
-        o = fused_attention.attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s))
-        return self._row(mesh, o.reshape(b, s, -1), wo, who, options)
+            z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask, config=options,
+                                                         **scores)
+            out = self._scattered(mesh, z, want, wo.bias)
+        else:
+            o = fused_attention.attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s),
+                                       **scores)
+            out = self._row(mesh, o.reshape(b, s, -1), wo, who, options)
+        return (out, None) if parts.hf else out
 
+
+def _whole_sequence(x, layout: Placement, mesh: DeviceMesh) -> int | None:
+    """The length of the whole sequence a block's input (dim 1) is part of: a DTensor's, a local shard's times
+    the mesh size under ``Shard(1)``, a replicated input's own; None where it cannot be told."""
+    if isinstance(x, DTensor):
+        return x.shape[1] if x.ndim >= 2 else None
+    if not isinstance(x, torch.Tensor) or x.ndim < 2:
+        return None
+    layout = _normalized(layout, x.ndim)
+    if isinstance(layout, Shard):
+        return x.shape[1] * mesh.size() if layout.dim == 1 else x.shape[1]
+    return x.shape[1]
+
+
+def _tell_peers(group, label: str, key, error: BaseException) -> None:
+    """A refusal before this rank's forward made a call, told to the peers that wait in the forward's calls:
+    this rank leaves them on the group's board (``leave_calls``, the first one served), as many as the forward
+    made the last time it ran with ``key`` (``counted_calls`` learned it), or one before it ever ran."""
+    state = state_of_group(group)
+    if state.rank is None:  # no commfuse call has run on the group yet: its rank and size, as a backend gives them
+        state.rank, state.world_size = dist.get_rank(group), dist.get_world_size(group)
+    learned = counted_calls._LEARNED.get(key)
+    leave_calls(state, label, error, 1 if learned is None else learned)
 
 
 class RingAttentionParallel(_AttentionStyle):
@@ -772,13 +1580,18 @@ class RingAttentionParallel(_AttentionStyle):
                 f"layout={self.layout!r}, algorithm={self.algorithm!r}, sum_grads={self.sum_grads})")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        projections, wo, heads_per_kv = self._projections(module, device_mesh, 1)  # no head split under CP
-        names = _positional_names(module.forward)  # the block's own parameters, read before it is replaced
+        parts = self._read(module, device_mesh, 1)  # no head split under CP
+        projections, wo, heads_per_kv = parts.projections, parts.wo, parts.heads_per_kv
+        names = parts.arg_names  # the block's own parameters, read before it is replaced
 
         def forward(block, mesh, x, *args, **kwargs):
             return self._forward(block, mesh, names, projections, wo, heads_per_kv, x, *args, **kwargs)
 
         return self._install(module, device_mesh, forward)
+
+    def _instead(self, inputs: list[str], output: str, stacked: bool = False) -> str:
+        return ("keep the block's own forward under context parallelism (torch's context_parallel), or leave the "
+                "block unsharded")
 
     def _without_positions(self, names: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The block's arguments less its own ``positions`` (None is dropped; anything else is refused)."""

@@ -10,8 +10,8 @@ files of one directory, groups them by process group, and names:
   after its peers gave up: late), following who waits for whom, so that a
   rank that only waits on the straggler is not named in its place;
 * the last call every rank completed;
-* the first call on which ranks disagree (another op, shape or algorithm at
-  the same call number);
+* the first call on which ranks disagree (another op, shape, algorithm or
+  site at the same call number);
 * per rank, the time its host spent waiting on each peer (where the backend's
   host blocks in waits: gloo).
 
@@ -69,7 +69,9 @@ def _ranks(ranks) -> str:
 
 
 def _call_name(call: dict) -> str:
-    return f"call #{call['seq']} ({call.get('op')}, {call.get('algorithm')})"
+    """``call #N (op, algorithm)``, and ``at PATH`` where the call ran in a site (the module's path)."""
+    site = call.get("site")
+    return f"call #{call['seq']} ({call.get('op')}, {call.get('algorithm')})" + (f" at {site}" if site else "")
 
 
 class Group:
@@ -111,11 +113,13 @@ class Group:
             by_rank = self.calls[key]
             kinds = defaultdict(list)
             for rank, c in by_rank.items():
-                kinds[(c.get("op"), c.get("algorithm"), c.get("digest"))].append(rank)
+                kinds[(c.get("op"), c.get("algorithm"), c.get("digest"), c.get("site"))].append(rank)
             if len(kinds) > 1:
                 self.disagree = key
+                # identical layers make calls of one signature: only the site tells a rank a layer behind
                 sides = "; ".join(f"{_ranks(ranks)} called {op} ({alg}, signature digest {digest})"
-                                  for (op, alg, digest), ranks in sorted(kinds.items(), key=lambda kv: kv[1]))
+                                  + (f" at {site}" if site else "")
+                                  for (op, alg, digest, site), ranks in sorted(kinds.items(), key=lambda kv: kv[1]))
                 self.verdict.append(f"the ranks disagree first on call #{key[1]} (thread {key[0]}): {sides}")
                 return
 

@@ -36,8 +36,9 @@ for step in range(3):
     loss = y.pow(2).mean()  # this rank's own tokens' loss
     # The backward gives the gradients of the mean of the ranks' losses, as DDP would for a replicated model:
     # the layer averages the router's gradient over the ranks and divides each expert's (summed over every
-    # rank's tokens routed to it) by their number. Nothing to add here; beside a data-parallel axis, shard or
-    # replicate over mesh["dp"] only (fully_shard, or DDP with device_mesh=mesh["dp"]), never over "ep".
+    # rank's tokens routed to it) by their number (loss="per_rank", the default). Nothing to add here; in a
+    # model with dense layers on a dp x ep mesh, commfuse.ep.fully_shard or commfuse.ep.ddp reduce the dense
+    # parameters over dp x ep and the layer's over dp, and commfuse.ep.clip_grad_norm_ clips them all.
     loss.backward()
     opt.step()
     opt.zero_grad()

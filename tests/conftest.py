@@ -3,6 +3,7 @@
 import os
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
@@ -32,3 +33,15 @@ def _installed(distribution: str) -> bool:
 # tests/torchtitan_stage run in their own environment, where torchtitan is installed (ci/test_torchtitan.sh); the
 # main suite's environment has no torchtitan, and commfuse does not require it
 collect_ignore = [] if _installed("torchtitan") else ["torchtitan_stage"]
+
+
+# tests/transformers_stage is a stage of its own (ci/test_transformers.sh, whole transformers models): collected
+# when the run is asked for it by its path, not in a run of the whole suite
+_TRANSFORMERS_STAGE = Path(__file__).parent / "transformers_stage"
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path != _TRANSFORMERS_STAGE:
+        return None
+    asked = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    return not any(path == _TRANSFORMERS_STAGE or _TRANSFORMERS_STAGE in path.parents for path in asked)

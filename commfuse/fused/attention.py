@@ -40,6 +40,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
 
@@ -51,14 +52,23 @@ __all__ = [
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int = 0,
-           mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, scale: float | None = None, softcap: float | None = None,
+           window: int | None = None) -> torch.Tensor:
     """Softmax attention of q (b, Lq, Hq, d) over k, v (b, Lk, Hkv, d), query rows starting at ``q_offset``.
 
-    With ``causal`` query row i (global position q_offset + i) sees keys 0..q_offset+i. ``mask`` (what
-    :meth:`AttentionMask.rows` cuts for these rows and keys), broadcastable to (b, Hq, Lq, Lk), is
-    ``scaled_dot_product_attention``'s ``attn_mask``: boolean (True attends) or added to the scores; with
-    ``causal`` both apply. Grouped-query: every group of Hq/Hkv query heads shares one key/value head.
-    ``scale``: the scores' factor, SDPA's (None: ``1 / sqrt(d)``).
+    With ``causal`` query row i (global position q_offset + i) sees keys 0..q_offset+i; with ``window`` too,
+    only the last ``window`` of them (keys j with i - j < window: a sliding window, as transformers' sliding
+    layers mask). ``mask`` (what :meth:`AttentionMask.rows` cuts for these rows and keys), broadcastable to
+    (b, Hq, Lq, Lk), is ``scaled_dot_product_attention``'s ``attn_mask``: boolean (True attends) or added to
+    the scores; with ``causal`` both apply. Grouped-query: every group of Hq/Hkv query heads shares one
+    key/value head. ``scale``: the scores' factor, SDPA's (None: ``1 / sqrt(d)``). ``softcap``: the scores
+    soft-capped before the mask, ``softcap * tanh(scores / softcap)`` (Gemma 2's attention logit cap), the
+    softmax then taken in float32 as transformers' eager attention takes it::
+
+        scores = q @ k^T * scale
+        scores = softcap * tanh(scores / softcap)      # with softcap
+        scores = scores + mask                         # -inf where causal, window or a boolean mask hides a key
+        out = softmax(scores, float32).to(q.dtype) @ v
     """
     hq, hkv = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -70,6 +80,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q
         rows = torch.arange(q.shape[1], device=q.device).unsqueeze(1) + q_offset
         cols = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
         allowed = cols <= rows
+        if window is not None:
+            allowed = allowed & (rows - cols < window)
+    if softcap is not None:
+        return _capped(qt, kt, vt, allowed, mask, q.shape[-1] ** -0.5 if scale is None else scale,
+                       softcap).transpose(1, 2)
     if mask is None:
         return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale).transpose(1, 2)
     if mask.dtype == torch.bool:
@@ -79,6 +94,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q
         if allowed is not None:
             combined = combined.masked_fill(~allowed, float("-inf"))
     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=combined, scale=scale).transpose(1, 2)
+
+
+def _capped(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, allowed: torch.Tensor | None,
+            mask: torch.Tensor | None, scale: float, softcap: float) -> torch.Tensor:
+    """Soft-capped attention of (b, H, L, d) heads (:func:`attend`'s docstring has the math)."""
+    scores = torch.matmul(qt, kt.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(
+            scores.dtype)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(qt.dtype)
+    return torch.matmul(weights, vt)
 
 
 # -- masks -----------------------------------------------------------------------------------------------------
@@ -287,10 +316,12 @@ def _dense(who: str, name: str, m: torch.Tensor, batch: int, seq: int, heads: in
 
 
 def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: int,
-                 mask: AttentionMask | None = None, scale: float | None = None):
+                 mask: AttentionMask | None = None, scale: float | None = None, softcap: float | None = None,
+                 window: int | None = None):
     """``producer(dest, q, k, v, wo)`` of the query-split reduce-scatter: query slice ``dest``'s attention
     over the keys it may see (with ``causal``, those up to its last row; its rows of ``mask`` and those keys'
-    columns; the causal offset of its first row; the scores times ``scale``), times ``wo^T``."""
+    columns; the causal offset of its first row; the scores times ``scale``, capped by ``softcap``, within
+    ``window``: :func:`attend`), times ``wo^T``."""
     b, s = q.shape[0], q.shape[1]
     rows = s // world_size
 
@@ -299,7 +330,7 @@ def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: 
         keys = start + rows if causal else s
         cut = None if mask is None else mask.rows(start, rows, keys)
         o = attend(q[:, start : start + rows], k[:, :keys], v[:, :keys], causal=causal, q_offset=start, mask=cut,
-                   scale=scale)
+                   scale=scale, softcap=softcap, window=window)
         return o.reshape(b, rows, -1) @ wo.t()
 
     return producer
@@ -312,6 +343,7 @@ def partial_bytes(batch: int, rows: int, hidden: int, dtype: torch.dtype) -> int
     return batch * rows * hidden * dtype.itemsize
 
 
+@atomic
 def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, dtype: torch.dtype, group=None,
                         backend=None, device=None):
     """The reduce-scatter ring's call for the query-split attention (None at world size 1): ``algorithm``
@@ -322,21 +354,23 @@ def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, d
                      "attention_reduce_scatter", group, backend)
 
 
+@atomic
 def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor, *,
                              causal: bool, mask: AttentionMask | None = None, config: tuple | None = None,
-                             scale: float | None = None):
+                             scale: float | None = None, softcap: float | None = None, window: int | None = None):
     """``RS_d(attend(q_d, k, v) @ wo^T)`` over the query slices d on a resolved ``call``
     (:func:`reduce_scatter_call`; None: world size 1, the whole attention here): q (b, s, Hq, d), k and v
     (b, s, Hkv, d) this rank's heads over the whole sequence, ``wo`` (hidden, Hq * d) this rank's columns of
     the out-projection; returns (b, s / N, hidden), this rank's rows of the sum. ``config``: the options
     every rank must share, for the ring's fingerprint (``pipelined.layer_config``). ``scale``: the scores'
-    factor (None: ``1 / sqrt(head_dim)``).
+    factor (None: ``1 / sqrt(head_dim)``); ``softcap`` and ``window`` as :func:`attend` takes them.
 
     Differentiable with respect to q, k, v and wo when a gradient is wanted: each slice's graph is kept,
     and the backward all-gathers the output gradient in a ring and back-propagates each arriving slice
     through the partial that made it. Each slice's attention runs once."""
     n = 1 if call is None else call.world_size
-    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale)
+    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale, softcap=softcap,
+                            window=window)
     inputs = (q, k, v, wo)
     if call is None:
         return producer(0, *inputs)
@@ -348,12 +382,14 @@ def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def attention_reduce_scatter_backward(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wo: torch.Tensor,
                                       dout: torch.Tensor, *, causal: bool, mask: AttentionMask | None = None,
-                                      config: tuple | None = None, scale: float | None = None) -> list[torch.Tensor]:
+                                      config: tuple | None = None, scale: float | None = None,
+                                      softcap: float | None = None, window: int | None = None) -> list[torch.Tensor]:
     """The gradients (dq, dk, dv, dwo) of :func:`attention_reduce_scatter` for the output gradient ``dout``
     (b, s / N, hidden), recomputing each slice's attention as its gradient arrives in the all-gather ring
     (through ``torch.func.vjp``: what a custom op's kernel can do, where autograd does not record)."""
     n = 1 if call is None else call.world_size
-    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale)
+    producer = query_slices(q, k, causal=causal, world_size=n, mask=mask, scale=scale, softcap=softcap,
+                            window=window)
     grads: list[torch.Tensor | None] = [None] * 4
 
     def consume(g: torch.Tensor, d: int) -> None:

@@ -37,6 +37,7 @@ from commfuse.planning.pipelined import (
     scatters_whole,
     write_rows,
 )
+from commfuse.runtime import sites
 from commfuse.runtime.groups import group_state, state_of_group
 from commfuse.runtime.programs import dtype_code
 from commfuse.runtime.loop import (
@@ -58,13 +59,18 @@ log = logging.getLogger("commfuse")
 
 def plan_once(key, make: Callable[[], Any], label: str, group, backend):
     """``make()`` (validate, resolve, plan one signature), kept in the planning table under ``key`` (None:
-    not kept). A call whose planning fails still takes its call number on the group (:func:`note_failed`)."""
+    not kept), as long as the plans it runs (``run.plans``) are kept. A call whose planning fails still takes
+    its call number on the group (:func:`note_failed`)."""
     try:
         run = make()
     except BaseException as e:
         note_failed(group, backend, e, label)
         raise
-    return run if key is None else table.remember(key, run)
+    if key is None:
+        return run
+    run = table.remember(key, run, follows=getattr(run, "plans", ()))
+    sites.planned()  # every site watches its next forward: those that find this entry say what it takes
+    return run
 
 
 def check_tensor(name: str, value) -> torch.Tensor:
@@ -209,6 +215,7 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=be if be is not None else backend,
                         device=a.device, slice_bytes=slice_bytes, flops=flops, timeout=timeout, check=check,
                         report=None if native else taken)
+    resolved = (Collective.ALL_GATHER, algorithm, slice_bytes, call)  # what a site that finds the entry took
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "all_gather_matmul")
@@ -245,13 +252,15 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
             results = outs[0] if single else list(outs)
             return (gathered, results) if return_gathered else results
 
-    run.report = taken
+    run.report, run.resolved = taken, resolved
     run.call, run.sizes, run.gd = call, sizes, gd  # for the compiled op's backward (commfuse.library)
     # what all_gather_matmul calls instead of run for one weight, no gradient and no native kernel
     direct = forward.single if call is not None and single and native is None else None
     if direct is not None and gd == 0 and forward.planned.plan.one_by_one:
         direct = _ring_rows(forward.planned, forward.out_shape, direct)
     run.one_weight_no_grad = direct
+    # the ring's plan, which the entry goes with in the planning table (not a native kernel's: it runs none)
+    run.plans = (forward.planned.plan,) if forward is not None and native is None else ()
     return run
 
 
@@ -450,6 +459,7 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
 
         return run_scatter(planned, produce, produce_whole=lambda: torch.matmul(a, b))
 
+    forward.planned = planned
     return forward
 
 
@@ -494,6 +504,7 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
                         backend=be if be is not None else backend, device=a.device,
                         slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
                         timeout=timeout, check=check, report=None if native else taken)
+    resolved = (Collective.REDUCE_SCATTER, algorithm, per_rank * a.element_size(), call)
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "matmul_reduce_scatter")
@@ -519,6 +530,7 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
             out = forward(a, b)
             return out.div_(n) if avg else out
 
-    run.report = taken
+    run.report, run.resolved = taken, resolved
     run.call = call  # for the compiled op's backward (commfuse.library)
+    run.plans = (forward.planned.plan,) if forward is not None and native is None else ()
     return run

@@ -53,6 +53,7 @@ from commfuse.planning.pipelined import (
     StandIn,
     produce_reduce_scatter_core,
 )
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective
 
@@ -602,6 +603,7 @@ def _ulysses_call(q, k, ulysses_group, timeout):
     return call
 
 
+@atomic
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = True,
                    scale: float | None = None, layout: str = "contiguous", algorithm: str = "auto",
                    document_lengths=None, timeout: float | None = None, ulysses_group=None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import atomic
 from commfuse.schedule import Collective
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
 ]
 
 
+@atomic
 def all_gather_call(algorithm: str, weight: torch.Tensor, dtype: torch.dtype, *, group=None, backend=None,
                     device=None):
     """The weight ring's call (None at world size 1): ``auto`` decided on one weight shard's bytes in the
@@ -143,6 +145,7 @@ def sharded_linear_backward(call, x: torch.Tensor, weight: torch.Tensor, dy: tor
     return dx, dw, db
 
 
+@atomic
 def sharded_linear_fn(call, layer, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     """Differentiable ``x @ W^T + b`` from this rank's shards ``weight`` (out/N, in) and ``bias`` (out/N) on a
     resolved ``call`` (:func:`all_gather_call`); ``layer`` holds the gradient options and what gradient

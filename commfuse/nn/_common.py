@@ -61,6 +61,7 @@ def site_forward(forward):
         with sites.at_site(sites.layer_site(self)):
             return forward(self, *args, **kwargs)
 
+    setattr(run, sites.LAYER_FORWARD, True)  # the layer is a site: commfuse.explain and the names find it unrun
     return run
 
 

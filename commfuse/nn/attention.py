@@ -71,6 +71,7 @@ from commfuse.nn._common import (
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective
 
@@ -159,7 +160,8 @@ class ParallelAttention(nn.Module):
         n = self.world_size
         given = None if attn_mask is None and document_ids is None and cu_seqlens is None else \
             {"attn_mask": attn_mask, "document_ids": document_ids, "cu_seqlens": cu_seqlens}
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (self.backend is None and as_custom_op()):
+            # one op in the graph (and, under selective activation checkpointing, to its policy)
             return self._run(x, self._mask(given, b, rows_here * n), None)
         # auto decided here, on the partials' size (the same on every rank), as for every other op: left to
         # produce_reduce_scatter it would run one attention slice an extra time to learn that size
@@ -188,7 +190,7 @@ class ParallelAttention(nn.Module):
         s, d = q.shape[1], self.head_dim
         q, k, v = q.view(b, s, -1, d), k.view(b, s, -1, d), v.view(b, s, -1, d)
         causal = self.causal
-        if call is None and torch.compiler.is_compiling():  # one op in the graph (commfuse.library)
+        if call is None and (torch.compiler.is_compiling() or as_custom_op()):  # one op (commfuse.library)
             from commfuse import library
 
             if self.backend is not None:
@@ -333,6 +335,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                     pipelined.layer_config("ulysses_attention", causal=bool(causal)))
 
 
+@atomic
 def _ulysses(q, k, v, causal, group, algorithm, timeout, backend, config) -> torch.Tensor:
     """:func:`ulysses_attention` with the options (``config``) its fingerprints carry."""
     if torch.compiler.is_compiling():

@@ -48,9 +48,11 @@ The router also has torchtitan 0.3's (and DeepSeek-V3's) options: a route
 scale, a router bias, the auxiliary-loss-free load-balancing expert bias and
 node-limited routing; and the layer may have shared experts, whose GEMMs run
 while the dispatch flies. What each costs, what the parameters are
-(DTensors: experts sharded by expert, the router replicated), which mean the
-gradients are of, and what runs in which dtype under ``torch.autocast``:
-:class:`MoE`.
+(DTensors: experts sharded by expert, the router replicated), whose loss the
+gradients are of (``loss``: each rank's own, or one the group shares, as under
+sequence parallelism, where the layer takes a sequence-sharded DTensor), and
+what runs in which dtype under ``torch.autocast``: :class:`MoE`. A whole model
+with MoE layers on a dp x ep mesh: :mod:`commfuse.ep`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -78,6 +81,7 @@ from commfuse.nn._common import (
 )
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
+from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
@@ -87,6 +91,10 @@ __all__ = ["GROUPED_MM", "MoE", "dispatch_experts", "experts_combine", "grouped_
            "moe_reference", "route", "sort_by_expert"]
 
 GATINGS = ("softmax", "sigmoid")
+#: :class:`MoE`'s parameters, by name, as a module holding it names them (its ``named_parameters``)
+_PARAMETERS = ("router", "w13", "w2", "router_bias", "shared_w13", "shared_w2")
+#: :class:`MoE`'s ``loss``: whose loss its gradients are of (each rank's own, averaged; or one the group shares).
+LOSSES = ("per_rank", "shared")
 
 #: What :func:`grouped_mm` ran with, by (device type, dtype), once asked: "torch.nn.functional.grouped_mm"
 #: or "loop" (this build has no grouped GEMM for that device and dtype).
@@ -558,7 +566,7 @@ class _ExpertParallel(torch.autograd.Function):
                                                -> act_q (rows_q, f) @ w2 -> back
     dgrad      dys (rows, h) -> dxs (rows, h)  dy_q @ w2^T -> SwiGLU' -> @ w13^T   (the same)
     wgrad      (none)                          act_q^T @ dy_q, x_q^T @ dh13_q      dw13, dw2: every source's rows,
-                                                                                   summed, divided by N
+                                                                                   summed, times ``scale``
     ========== =============================== =================================== ================================
 
     With shared experts (``xt``, ``sw13``, ``sw2`` given; :class:`_Shared` runs them while the dispatch flies):
@@ -571,20 +579,21 @@ class _ExpertParallel(torch.autograd.Function):
     dgrad      dshared @ sw2^T -> SwiGLU' -> dh (tokens, 2fs) @ sw13^T    (the same)
     wgrad      (none)                                                     xt^T @ dh, act^T @ dshared: this
                                                                           rank's tokens only (the caller
-                                                                          averages them over the group)
+                                                                          reduces them over the group)
     ========== ========================================================== ======================================
 
-    The experts' weight gradients are divided by N (in the GEMMs that accumulate them): the layer's gradients
-    are those of the mean of its ranks' losses, as :class:`MoE` says. :class:`_DispatchExperts` followed by
+    The experts' weight gradients are multiplied by ``scale`` (in the GEMMs that accumulate them): 1/N when
+    every rank has a loss of its own (the layer's gradients are those of the mean of its ranks' losses), 1 when
+    the ranks share one (:class:`MoE`'s ``loss``). :class:`_DispatchExperts` followed by
     :class:`_ExpertsCombine` compute the same, as two Functions."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, call, send_counts: torch.Tensor,
-                meta: list[int], xt: torch.Tensor | None = None, sw13: torch.Tensor | None = None,
+                meta: list[int], scale: float, xt: torch.Tensor | None = None, sw13: torch.Tensor | None = None,
                 sw2: torch.Tensor | None = None):
         shared = None if xt is None else _Shared(xt, sw13, sw2)
         send_rows, recv_counts = _sizes(call, send_counts, meta, "moe.sizes")
-        work = _Experts(w13, w2, recv_counts, 1.0 / len(recv_counts))
+        work = _Experts(w13, w2, recv_counts, scale)
         _up_dispatch(call, work, xs, send_rows, shared)
         ys = _down_combine(call, work, send_rows, xs)
         ctx.state = (call, work, send_rows, shared)
@@ -603,7 +612,7 @@ class _ExpertParallel(torch.autograd.Function):
             _down_backward_dispatch(call, work, dys, send_rows, dw2, shared)
             dxs = _up_backward_combine(call, work, send_rows, dw13, dys)
         dx, dsw13, dsw2 = (None, None, None) if shared is None else shared.grads
-        return dxs, dw13, dw2, None, None, None, dx, dsw13, dsw2
+        return dxs, dw13, dw2, None, None, None, None, dx, dsw13, dsw2
 
 
 class _DispatchExperts(torch.autograd.Function):
@@ -620,14 +629,15 @@ class _DispatchExperts(torch.autograd.Function):
     dgrad      dacts (arrived, f) -> dxs       dact_q -> SwiGLU' -> @ w13^T, made  (the same)
                (rows, h)                       and sent back while the next is
     wgrad      (none)                          x_q^T @ dh13_q                      dw13: every source's rows,
-                                                                                   summed, divided by N
+                                                                                   summed, times ``scale``
     ========== =============================== =================================== ================================
     """
 
     @staticmethod
-    def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, call, send_counts: torch.Tensor, meta: list[int]):
+    def forward(ctx, xs: torch.Tensor, w13: torch.Tensor, call, send_counts: torch.Tensor, meta: list[int],
+                scale: float):
         send_rows, recv_counts = _sizes(call, send_counts, meta, "moe.experts.sizes")
-        work = _Experts(w13, None, recv_counts, 1.0 / len(recv_counts))
+        work = _Experts(w13, None, recv_counts, scale)
         _up_dispatch(call, work, xs, send_rows)
         acts = work.joined(work.act, xs, w13.shape[-1] // 2)
         work.act = []  # the combine half holds them (acts); the backward reads x and h13
@@ -645,7 +655,7 @@ class _DispatchExperts(torch.autograd.Function):
         dw13 = torch.zeros_like(work.w13)
         with _calls(call, "dispatch_experts.backward", 1):
             dxs = _up_backward_combine(call, work, send_rows, dw13, dacts)
-        return dxs, dw13, None, None, None
+        return dxs, dw13, None, None, None, None
 
 
 class _ExpertsCombine(torch.autograd.Function):
@@ -661,14 +671,14 @@ class _ExpertsCombine(torch.autograd.Function):
     dgrad      dys (rows, h) -> dacts          dy_q (rows_q, h) @ w2^T, as it      (the same)
                (arrived, f)                    arrives
     wgrad      (none)                          act_q^T @ dy_q                      dw2: every source's rows,
-                                                                                   summed, divided by N
+                                                                                   summed, times ``scale``
     ========== =============================== =================================== ================================
     """
 
     @staticmethod
     def forward(ctx, acts: torch.Tensor, w2: torch.Tensor, call, recv_counts: list[list[int]],
-                send_rows: list[int]):
-        work = _Experts(None, w2, recv_counts, 1.0 / len(recv_counts))
+                send_rows: list[int], scale: float):
+        work = _Experts(None, w2, recv_counts, scale)
         work.hold(work.act, acts)
         ys = _down_combine(call, work, send_rows, acts)
         ctx.state = (call, work, send_rows)
@@ -682,7 +692,7 @@ class _ExpertsCombine(torch.autograd.Function):
         dw2 = torch.zeros_like(work.w2)
         with _calls(call, "experts_combine.backward", 1):
             _down_backward_dispatch(call, work, dys, send_rows, dw2)
-        return work.joined(work.d_act, dys, work.w2.shape[1]), dw2, None, None, None
+        return work.joined(work.d_act, dys, work.w2.shape[1]), dw2, None, None, None, None
 
 
 def _not_traced() -> None:
@@ -696,12 +706,13 @@ def _not_traced() -> None:
         )
 
 
-def _expert_parallel(xs, w13, w2, call, send_counts, meta, shared=None):
-    """The routed rows through the experts and back; with ``shared`` (``xt``, ``sw13``, ``sw2``), also the shared
-    experts' output on ``xt``, computed while the dispatch flies: ``(ys, shared_out)``."""
+def _expert_parallel(xs, w13, w2, call, send_counts, meta, scale, shared=None):
+    """The routed rows through the experts and back, the experts' gradients times ``scale``; with ``shared``
+    (``xt``, ``sw13``, ``sw2``), also the shared experts' output on ``xt``, computed while the dispatch flies:
+    ``(ys, shared_out)``."""
     _not_traced()
     xt, sw13, sw2 = (None, None, None) if shared is None else shared
-    return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta, xt, sw13, sw2)
+    return _ExpertParallel.apply(xs, w13, w2, call, send_counts, meta, scale, xt, sw13, sw2)
 
 
 # -- the two halves, for a caller that runs something between them (commfuse.strands' stages) -------------------
@@ -757,7 +768,7 @@ def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Ten
     :class:`MoE`'s; ``auto`` decides on this rank's row count, so give every rank the same, or name it). The
     backward makes each source's input gradient (SwiGLU', gate/up dgrad and wgrad) and sends it back while
     the next is made. ``w13``'s gradient is the sum over every source's rows divided by the world size, as
-    :class:`MoE` gives it (that of the mean of the ranks' losses).
+    :class:`MoE` gives it with ``loss="per_rank"`` (that of the mean of the ranks' losses).
     """
     _not_traced()
     group, rank, n, be = _half_group(group, xs.device)
@@ -771,7 +782,7 @@ def dispatch_experts(xs: torch.Tensor, w13: torch.Tensor, send_counts: torch.Ten
             raise CommfuseValueError(f"dispatch_experts: rank {rank}: send_counts sum to {rows} rows, xs has "
                                      f"{xs.shape[0]}")
         call = _half_call(algorithm, group, be, xs.device, rows, xs.shape[1] * xs.element_size())
-        return _DispatchExperts.apply(xs, w13, call, send_counts, [w13.shape[1], w13.shape[2] // 2])
+        return _DispatchExperts.apply(xs, w13, call, send_counts, [w13.shape[1], w13.shape[2] // 2], 1.0 / n)
 
 
 def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Tensor, send_counts: torch.Tensor, *,
@@ -783,7 +794,8 @@ def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Ten
     ``acts`` and ``recv_counts``: :func:`dispatch_experts`'s outputs; ``send_counts``: what it was given;
     ``w2`` (local experts, ffn, hidden); ``group`` and ``algorithm``: the same as there. The backward sends the
     output gradient to the expert ranks, each arriving source through the down projection's dgrad and wgrad.
-    ``w2``'s gradient is the sum over every source's rows divided by the world size, as :class:`MoE` gives it.
+    ``w2``'s gradient is the sum over every source's rows divided by the world size, as :class:`MoE` gives it
+    with ``loss="per_rank"``.
     """
     _not_traced()
     group, rank, n, be = _half_group(group, acts.device)
@@ -800,7 +812,7 @@ def experts_combine(acts: torch.Tensor, w2: torch.Tensor, recv_counts: torch.Ten
                 f"experts_combine: rank {rank}: recv_counts sum to {arrived} rows, acts has {acts.shape[0]}; pass "
                 "dispatch_experts' outputs")
         call = _half_call(algorithm, group, be, acts.device, sum(send_rows), w2.shape[2] * acts.element_size())
-        return _ExpertsCombine.apply(acts, w2, call, recv, send_rows)
+        return _ExpertsCombine.apply(acts, w2, call, recv, send_rows, 1.0 / n)
 
 
 eager_only(_expert_parallel, dispatch_experts, experts_combine)
@@ -822,12 +834,13 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-def _averaged(t: torch.Tensor, group, n: int) -> torch.Tensor:
-    """``t`` whose gradient is averaged over ``group`` in the backward (each rank's divided by ``n``, then summed
-    over the group: the same on every rank)."""
+def _reduced(t: torch.Tensor, group, n: int, scale: float) -> torch.Tensor:
+    """``t`` whose gradient is summed over ``group`` in the backward, times ``scale`` (1/``n``: averaged; the
+    same on every rank either way)."""
     if n == 1 or not torch.is_grad_enabled() or not t.requires_grad:
         return t
-    return _ScaleGrad.apply(replicated(t, group), 1.0 / n)
+    t = replicated(t, group)
+    return t if scale == 1.0 else _ScaleGrad.apply(t, scale)
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -915,24 +928,45 @@ class MoE(nn.Module):
     ``clip_grad_norm_`` see the whole layer: a checkpoint holds every rank's
     experts. The forward runs on the local tensors.
 
-    **Gradients.** The layer treats the ranks of its group as data-parallel
-    ranks, each with its own tokens, and gives the gradients of the *mean* of
-    their losses, as DDP does for what it replicates: the router's gradient is
-    averaged over the group in the backward (one all-reduce of (experts,
-    hidden)); each expert's is the sum over every token routed to it, from
-    every rank, divided by N. So on one expert-parallel axis there is nothing
-    to add. Beside a data-parallel axis (a dp x ep mesh), build the layer with
-    ``group=mesh["ep"]`` and shard or replicate it over ``mesh["dp"]``
-    (``fully_shard(model, mesh=mesh["dp"])``, or DDP with
-    ``device_mesh=mesh["dp"]``): their average over dp makes every gradient
-    that of the mean over all dp x ep ranks. Keep ``fully_shard``'s default
-    gradient divide factor: the layer has divided by N already. Never wrap the
-    layer in DDP over (a group holding ranks of) its expert-parallel group:
-    DDP broadcasts rank 0's parameters, which would overwrite every rank's
-    experts with rank 0's. The layer refuses to run under such a DDP (a
-    :class:`CommfuseValueError` naming DDP's ranks, at its first forward); DDP
-    over a plain process group refuses the DTensor parameters itself when it
-    is built.
+    **Gradients.** ``loss`` says whose loss they are of:
+
+    * ``"per_rank"`` (the default): every rank of the group has tokens and
+      a loss of its own, as under DDP. The gradients are those of the *mean*
+      of the ranks' losses, as DDP gives for what it replicates: the router's
+      gradient (and the router bias's and the shared experts', likewise) is
+      averaged over the group in the backward (one all-reduce of (experts,
+      hidden)); each expert's is the sum over every token routed to it, from
+      every rank, divided by N. So on one expert-parallel axis there is
+      nothing to add.
+    * ``"shared"``: the ranks hold shards of one batch and share one loss,
+      which every rank computes alike (the sequence shards of a
+      tensor-parallel model under sequence parallelism). The gradients are
+      that loss's: the router's summed over the group, each expert's the sum
+      over its tokens. Under ``"per_rank"`` they would be 1/N of it.
+
+    A DTensor input is one tensor sharded over the group, so it takes
+    ``"shared"``: placed ``Shard(d)`` (d any dim but the last) on a 1-D mesh
+    over the group's ranks, as torch's ``SequenceParallel`` hands on a
+    sequence-sharded activation. The layer computes on its local tensor and
+    returns a DTensor placed alike (its gradient comes back so too); it refuses
+    by name a DTensor under ``"per_rank"``, a replicated or partial one, one
+    sharded along its features and one over other ranks. A local tensor says
+    nothing of the loss: ``loss`` does. ``loss`` is part of each call's size
+    exchange check, so a rank built with the other is named on every rank.
+
+    Beside a data-parallel axis (a dp x ep mesh, each rank with a loss of its
+    own): build the layer with ``group=mesh["ep"]``; the model's other (dense)
+    parameters are then averaged over all dp x ep ranks and the layer's over
+    dp. :func:`commfuse.ep.fully_shard` (FSDP2) and :func:`commfuse.ep.ddp`
+    make both reductions, and :func:`commfuse.ep.clip_grad_norm_` clips such a
+    model, whose parameters lie on several meshes. Never wrap the layer in
+    DDP over (a group holding ranks of) its expert-parallel group with its
+    parameters in DDP's care: DDP broadcasts rank 0's parameters, which would
+    overwrite every rank's experts with rank 0's. The layer refuses to run
+    under such a DDP (a :class:`CommfuseValueError` naming DDP's ranks, at its
+    first forward), unless DDP ignores its parameters (as
+    :func:`commfuse.ep.ddp` has it); DDP over a plain process group refuses
+    the DTensor parameters itself when it is built.
 
     **Initialisation.** The router is drawn from the global RNG: seed every
     rank alike, as for any replicated parameter. Each expert is drawn from a
@@ -964,7 +998,7 @@ class MoE(nn.Module):
                  normalize: bool = True, route_scale: float = 1.0, router_bias: bool = False,
                  load_balance_coeff: float | None = None, num_expert_groups: int | None = None,
                  num_limited_groups: int | None = None, shared_ffn_size: int | None = None, group=None,
-                 algorithm: str = "auto", device=None, dtype=None) -> None:
+                 loss: str = "per_rank", algorithm: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
         if gating not in GATINGS:
             raise CommfuseValueError(f"gating must be one of {GATINGS}, got {gating!r}")
@@ -998,10 +1032,12 @@ class MoE(nn.Module):
         self.load_balance_coeff = None if load_balance_coeff is None else float(load_balance_coeff)
         self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
         self.shared_ffn_size = shared_ffn_size
+        self.loss = loss  # checked (the property below)
         self.local_experts = experts // self.world_size
         self.backend = None
         self._calls: dict = {}
-        self._ddp_seen: dict = {}  # DDP process groups this layer ran under, found harmless
+        self._ddp_seen = weakref.WeakKeyDictionary()  # the DDP modules this layer ran under, found harmless
+        self._inputs_seen: dict = {}  # the DTensor inputs' (mesh, placements, ndim, loss) found right
         kw = dict(device=device, dtype=dtype)
         # DTensors on the group's mesh with more than one rank (None: plain tensors, the whole layer)
         mesh = self._mesh = layer_mesh(group, self.group, self.world_size, device)
@@ -1033,6 +1069,23 @@ class MoE(nn.Module):
     @algorithm.setter
     def algorithm(self, value: str) -> None:
         self._algorithm = site_algorithm("MoE", value, Collective.ALL_TO_ALL)
+
+    @property
+    def loss(self) -> str:
+        """Whose loss the gradients are of: ``"per_rank"`` (each rank's own; their mean) or ``"shared"`` (one
+        loss the group's ranks share); see the class's **Gradients**."""
+        return self._loss
+
+    @loss.setter
+    def loss(self, value: str) -> None:
+        if value not in LOSSES:
+            raise CommfuseValueError(
+                f"MoE: loss must be 'per_rank' (every rank of the group has a loss of its own, as under DDP) or "
+                f"'shared' (the ranks hold shards of one batch with one loss, as under sequence parallelism), "
+                f"got {value!r}")
+        self._loss = value
+        # the gradients' factor over the group's ranks: the mean of their losses, or the one loss they share
+        self._grad_scale = 1.0 / self.world_size if value == "per_rank" else 1.0
 
     def reset_parameters(self) -> None:
         """The router and the shared experts from the global RNG, the router bias and the expert bias zeros;
@@ -1108,7 +1161,7 @@ class MoE(nn.Module):
         return [self.experts, self.hidden_size, self.ffn_size, self.topk, GATINGS.index(self.gating),
                 int(self.normalize), self.shared_ffn_size or 0, self.num_expert_groups or 0,
                 self.num_limited_groups or 0, int(self.router_bias is not None), int(self.expert_bias is not None),
-                _float_bits(self.route_scale)]
+                _float_bits(self.route_scale), LOSSES.index(self.loss)]
 
     def update_expert_bias(self, dp_group=None) -> None:
         """One step of the auxiliary-loss-free load balancing (torchtitan's ``_update_expert_bias``): the
@@ -1144,40 +1197,45 @@ class MoE(nn.Module):
 
     def _refuse_ddp_over_experts(self) -> None:
         """Refuse to run inside DistributedDataParallel over a group that holds two or more of this layer's
-        ranks: DDP broadcast rank 0's parameters over theirs when it was built and averages their gradients."""
+        ranks, unless that DDP leaves this layer's parameters alone (its ``parameters_to_ignore``, as
+        :func:`commfuse.ep.ddp` sets them): DDP broadcast rank 0's parameters over theirs when it was built and
+        averages their gradients."""
         ddp_module = sys.modules.get("torch.nn.parallel.distributed")
         ddp = None if ddp_module is None else ddp_module.DistributedDataParallel._active_ddp_module
-        if ddp is None or self.world_size == 1:
-            return
-        pg = ddp.process_group
-        if pg in self._ddp_seen:
+        if ddp is None or self.world_size == 1 or ddp in self._ddp_seen:
             return
         import torch.distributed as dist
 
-        theirs = dist.get_process_group_ranks(pg)
+        theirs = dist.get_process_group_ranks(ddp.process_group)
         mine = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
         shared = sorted(set(theirs) & set(mine))
-        if len(shared) > 1:
+        # by name: DDP's DTensor path (device_mesh=) swaps the parameters for other tensors in each forward
+        ignored = getattr(ddp, "parameters_to_ignore", ())
+        path = next((name for name, m in ddp.module.named_modules() if m is self), None)
+        mine_named = [f"{path}.{name}" if path else name for name in _PARAMETERS if getattr(self, name) is not None]
+        if len(shared) > 1 and (path is None or any(name not in ignored for name in mine_named)):
             raise CommfuseValueError(
                 f"MoE: rank {self.rank}: it runs inside DistributedDataParallel over global ranks {theirs}, "
                 f"{len(shared)} of which ({shared}) are ranks of its expert-parallel group {mine}: each of them "
                 f"holds experts of its own, which DDP overwrote with global rank {theirs[0]}'s when it was built "
-                "and would average with the others' gradients. Wrap the model in DDP or fully_shard over the "
-                "data-parallel axis only (device_mesh=mesh['dp'] of a dp x ep mesh): the layer averages its "
-                "gradients over its expert-parallel group itself")
-        self._ddp_seen[pg] = True
+                "and would average with the others' gradients. On a dp x ep mesh wrap the model with "
+                "commfuse.ep.ddp(model, mesh) (DDP over dp x ep for the other parameters, over dp for this "
+                "layer's), or a model of MoE layers alone in DDP over the data-parallel axis only "
+                "(device_mesh=mesh['dp']): the layer reduces its gradients over its expert-parallel group itself")
+        self._ddp_seen[ddp] = True
 
     @site_forward
+    @atomic  # one op to selective checkpointing: its router, exchanges and experts (commfuse.runtime.checkpointing)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_size:
-            raise CommfuseValueError(
-                f"MoE: rank {self.rank}: input has {x.shape[-1]} features in its last dim, the layer's hidden size "
-                f"is {self.hidden_size}")
+        dtensor = sys.modules.get("torch.distributed.tensor")
+        sharded = x if dtensor is not None and isinstance(x, dtensor.DTensor) else None
         compiling = torch.compiler.is_compiling()
         if compiling and self.world_size > 1:
             _not_traced()  # before the backend is looked up, which older Dynamo cannot trace
         if not compiling:
             self._refuse_ddp_over_experts()
+        if sharded is not None:  # this rank's tokens (checked below); the gradient comes back placed as x
+            x = x.to_local()
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
         router, w13, w2 = local(self.router), local(self.w13), local(self.w2)
@@ -1188,7 +1246,13 @@ class MoE(nn.Module):
         # dispatch and the combine): if this rank leaves before making them all, its peers hear of it
         # (under torch.compile the exchanges run at a graph break, eagerly; the count is not traced)
         guard = nullcontext() if compiling else op_calls(be, "MoE.forward", (1 if first else 0) + 3)
-        with guard:
+        with guard:  # a refusal on this rank reaches its peers
+            if sharded is not None:
+                self._check_sharded(sharded)
+            if shape[-1] != self.hidden_size:
+                raise CommfuseValueError(
+                    f"MoE: rank {self.rank}: input has {shape[-1]} features in its last dim, the layer's hidden "
+                    f"size is {self.hidden_size}")
             # the dtype torch.autocast runs a matmul of the two in, when it casts both (the ops' own rule)
             cast = ops.autocast_dtype(xt) if ops.autocast_dtype(w13) is not None else None
             if cast is None and xt.dtype != w13.dtype:
@@ -1197,8 +1261,9 @@ class MoE(nn.Module):
                     "torch's matmul does not mix them; cast the input, or the layer (moe.to(dtype)), or run "
                     "under torch.autocast")
             n = self.world_size
-            router = _averaged(router, self.group, n)
-            bias = None if self.router_bias is None else _averaged(local(self.router_bias), self.group, n)
+            scale = self._grad_scale
+            router = _reduced(router, self.group, n, scale)
+            bias = None if self.router_bias is None else _reduced(local(self.router_bias), self.group, n, scale)
             weights, chosen = route(xt, router, self.topk, self.gating, self.normalize, bias=bias,
                                     expert_bias=self.expert_bias, route_scale=self.route_scale,
                                     num_expert_groups=self.num_expert_groups,
@@ -1212,22 +1277,67 @@ class MoE(nn.Module):
             send_counts = counts.view(n, self.local_experts)
             shared = None
             if self.shared_w13 is not None:
-                shared = (xt, _averaged(local(self.shared_w13), self.group, n),
-                          _averaged(local(self.shared_w2), self.group, n))
+                shared = (xt, _reduced(local(self.shared_w13), self.group, n, scale),
+                          _reduced(local(self.shared_w2), self.group, n, scale))
             if cast is None:
-                ys = _expert_parallel(xs, w13, w2, call, send_counts, self._meta(), shared)
+                ys = _expert_parallel(xs, w13, w2, call, send_counts, self._meta(), scale, shared)
             else:  # the rows, the experts and both exchanges in autocast's dtype; autocast itself off inside
                 if shared is not None:
                     shared = tuple(t.to(cast) for t in shared)
                 with torch.autocast(xt.device.type, enabled=False):
                     ys = _expert_parallel(xs.to(cast), w13.to(cast), w2.to(cast), call, send_counts, self._meta(),
-                                          shared)
+                                          scale, shared)
         ys, shared_out = ys if shared is not None else (ys, None)
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(xt).index_add(0, token, ys)
         if shared_out is not None:
             out = out + shared_out
-        return out.reshape(shape)
+        out = out.reshape(shape)
+        if sharded is None:
+            return out
+        return dtensor.DTensor.from_local(out, sharded.device_mesh, sharded.placements, run_check=False,
+                                          shape=sharded.shape, stride=sharded.stride())
+
+    def _check_sharded(self, x) -> None:
+        """A DTensor input must be this layer's group's tokens, one shard per rank: placed ``Shard(d)`` (d not
+        the feature dim) on a 1-D mesh over the group's ranks, into a layer whose ranks share one loss. Once
+        per mesh and placement."""
+        key = (x.device_mesh, tuple(x.placements), x.ndim, self.loss)
+        if key in self._inputs_seen:
+            return
+        from torch.distributed.tensor import Shard
+
+        import torch.distributed as dist
+
+        mesh, placements = x.device_mesh, tuple(x.placements)
+        where = (f"MoE: rank {self.rank} (global rank {dist.get_rank()}): the input is a DTensor placed {placements} "
+                 f"on {mesh}")
+        mine = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        if mesh.ndim != 1:
+            raise CommfuseValueError(
+                f"{where}, a {mesh.ndim}-D mesh; the layer takes its group's tokens sharded over a 1-D mesh of "
+                f"the group's ranks {mine}, or this rank's tokens as a local tensor (x.to_local())")
+        theirs = dist.get_process_group_ranks(mesh.get_group())
+        if theirs != mine:
+            raise CommfuseValueError(
+                f"{where}, over global ranks {theirs}; the layer's expert-parallel group is global ranks {mine}. "
+                "Pass this rank's tokens as a local tensor (x.to_local()), and say with loss= whether those "
+                "ranks share one loss")
+        (placement,) = placements
+        if not isinstance(placement, Shard) or placement.dim % x.ndim == x.ndim - 1:
+            what = ("replicated: every rank would route every token, and each expert would count each token "
+                    f"{self.world_size} times" if placement.is_replicate() else
+                    "a partial sum: redistribute it first" if placement.is_partial() else
+                    "sharded along its features: the router and the experts need whole tokens")
+            raise CommfuseValueError(
+                f"{where}, {what}. The layer takes its group's tokens sharded along a dim other than the last "
+                "(Shard(1), as torch's SequenceParallel hands on a sequence-sharded activation)")
+        if self.loss != "shared":
+            raise CommfuseValueError(
+                f"{where}: one tensor sharded over the layer's group, whose ranks therefore share one loss, but the "
+                f"layer was built with loss={self.loss!r} (one loss per rank: its gradients would be 1/"
+                f"{self.world_size} of that loss's). Build it with loss='shared'")
+        self._inputs_seen[key] = True
 
     def _call(self, xt: torch.Tensor):
         """The exchanges' resolved options. ``auto`` decides once per layer, device and dtype, on the blocks of
@@ -1260,7 +1370,8 @@ class MoE(nn.Module):
             ("load_balance_coeff", self.load_balance_coeff, self.load_balance_coeff is not None),
             ("num_expert_groups", self.num_expert_groups, self.num_expert_groups is not None),
             ("num_limited_groups", self.num_limited_groups, self.num_limited_groups is not None),
-            ("shared_ffn_size", self.shared_ffn_size, self.shared_ffn_size is not None)) if on)
+            ("shared_ffn_size", self.shared_ffn_size, self.shared_ffn_size is not None),
+            ("loss", self.loss, self.loss != "per_rank")) if on)
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, experts={self.experts} "
                 f"({self.local_experts} per rank of {self.world_size}), topk={self.topk}, gating={self.gating}"
                 f"{options}, algorithm={self.algorithm!r}")
@@ -1280,15 +1391,17 @@ def _summed(t: torch.Tensor, group) -> torch.Tensor:
 def _describe_sizes(v):
     k = v[0]
     rest = v[1:]
-    if len(rest) >= 12:
-        experts, hidden, ffn, topk, gating, normalize, shared, groups, limited, bias, balance, scale = rest[:12]
+    if len(rest) >= 13:
+        experts, hidden, ffn, topk, gating, normalize, shared, groups, limited, bias, balance, scale, loss = rest[:13]
         gate = GATINGS[gating] if 0 <= gating < len(GATINGS) else f"gating#{gating}"
         scale = struct.unpack("<d", struct.pack("<q", scale))[0]
         options = "".join(part for part, on in (
             (f", route_scale {scale:g}", scale != 1.0), (", a router bias", bias), (", an expert bias", balance),
             (f", {limited} of {groups} expert groups", groups), (f", shared experts of ffn {shared}", shared)) if on)
+        losses = {0: "one loss per rank", 1: "one loss shared over the group"}
         return (f"an MoE layer of {experts} experts ({k} on each rank), hidden {hidden}, ffn {ffn}, top-{topk} "
-                f"{gate} gating{'' if normalize else ', not renormalised'}{options}")
+                f"{gate} gating{'' if normalize else ', not renormalised'}{options}, "
+                f"{losses.get(loss, f'loss#{loss}')} (loss={LOSSES[loss] if 0 <= loss < len(LOSSES) else loss!r})")
     return f"{k} counts per rank"
 
 

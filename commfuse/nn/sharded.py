@@ -45,6 +45,7 @@ from commfuse.nn._common import (
 )
 from commfuse.nn.linear import _init_linear
 from commfuse.planning import pipelined
+from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.schedule import Collective
 
 
@@ -180,8 +181,9 @@ class ShardedLinear(nn.Module):
                 "(mat1 and mat2 must have the same dtype): run under torch.autocast, give the layer a param_dtype "
                 "(FSDP2's MixedPrecisionPolicy through commfuse.fsdp.fully_shard), or cast the input or the layer"
             )
-        if torch.compiler.is_compiling() and self.world_size > 1:
-            return self._compiled(x)
+        if self.world_size > 1 and (torch.compiler.is_compiling() or (
+                as_custom_op() and self.backend is None and self.requires_gradient_sync and not self._held)):
+            return self._compiled(x)  # one op in the graph (and, under selective checkpointing, to its policy)
         return self._ring(x, compute)
 
     def _ring(self, x: torch.Tensor, compute: torch.dtype | None) -> torch.Tensor:

@@ -171,8 +171,8 @@ def _log_choice(collective: Collective, name: str, reason: str, *, world_size: i
             for field in ("overlap", "execution", "auto_min_slice_bytes", "bidirectional_links"))
         backend = f"{getattr(be, 'name', type(be).__name__)!r} ({shown})"
     memo = (f"this signature was not in the planning table (holding {table.entries('call')} calls); the decision "
-            "is remembered until "
-            "commfuse.backends.release()" if remembered else
+            "is remembered until commfuse.backends.release(), or until the table, held to its bound in bytes, "
+            "evicts it" if remembered else
             "the call's options cannot be hashed, so nothing is remembered and auto decides on every call")
     log.debug("auto chose %s for %s: %s [world size %d, ring hop %d bytes, flops per shard %s, backend %s, "
               "hardware model: %s; %s]", name, collective.value, reason, world_size, slice_bytes,
@@ -192,7 +192,7 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     _backends.fresh()  # a default group destroyed (and made again) since: forget what was planned on it
     key = ("call", collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check, halves)
     try:
-        found = table.get(key)
+        found = table.lookup(key)
     except TypeError:  # an unhashable argument: resolve without remembering (and let the checks name it)
         found, key = None, None
     if found is None:
@@ -203,10 +203,11 @@ def resolve_call(collective: Collective | str, algorithm, *, group=None, backend
     if report is not None:
         report.update(algorithm=found.spec.shown, reason=found.reason,
                       world_size=1 if found.be is None else found.be.world_size)
-    site = getattr(_sites.here, "site", None)  # read in place: most calls are made outside a site
+    found = None if found.be is None else found
+    site = _sites.here.site  # read in place: most calls are made outside a site
     if site is not None:  # inside a layer's or style's forward: written down there
         _sites.saw(site, collective, algorithm, slice_bytes, found)
-    return None if found.be is None else found
+    return found
 
 
 def _resolve(collective: Collective, algorithm, group, backend, device, slice_bytes, flops, timeout, check,

@@ -87,8 +87,16 @@ __all__ = [
 log = logging.getLogger("commfuse")
 
 def _plan_for(key: tuple, make: Callable[[], tuple]) -> tuple:
-    """The (plan, layout, pool, ...) kept in the planning table for ``key``, made on its first look-up."""
-    return table.find(("plan", *key), make)
+    """The (plan, layout, pool, ...) kept in the planning table for ``key``, made on its first look-up: the
+    entry holds the plan (its calls mark it used) and claims its layout's receive buffers in the pool (an
+    uneven all-to-all's, whose layout is made per call, are never pooled)."""
+    return table.find(("plan", *key), make, held=_held)
+
+
+def _held(value: tuple) -> dict:
+    """What a plan entry ``(plan, layout or None, pool, ...)`` holds, as ``table.remember`` takes it."""
+    plan, layout, pool = value[0], value[1], value[2]
+    return {"plan": plan, "pool": pool, "keys": () if layout is None else layout.pool_keys()}
 
 
 def _remember(key: tuple, make: Callable[[], Call]) -> Call:

@@ -411,6 +411,10 @@ class Stall:
         if pos.get("lane") == me["lane"] and pos.get("seq") != me["seq"]:
             what = ("the ranks are at different calls on the group: a rank skipped or added a call (one that "
                     "failed before communicating counts as one on its rank)")
+        elif pos.get("lane") != me["lane"] and "recomputing" in f"{me.get('thread')}{pos.get('thread')}":
+            what = (f"the ranks recompute different checkpointed regions in the backward (this rank: "
+                    f"{me.get('thread')!r}, rank {p}: {pos.get('thread')!r}): activation checkpointing must "
+                    "checkpoint the same modules, the same way, on every rank (commfuse.runtime.checkpointing)")
         elif pos.get("lane") != me["lane"]:
             what = (f"the ranks run the group's calls from different threads (this rank from thread "
                     f"{me.get('thread')!r}, rank {p} from {pos.get('thread')!r}): commfuse ops on one group must come "

@@ -170,7 +170,7 @@ class Plan:
 
     __slots__ = ("schedule", "compiled", "backend", "state", "label", "timeout", "check", "overlap", "checked",
                  "name", "traced", "rank", "checks", "begin", "trace", "steps", "digest", "signature", "whole",
-                 "whole_compute", "one_by_one", "settled", "probe", "capturing", "recorder", "stamps", "sizes")
+                 "whole_compute", "one_by_one", "settled", "probe", "capturing", "recorder", "stamps", "sizes", "used")
 
     def __init__(self, schedule: Schedule, backend, *, label: str, timeout: float, check: str,
                  overlap: bool = True, compiled: Compiled | None = None) -> None:
@@ -200,6 +200,9 @@ class Plan:
         #: whether the call in progress is being captured: set by each call as it takes the group, False between
         #: calls (a stream-ordered backend then keeps its steps from the watchdog, see ``runtime.c10d``)
         self.capturing = False
+        #: set by every call as it gives the group back; the planning table clears it, to learn which plans ran
+        #: since it last looked (its second chance: ``commfuse.planning.table``)
+        self.used = False
         self.trace = trace_enabled()  # COMMFUSE_TRACE is read when a signature is first planned
         #: the group's flight recorder (``runtime.recorder``; None: off), and the bytes each step sends and
         #: receives, ``{step index: (sent, received)}``, learned on the first recorded call

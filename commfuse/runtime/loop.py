@@ -63,6 +63,8 @@ from commfuse.errors import (
     PeerFailedError,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
+from commfuse.runtime.checkpointing import TOP_HOOKS as _top_hooks
+from commfuse.runtime.checkpointing import lane_of, recomputing, stopped
 from commfuse.runtime.drain import account, drain_call
 from commfuse.runtime.compiled import (
     CompiledStep,
@@ -200,7 +202,7 @@ class Ticket:
     def __exit__(self, kind, error, tb) -> bool:
         state = self.state
         try:
-            if error is not None and not self.used:
+            if error is not None and not self.used and not stopped(error):
                 left_call(state, self.seq, self.label, None, error)
         finally:
             give_group(state)
@@ -238,6 +240,9 @@ def take_group(state: GroupState, label: str) -> int:
     state.told = None
     state.lane = which = lane()
     seq = state.now = _number(state, which[1])
+    found = _top_hooks(False)
+    if found is not None:  # activation checkpointing: a recomputed call goes in its region's lane
+        state.lane = lane_of(state, which, seq, found)
     return seq
 
 
@@ -335,6 +340,8 @@ class op_calls:
         if state is None:
             return False
         made = state.seqs.get(self.code, 0) - self.start
+        if error is not None and stopped(error):  # a recompute ended early: every rank makes no more calls
+            return False
         planned = self._planned(made, error)
         if error is not None and state.rank is not None and state.world_size > 1 and planned > made:
             leave_calls(state, self.label, error, planned - made, self.which)
@@ -361,6 +368,8 @@ class counted_calls(op_calls):
     def _planned(self, made: int, error) -> int:
         learned = self._LEARNED
         if error is None:
+            if recomputing():  # a selective policy's saved ops are not run again: not the forward's count
+                return made
             if len(learned) > 4096:
                 learned.clear()
             learned[self.key] = made
@@ -473,6 +482,7 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
             _leave(plan, state)
         else:
             plan.capturing = False
+            plan.used = True
 
 
 def _after_failure(plan: Plan, state: GroupState, seq: int, error: BaseException, posted: bool) -> None:
@@ -937,6 +947,7 @@ def _enter(plan: Plan, state: GroupState) -> int:
 
 def _leave(plan: Plan, state: GroupState) -> None:
     plan.capturing = False
+    plan.used = True  # the planning table's second chance: this plan ran since the table last looked
     give_group(state)
 
 

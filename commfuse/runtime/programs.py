@@ -31,8 +31,8 @@ from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
     "AllToAllLayout", "AllToAllProgram", "BufferPool", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
-    "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "offsets",
-    "register_described", "split_sizes",
+    "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "key_bytes",
+    "offsets", "register_described", "split_sizes",
 ]
 
 _DTYPES = [
@@ -64,6 +64,15 @@ class BufferPool:
     ordered after that compute by c10d's stream synchronisation. At most
     ``MAX_FREE`` buffers per shape are kept.
 
+    The pool keeps buffers only for the shapes that plans in the planning
+    table hold (:meth:`claim`, :meth:`unclaim`; ``commfuse.planning.table``):
+    a buffer of any other shape is allocated when asked for and let go when
+    given back. So what the pool holds is bounded by the table's bound: each
+    claimed shape reserves ``MAX_FREE`` buffers' bytes there, held or not, and
+    the last plan to let a shape go drops its free buffers with it. An
+    evicted plan that a call in flight (or an autograd graph) still runs keeps
+    working: its buffers come from the allocator and go back to it.
+
     A call captured in a device graph (the current stream capturing, as
     ``groups.capture_probe`` sees it) never touches the free lists: each
     ``get`` makes a fresh buffer, from the graph's private memory pool
@@ -78,9 +87,15 @@ class BufferPool:
 
     def __init__(self, backend) -> None:
         self.backend = backend
-        #: free buffers by key; a key never seen reads as an empty list, kept (``loop.execute_one_by_one``
-        #: takes and gives back buffers through these lists without a call)
+        #: free buffers by key, for the claimed keys only; any other key reads as an empty list that is not
+        #: kept (``loop.execute_one_by_one`` takes and gives back buffers through these lists without a call).
+        #: Keys are added and removed, never their lists emptied in place: a call in flight on another thread
+        #: keeps the list it took
         self.free: dict[tuple, list[torch.Tensor]] = _FreeLists()
+        #: how many plans in the planning table hold each key (the table changes it, under its lock)
+        self.claims: dict[tuple, int] = {}
+        #: the bytes the claimed keys reserve: ``MAX_FREE`` buffers each
+        self.reserved = 0
         #: whether a call is being captured (None on CPU: never), asked per get and put
         self.probe = capture_probe(getattr(backend, "device", None))
         self.into = hasattr(backend, "collective_into")  # the backend runs whole collectives into one tensor
@@ -115,11 +130,66 @@ class BufferPool:
         if len(stack) < self.MAX_FREE:
             stack.append(tensor)
 
+    def cost(self, keys) -> int:
+        """The bytes ``keys`` reserve when claimed: ``MAX_FREE`` buffers of each."""
+        return self.MAX_FREE * sum(key_bytes(key) for key in keys)
+
+    def claim(self, keys) -> int:
+        """One more plan holds each of ``keys``: the pool keeps their buffers. Returns the bytes newly reserved
+        (``MAX_FREE`` buffers of each key no plan held before)."""
+        added = 0
+        claims = self.claims
+        for key in keys:
+            count = claims.get(key, 0)
+            claims[key] = count + 1
+            if count == 0:
+                self.free[key] = []
+                added += self.MAX_FREE * key_bytes(key)
+        self.reserved += added
+        return added
+
+    def unclaim(self, keys) -> int:
+        """A plan that held ``keys`` is gone: the keys no other plan holds drop their free buffers. Returns the
+        bytes no longer reserved."""
+        freed = 0
+        claims = self.claims
+        for key in keys:
+            count = claims.get(key, 0) - 1
+            if count > 0:
+                claims[key] = count
+                continue
+            claims.pop(key, None)
+            self.free.pop(key, None)
+            freed += self.MAX_FREE * key_bytes(key)
+        self.reserved -= freed
+        return freed
+
+    def drop(self) -> None:
+        """Let every free buffer go and forget every claim (``commfuse.backends.release``)."""
+        self.free = _FreeLists()
+        self.claims = {}
+        self.reserved = 0
+
+    def held(self) -> int:
+        """The bytes of the free buffers held now (at most :attr:`reserved`)."""
+        return sum(len(stack) * key_bytes(key) for key, stack in list(self.free.items()))
+
 
 class _FreeLists(dict):
+    """Free lists by key: a key that is not claimed reads as an empty list that is not kept, so a buffer given
+    back under it is let go."""
+
     def __missing__(self, key: tuple) -> list:
-        stack = self[key] = []
-        return stack
+        return []
+
+
+def key_bytes(key: tuple) -> int:
+    """The bytes of one buffer of pool key ``key`` = (shape tuple, dtype)."""
+    shape, dtype = key
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * dtype.itemsize
 
 
 def _shape_with(shape: Sequence[int], dim: int, size: int) -> tuple[int, ...]:
@@ -178,6 +248,18 @@ class _SlotLayout:
             self.own_set = frozenset(self.own)
             self.part_slots = {part: [slot[SliceId(q, part)] for q in range(self.n)]
                                for part in range(schedule.splits) if SliceId(0, part) in slot}
+
+    def pool_keys(self) -> frozenset:
+        """Every pool key a call on this layout may take buffers of: its slots', the whole tensor of a
+        ``collective_into``, and the largest shard of each part (a whole collective over uneven shards pads
+        every shard to it). What its plan claims in the pool (``BufferPool.claim``)."""
+        keys = set(self.key)
+        if self.into:
+            keys.add(self.whole_key)
+        for slots in self.part_slots.values():
+            biggest = max(self.size[s] for s in slots)
+            keys.add(_shape_key(self.key[slots[self.rank]], self.dim, biggest))
+        return frozenset(keys)
 
 
 class GatherLayout(_SlotLayout):
@@ -484,6 +566,10 @@ class AllToAllLayout(_SlotLayout):
         self.part_slots = {part: ([slot[SliceId(d, part, 0, rank)] for d in range(n)],
                                   [slot[SliceId(rank, part, 0, q)] for q in range(n)])
                            for part in range(schedule.splits) if SliceId(0, part, 0, rank) in slot}
+
+    def pool_keys(self) -> frozenset:
+        """An uneven layout's buffers are fresh, never pooled; an even one's are its slots'."""
+        return frozenset() if self.sparse else frozenset(self.key)
 
     def fresh(self, s: int, device) -> torch.Tensor:
         shape, dtype = self.key[s]

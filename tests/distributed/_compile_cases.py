@@ -345,6 +345,44 @@ def styles(rank, n, backend):
     return results
 
 
+def transformers_attention(rank, n, backend):
+    """AttentionParallel() on transformers attention modules compiled, called as the model calls them: Gemma 2's
+    (a soft-cap, its own scale, the sliding layer's mask) and Qwen3's (QK-norm): one graph, no break, the fused
+    attention in it, and what eager gives."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import _hf_styles_cases as hf
+    from commfuse import tp
+
+    _fresh_inductor_cache()
+    results = {}
+    mesh = init_device_mesh("cpu", (n,))
+
+    class Called(nn.Module):
+        """The attention module called with what the model handed it, the input in its place."""
+
+        def __init__(self, attention, kwargs):
+            super().__init__()
+            self.attention, self.kwargs = attention, kwargs
+
+        def forward(self, x):
+            return self.attention(**{**self.kwargs, "hidden_states": x})[0]
+
+    for family in ("gemma2", "qwen3"):
+        def body(family=family):
+            model = hf.model_of(family)
+            _, kwargs = hf.captured_calls(model)[(0, "self_attn")]
+            parallelize_module(model, mesh, {"model.layers.*.self_attn": tp.AttentionParallel(algorithm="ring")})
+            x = kwargs["hidden_states"].tensor_split(n, dim=1)[rank].clone()
+            _matches_eager(Called(model.model.layers[0].self_attn, kwargs), (x,), backend,
+                           ("commfuse.all_gather_matmul", "commfuse.attention_reduce_scatter"))
+
+        _run(results, f"{family}-{backend}", body)
+    return results
+
+
 def llama_fsdp(rank, n, backend):
     """torchtitan's order on a dp 2 x tp 2 mesh: commfuse's styles, torch.compile(fullgraph=True) of the block,
     then FSDP2's fully_shard on dp; AdamW steps with clipping give the losses, norms and parameters of the same

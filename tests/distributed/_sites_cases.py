@@ -188,3 +188,163 @@ def explain_and_log(rank, n):
             logging.getLogger("commfuse").removeHandler(handler)
     rows = lambda e: [(s.path, s.kind, s.group, s.world_size, s.algorithm, s.taken, s.fallbacks) for s in e]  # noqa: E731
     return {"before": rows(before), "after": rows(after), "text": str(after), "lines": lines}
+
+
+# -- every site named by its path: identical layers, reused styles, with and without explain ---------------------
+
+LAYERS = 3
+
+
+class _Stack(nn.Module):
+    """``LAYERS`` Llama blocks (``commfuse.models.llama``), then two ``ParallelMLP`` (two sites each): identical
+    layers, called from the model's own forward."""
+
+    def __init__(self, tp):
+        from commfuse.models.llama import Block
+        from commfuse.nn import ParallelMLP
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.mlps = nn.ModuleList(ParallelMLP(32, 64, group=tp) for _ in range(2))
+
+    def forward(self, x, cache):
+        for layer in self.layers:
+            x = layer(x, cache)
+        for mlp in self.mlps:
+            x = mlp(x)
+        return x
+
+
+def _stack(tp, styles: str, rope=None):
+    """The stack, its blocks parallelized with commfuse's block styles: ``shared``, one plan (so one style object
+    per sub-block) applied to every block; ``fresh``, a new plan per block; ``wildcard``, one plan over the whole
+    model whose keys match every block (``layers.*.attention``), as torch's plans are written. ``rope``: the
+    attention's rope hook per block (index -> hook), default ``apply_rope``."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from commfuse.models.llama import apply_rope, commfuse_plan
+    from commfuse.tp import AttentionParallel, SwiGLUParallel
+
+    model = _Stack(tp)
+    if styles == "wildcard":
+        parallelize_module(model, tp, {
+            "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.attention": AttentionParallel(head_dim=8, rope=apply_rope),
+            "layers.*.feed_forward": SwiGLUParallel()})
+        return model
+    shared = commfuse_plan()
+    for i, block in enumerate(model.layers):
+        plan = shared if styles == "shared" else commfuse_plan()
+        if rope is not None and i in rope:
+            plan = dict(plan, attention=AttentionParallel(head_dim=8, rope=rope[i]))
+        parallelize_module(block, tp, plan)
+    return model
+
+
+def _steps(model, rank, steps, seq=8):
+    from commfuse.models.llama import rope_cache
+
+    cache = rope_cache(8, seq * 2)
+    for step in range(steps):
+        x = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x, cache).square().mean().backward()
+
+
+def _plain():
+    """Whether the sites and the fused ops' fast path run their plain code (no site is due to watch), and the
+    sites still due."""
+    from commfuse import ops
+    from commfuse.planning import table
+    from commfuse.runtime import sites
+
+    door = sites.at_site
+    plain = (door.__enter__ is getattr(door, "_enter", None) and door.__exit__ is getattr(door, "_exit", None)
+             and ops._planned is table.get)
+    return plain, sorted(site.label for site in getattr(sites, "_due", {}).values())
+
+
+def every_site_named(rank, n):
+    """For each way of applying the styles, with and without ``commfuse.explain`` before training: two training
+    steps with ``COMMFUSE_LOG=info``, then what explain lists and the log lines. Then, once the earlier models
+    are collected, one more step of the last model: whether the sites and the fast path are back on their plain
+    code after it (``plain``; ``warm``, before it, for the test's message)."""
+    from commfuse import log as cflog
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    captured = io.StringIO()
+    saved, sys.stderr = sys.stderr, captured  # the handler COMMFUSE_LOG adds writes to stderr as it is then
+    try:
+        cflog.configure("info")
+    finally:
+        sys.stderr = saved
+    out = {}
+    try:
+        for styles in ("shared", "fresh", "wildcard"):
+            for explain_first in (False, True):
+                cf.backends.release()  # each case plans afresh: its first layer plans, the others find the plans
+                model = _stack(tp, styles)
+                if explain_first:
+                    cf.explain(model)
+                captured.seek(0)
+                captured.truncate()
+                _steps(model, rank, 2)
+                rows = [(s.path, s.kind, s.algorithm, s.taken, s.fallbacks) for s in cf.explain(model)]
+                out[(styles, explain_first)] = {"rows": rows, "lines": captured.getvalue().splitlines()}
+        import gc
+
+        gc.collect()  # the models of the earlier cases hold their sites in reference cycles
+        out["warm"] = _plain()
+        _steps(model, rank, 1)
+        out["plain"] = _plain()
+    finally:
+        for handler in list(logging.getLogger("commfuse").handlers):
+            if getattr(handler, "_commfuse", False):
+                logging.getLogger("commfuse").removeHandler(handler)
+    return out
+
+
+def error_in_layer_one(rank, n):
+    """Errors raised at a site of the middle block, on a model nobody called ``explain`` on:
+
+    - ``dtype``: every rank's block 1 gets a float64 input (a forward pre-hook), which its fused gather refuses;
+    - ``peer``: rank 1's rope hook of block 1 raises on the second step; the peers wait in block 1's
+      reduce-scatter and are told.
+
+    Each outcome (type, message, notes), then the flight recorder's dump of every rank (``COMMFUSE_TRACE_DIR``,
+    set by the test)."""
+    from commfuse import metrics
+    from commfuse.models.llama import apply_rope
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    out = {}
+
+    def outcome(fn):
+        try:
+            fn()
+            return ("ok", "", [])
+        except Exception as e:  # noqa: BLE001 - reported by name
+            return (type(e).__name__, str(e), list(getattr(e, "__notes__", [])))
+
+    model = _stack(tp, "fresh")
+    _steps(model, rank, 1)
+    hook = model.layers[1].register_forward_pre_hook(lambda m, args: (args[0].double(), *args[1:]))
+    out["dtype"] = outcome(lambda: _steps(model, rank, 1))
+    hook.remove()
+    out["dtype after"] = outcome(lambda: _steps(model, rank, 1))
+
+    calls = [0]
+
+    def rope(q, k, cache):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:
+            raise ValueError("rope hook of block 1 failed on purpose")
+        return apply_rope(q, k, cache)
+
+    model = _stack(tp, "fresh", rope={1: rope})
+    _steps(model, rank, 1)
+    out["peer"] = outcome(lambda: _steps(model, rank, 1))
+    out["dumps"] = metrics.dump_trace()
+    return out

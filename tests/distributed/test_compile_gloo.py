@@ -52,6 +52,12 @@ def test_layers_compile_with_inductor_to_one_graph_and_train_as_eager(layer, n):
     _check(f"{layer}-inductor", "layers", n, "inductor")
 
 
+@pytest.mark.parametrize("family", ("gemma2", "qwen3"))
+def test_transformers_attention_compiles_with_inductor_to_one_graph(family):
+    pytest.importorskip("transformers")
+    _check(f"{family}-inductor", "transformers_attention", 2, "inductor")
+
+
 @pytest.mark.parametrize("n", (2, 4))
 @pytest.mark.parametrize("model", ("llama-block", "colwise-rowwise-mlp"))
 def test_tp_styles_compile_with_inductor_to_one_graph_of_fused_ops(model, n):

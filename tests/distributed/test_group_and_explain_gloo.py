@@ -1,10 +1,14 @@
 """Tier (b), real gloo ranks: one meaning of ``group=`` (a ProcessGroup or a 1-D DeviceMesh everywhere, a mesh of
 more dims refused by name, one rank's failure over a mesh told to every rank), and visible decisions
-(``COMMFUSE_LOG=info`` lines once per site and signature, ``commfuse.explain``)."""
+(``COMMFUSE_LOG=info`` lines once per site and signature, ``commfuse.explain``), every site of a model of
+identical layers named by its module path, with or without ``commfuse.explain`` first, in what it took, its
+log lines, the errors raised at it and ``commfuse trace analyze``."""
 
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -109,3 +113,93 @@ def test_commfuse_log_info_says_once_per_site_and_signature_with_the_rank_in_fro
         fell_back = [line for line in lines if "] odd (" in line]
         assert len(fell_back) == 1 and "DTensor" in fell_back[0], (rank, fell_back)
         assert not any(line.startswith(f"[commfuse rank {rank}] auto:") for line in lines), (rank, lines)
+
+
+# -- every site by its path: identical layers, reused style objects, with and without explain first ---------------
+
+STACK = {  # path -> (kind, the collectives its forward fuses)
+    **{f"layers.{i}.attention": ("commfuse.tp.AttentionParallel", {"all_gather", "reduce_scatter"})
+       for i in range(cases.LAYERS)},
+    **{f"layers.{i}.feed_forward": ("commfuse.tp.SwiGLUParallel", {"all_gather", "reduce_scatter"})
+       for i in range(cases.LAYERS)},
+    **{f"mlps.{i}.fc1": ("commfuse.nn.ColumnParallelLinear", {"all_gather"}) for i in range(2)},
+    **{f"mlps.{i}.fc2": ("commfuse.nn.RowParallelLinear", {"reduce_scatter"}) for i in range(2)},
+}
+CASES = [(styles, first) for styles in ("shared", "fresh", "wildcard") for first in (False, True)]
+
+
+@pytest.mark.parametrize("styles,explain_first", CASES)
+def test_explain_lists_every_identical_layer_by_its_path_with_what_it_took(styles, explain_first):
+    for rank, out in enumerate(_results("every_site_named", 2)):
+        rows = {path: (kind, algorithm, taken, fallbacks)
+                for path, kind, algorithm, taken, fallbacks in out[(styles, explain_first)]["rows"]}
+        assert set(rows) == set(STACK), (rank, sorted(rows))
+        for path, (kind, collectives) in STACK.items():
+            got_kind, algorithm, taken, fallbacks = rows[path]
+            assert got_kind == kind and algorithm == "auto", (rank, path, rows[path])
+            # every layer says what each of its fused collectives took, the first layer (which planned the
+            # calls) and the ones after it (whose calls found the plans) alike
+            assert {c for c, *_ in taken} == collectives, (rank, path, taken)
+            assert all(hop > 0 and name in ("ring", "ring:2", "bidirectional", "vanilla") and why
+                       for _, hop, name, why in taken), (rank, path, taken)
+            assert not fallbacks, (rank, path, fallbacks)
+        for i in range(1, cases.LAYERS):  # identical layers took what the first took
+            for sub in ("attention", "feed_forward"):
+                assert rows[f"layers.{i}.{sub}"][2] == rows[f"layers.0.{sub}"][2], (rank, i, sub, rows)
+
+
+@pytest.mark.parametrize("styles,explain_first", CASES)
+def test_commfuse_log_names_every_identical_layer_by_its_path_once_per_signature(styles, explain_first):
+    for rank, out in enumerate(_results("every_site_named", 2)):
+        case = out[(styles, explain_first)]
+        lines, rows = case["lines"], {row[0]: row for row in case["rows"]}
+        assert lines and all(line.startswith(f"[commfuse rank {rank}] ") for line in lines), (rank, lines)
+        for path, (kind, collectives) in STACK.items():
+            heading = f"] {path} ({kind.rsplit('.', 1)[-1]}, 2 ranks): "
+            for collective in collectives:
+                said = [line for line in lines if heading in line and f": {collective} of " in line]
+                assert len(said) == 1, (rank, path, collective, said, lines)
+                (taken,) = {name for c, _, name, _ in rows[path][3] if c == collective}
+                assert f" takes {taken}: " in said[0], (rank, said)
+        named = {line.split("] ", 1)[1].split(" (", 1)[0] for line in lines}
+        assert named == set(STACK), (rank, sorted(named - set(STACK)), lines)
+
+
+def test_after_warm_up_the_sites_and_the_fast_path_run_their_plain_code():
+    for rank, out in enumerate(_results("every_site_named", 2)):
+        assert out["plain"] == (True, []), (rank, out["plain"], out["warm"])
+
+
+def test_an_error_at_a_site_of_the_middle_layer_names_its_path():
+    for rank, out in enumerate(_results("error_in_layer_one", 2)):
+        kind, message, notes = out["dtype"]
+        assert kind == "CommfuseValueError", (rank, kind, message)
+        assert message.startswith("layers.1.attention (AttentionParallel, 2 ranks): "), (rank, message)
+        assert "dtype" in message, message
+        assert out["dtype after"][0] == "ok", (rank, out["dtype after"])
+        kind, message, notes = out["peer"]
+        if rank == 1:  # its own error, the rope hook's, keeps its message and gets a note naming the site
+            assert kind == "ValueError" and message == "rope hook of block 1 failed on purpose", (kind, message)
+            assert any("layers.1.attention (AttentionParallel, 2 ranks)" in note for note in notes), notes
+        else:  # told, in block 1's reduce-scatter, by name
+            assert kind == "PeerFailedError", (rank, kind, message)
+            assert message.startswith("layers.1.attention (AttentionParallel, 2 ranks): "), message
+            assert "rank 1" in message and "ValueError" in message, message
+
+
+def test_trace_analyze_names_the_path_of_the_site_of_the_failed_call(tmp_path):
+    out = launch(cases.error_in_layer_one, 2, timeout=600, env={"COMMFUSE_TRACE_DIR": str(tmp_path)})
+    assert all(o["dumps"] for o in out), [o["dumps"] for o in out]
+    dumps = {}
+    for path in tmp_path.glob("commfuse-trace-*.json"):
+        data = json.loads(path.read_text())
+        dumps.setdefault(data["rank"], []).append(data)
+    failed = [c for d in dumps[0] for c in d["calls"] if c["status"] == "failed"]
+    assert failed and all(c["site"] == "layers.1.attention" for c in failed), failed
+    sites = {c["site"] for ds in dumps.values() for d in ds for c in d["calls"]}
+    assert {f"layers.{i}.{s}" for i in range(cases.LAYERS) for s in ("attention", "feed_forward")} <= sites, sites
+    done = subprocess.run([sys.executable, "-m", "commfuse", "trace", "analyze", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    verdict = done.stdout.split("\n\n")[0]
+    assert "rank 1 never posted" in verdict and " at layers.1.attention " in verdict, done.stdout

@@ -249,6 +249,7 @@ def test_a_captured_call_keeps_its_buffers_apart_from_eager_calls():
     pool = BufferPool(backend)
     assert pool.probe is None
     key = ((4,), torch.float32)
+    pool.claim([key])  # as a plan in the planning table claims its shapes: the pool keeps their buffers
     eager = pool.get(key)
     pool.put(eager, key)
     capturing = [True]
