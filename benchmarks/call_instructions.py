@@ -14,7 +14,7 @@ hundred instructions, so compare figures of that size against a measured
 statement (``--statement``).
 
     python benchmarks/call_instructions.py [--ops ag_consume a2a_consume produce_rs ring_attention ag_ring rs_ring]
-        [--world-size 2] [--calls 300] [--statement 'type(x) is not torch.Tensor']
+        [--world-size 2] [--calls 300] [--statement 'type(x) is not Tensor']
 
 Run it with ``PYTHONPATH`` pointing at another checkout to count that
 checkout's package. Needs valgrind (``callgrind_control`` beside it).
@@ -74,7 +74,7 @@ def _child(op: str, n: int, calls: int) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     if op.startswith("statement:"):
         x = torch.randn(4, 8)  # noqa: F841 - the statement's operand
-        fn = eval("lambda: " + op.partition(":")[2], {"torch": torch, "x": x})
+        fn = eval("lambda: " + op.partition(":")[2], {"torch": torch, "x": x, "Tensor": torch.Tensor})
     else:
         fn = _calls(op, n)
     with torch.no_grad():
@@ -120,7 +120,8 @@ def main(argv=None) -> None:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--statement", action="append", default=[],
-                   help="also count a Python expression over x, a tensor, and torch (e.g. 'type(x) is torch.Tensor')")
+                   help="also count a Python expression over x (a tensor), torch and Tensor (torch.Tensor bound as "
+                        "a global), e.g. 'type(x) is not Tensor'")
     args = p.parse_args(argv)
     import commfuse
 
