@@ -44,7 +44,8 @@ gloo=(
 # stage: whole layers, styles and a checkpointed block compiled by inductor (each 1.5 to 3 minutes here); on the
 # floor opcheck checks every op's registration, inductor and aot_eager compile the functional ops, and what does
 # not compile is refused by name.
-mapfile -t cases < <("$venv/bin/python" -m pytest --collect-only -q -p no:cacheprovider "${gloo[@]}" | "$venv/bin/python" -c '
+collected="$("$venv/bin/python" -m pytest --collect-only -q -p no:cacheprovider "${gloo[@]}")"  # fails on an error
+mapfile -t cases < <(printf '%s\n' "$collected" | "$venv/bin/python" -c '
 import re, sys
 left = ("test_tp_styles_compile_with_inductor_to_one_graph_of_fused_ops",
         "test_layers_compile_with_inductor_to_one_graph_and_train_as_eager",
@@ -55,5 +56,9 @@ def twin(i):
     m = re.match(r"(.*[\[-])([34])\]$", i)
     return m and m.group(1) + "2]" in ids
 print("\n".join(i for i in ids if not twin(i) and i.split("::")[1].split("[")[0] not in left))')
+if [ "${#cases[@]}" -lt 50 ]; then
+    echo "torch floor: only ${#cases[@]} gloo cases collected from ${gloo[*]}" >&2
+    exit 1
+fi
 echo "torch floor: ${#cases[@]} gloo cases of ${gloo[*]}"
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/unit tests/conformance "${cases[@]}" "$@"
