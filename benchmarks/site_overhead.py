@@ -40,17 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def _per_call(fn, calls: int, rounds: int) -> float:
-    for _ in range(5):
-        fn()
-    means = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - t0) / calls)
-    return statistics.median(means)
+from _timing import per_call
 
 
 class _Blocks(nn.Module):
@@ -172,10 +162,10 @@ def main() -> None:
                     fn()
             plain = _plain()
             counts.append((n, [_python_calls(fn) for fn in rows]))
-            row = [_per_call(fn, args.calls, args.rounds) for fn in rows]
+            row = [per_call(fn, args.calls, args.rounds, warmup=5) for fn in rows]
             # one more site that never runs: the others check, at each forward, whether they are due
             idle = parallelize_module(nn.Linear(64, 128), tp, ColwiseParallel(input_layouts=Shard(1)))
-            row.append(_per_call(rows[0], args.calls, args.rounds))
+            row.append(per_call(rows[0], args.calls, args.rounds, warmup=5))
             del idle, linears, blocks, block, mlps
             gc.collect()  # the modules hold their sites in reference cycles: the next world size starts clean
             print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>14.1f}" for v in row) + f"  {plain:>10}")

@@ -21,23 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def _per_call(fn, calls: int, rounds: int) -> float:
-    for _ in range(3):
-        fn()
-    means = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - t0) / calls)
-    return statistics.median(means)
+from _timing import per_call
 
 
 def main() -> None:
@@ -88,11 +76,11 @@ def main() -> None:
                 with torch.no_grad(), context():
                     ops.all_gather_matmul(x, qkv.wqkv.weight.t(), group=group, gather_dim=1, algorithm="ring")
 
-            row = [_per_call(lambda: forward(stock), args.calls, args.rounds),
-                   _per_call(lambda: forward(fused), args.calls, args.rounds),
-                   _per_call(lambda: train(stock), args.calls, args.rounds),
-                   _per_call(lambda: train(fused), args.calls, args.rounds),
-                   _per_call(module, args.calls, args.rounds), _per_call(bare, args.calls, args.rounds)]
+            row = [per_call(lambda: forward(stock), args.calls, args.rounds),
+                   per_call(lambda: forward(fused), args.calls, args.rounds),
+                   per_call(lambda: train(stock), args.calls, args.rounds),
+                   per_call(lambda: train(fused), args.calls, args.rounds),
+                   per_call(module, args.calls, args.rounds), per_call(bare, args.calls, args.rounds)]
             print(f"{n:>3}  " + "  ".join(f"{1e6 * v:>{w}.0f}" for v, w in zip(row, (15, 12, 13, 16, 14, 17))))
         finally:
             dist.destroy_process_group()

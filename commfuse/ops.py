@@ -214,7 +214,9 @@ def all_gather_matmul(
     returned. With ``return_gathered`` the result is ``(gathered_a, result)``
     (the gathered a carries no gradient). ``gather_dim`` may be the last dim
     (the contraction dim): every shard then contributes a partial product
-    that is summed in ring order (forward only). Shards must all have the
+    that is summed in ring order (forward only), in float32 for float16 and
+    bfloat16 inputs (as torch's matmul accumulates; the result is rounded to
+    the input's type once, at the end). Shards must all have the
     same size along ``gather_dim`` unless ``gathered_size`` (the size of the
     gathered dim) is given, in which case rank r's shard must have the
     ``torch.tensor_split`` size for rank r.

@@ -350,6 +350,9 @@ def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, 
     if not contraction:
         lead[gd] = total
     make = torch.zeros if contraction else torch.empty
+    # a gather along the contraction dim sums one partial product per shard: in float32 for half types, as
+    # torch's own matmul accumulates (summed in fp16, partials of a finite result can overflow to inf)
+    acc = torch.float32 if contraction and a.dtype in (torch.float16, torch.bfloat16) else a.dtype
     out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
     full_a = list(a.shape)
     full_a[gd] = total
@@ -361,7 +364,7 @@ def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, 
     def forward(a, bs):
         if not contraction and not return_gathered and len(bs) == 1:
             return None, [_matmul_one_weight(a, bs[0])]
-        outs = [make(shape, dtype=dtype, device=device) for shape in out_shapes]
+        outs = [make(shape, dtype=acc, device=device) for shape in out_shapes]
         gathered = torch.empty(full_a, dtype=dtype, device=device) if return_gathered else None
         if contraction:
             def consume(spans):
@@ -379,6 +382,8 @@ def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, 
                     matmul_rows(out, spans, gd, piece, bi, direct)
 
         run_gather(planned, a, consume)
+        if acc is not dtype:
+            outs = [out.to(dtype) for out in outs]
         return gathered, outs
 
     def _matmul_one_weight(a, b0):

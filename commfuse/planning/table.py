@@ -91,8 +91,12 @@ _ACTIVE: OrderedDict[tuple, _Record] = OrderedDict()
 _INACTIVE: OrderedDict[tuple, _Record] = OrderedDict()
 #: each plan in the table -> the key of the entry that holds it
 _OWNERS: dict[Any, tuple] = {}
-#: keys :func:`find` found since the last sweep (an append per hit: the sweep marks them)
+#: values :func:`find` found since the last sweep (an append per hit: the sweep marks their entries). The
+#: values, not the keys: a key is a tuple made afresh by each call, and keeping thousands of them alive made the
+#: garbage collector run every few hundred calls, and now and then a full collection inside a call
 _FOUND: deque = deque(maxlen=FOUND_KEPT)
+#: each kept value's id -> the record of its entry (how the sweep finds what :data:`_FOUND` holds)
+_BY_ID: dict[int, "_Record"] = {}
 #: hashes of the latest evicted keys (to say when one is planned again)
 _EVICTED: OrderedDict[int, None] = OrderedDict()
 _LOCK = threading.Lock()
@@ -212,6 +216,7 @@ def remember(key: tuple, value: Any, *, plan=None, pool=None, keys: Iterable[tup
         record = _Record(nbytes, plan, pool if claimed else None, claimed, pinned)
         _ENTRIES[key] = value
         _RECORDS[key] = _ACTIVE[key] = record
+        _BY_ID[id(value)] = record
         _BOUND.held += nbytes
         if claimed:
             _BOUND.held += pool.claim(claimed)
@@ -237,10 +242,10 @@ def _warn_once(what: str, message: str, *args) -> None:
 
 def _mark_found() -> None:
     """Mark the entries :func:`find` found since the last look as used."""
-    records = _RECORDS
+    records = _BY_ID
     for _ in range(len(_FOUND)):
         try:
-            found = records.get(_FOUND.popleft())
+            found = records.get(id(_FOUND.popleft()))
         except IndexError:  # another thread took them
             break
         if found is not None:
@@ -306,7 +311,9 @@ def _shrink(limit: int) -> None:
 def _evict(key: tuple, record: _Record) -> None:
     """Drop one entry (already out of ``_RECORDS`` and the clock's lists), its claims in the pool and the
     entries that go with it."""
-    _ENTRIES.pop(key, None)
+    value = _ENTRIES.pop(key, None)
+    if _BY_ID.get(id(value)) is record:
+        del _BY_ID[id(value)]
     _BOUND.held -= record.bytes
     if record.pool is not None:
         _BOUND.held -= record.pool.unclaim(record.keys)
@@ -339,7 +346,7 @@ def find(key: tuple, make: Callable[[], Any], *, held: Callable[[Any], dict] | N
         value = make()
         found = remember(key, value, **held(value)) if held is not None else remember(key, value)
     else:
-        _FOUND.append(key)
+        _FOUND.append(found)
     return found
 
 
@@ -348,7 +355,7 @@ def lookup(key: tuple) -> Any:
     keeps finding is kept."""
     found = _ENTRIES.get(key)
     if found is not None:
-        _FOUND.append(key)
+        _FOUND.append(found)
     return found
 
 
@@ -397,6 +404,7 @@ def forget() -> None:
         _INACTIVE.clear()
         _OWNERS.clear()
         _FOUND.clear()
+        _BY_ID.clear()
         _EVICTED.clear()
         _BOUND.held = 0
         _BOUND.warned.clear()

@@ -7,11 +7,13 @@ share (the c10d store of the group). Nothing is written or read on the fast
 path: a rank writes only when something went wrong on it, and reads only
 while one of its waits has outlasted :data:`GRACE_S` (``COMMFUSE_GRACE_S``).
 
-What is on it, under ``commfuse/`` in the group's store (c10d gives every
-group a store of its own; a group made again on the same store under the
-same prefix would read the old group's notes, but only while one of its waits
-is stalled, and a note on a call only counts for the call of the same number
-from the same thread):
+What is on it, under ``commfuse/<incarnation>/`` in the group's store (c10d
+gives every group a store of its own; the incarnation counts the group's
+states on this rank, one more after each ``commfuse.backends.release()`` and
+for each group made again under the same name, in step on every rank, so a
+group made again on the same store, or numbered again after ``release()``,
+never reads the old numbering's notes; a note on a call only counts for the
+call of the same number from the same thread):
 
 * a log of notes, appended (``log/n`` counts them, ``log/<i>`` holds one):
   ``fail`` (a rank's part of call #seq failed: which op, step, exception, and
@@ -78,9 +80,11 @@ class Board:
     """A group's board in its store (see the module). Every method swallows the store's own failures (a store
     that is gone makes the board mute, never a second error on top of the first)."""
 
-    def __init__(self, store, rank: int, world_size: int) -> None:
+    def __init__(self, store, rank: int, world_size: int, incarnation: int = 1) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.prefix = "commfuse/"
+        #: one incarnation's keys: a group's numbering restarts at each ``release()`` and each group made
+        #: again under its name, and so does its board (GroupState.incarnation)
+        self.prefix = f"commfuse/{incarnation}/"
         self.cursor = 0  # how many log entries this rank has read
         self.posted = False
         #: other ranks' ``fail`` notes read so far, by (lane, call number): a note read while this rank still
@@ -184,7 +188,7 @@ def board_of(state) -> Board | None:
     if store is None or state.rank is None:
         state.board = False
         return None
-    board = state.board = Board(store, state.rank, state.world_size)
+    board = state.board = Board(store, state.rank, state.world_size, state.incarnation)
     return board
 
 

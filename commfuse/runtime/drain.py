@@ -52,9 +52,10 @@ def account(counts: dict, last: list) -> dict:
     return {"counts": [[d, p, t, n] for (d, p, t), n in counts.items()], "last": [list(m) for m in last]}
 
 
-def drain_key(lane: int, seq: int, rank: int) -> str:
-    """Where ``rank`` publishes its account of call #seq (thread lane ``lane``) in the group's store."""
-    return f"commfuse/drain/{lane}/{seq}/{rank}"
+def drain_key(board, lane: int, seq: int, rank: int) -> str:
+    """Where ``rank`` publishes its account of call #seq (thread lane ``lane``) in the group's store: on the
+    board of the group's incarnation, so that no call reads an account of an earlier numbering's call."""
+    return board._key("drain", lane, seq, rank)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -97,7 +98,7 @@ def drain_call(state, group, lane: int, seq: int, mine: dict, timeout: float, wh
                                                  f"call #{seq} through; the group is dead: {RECOVER}"), None)
     store, me, n = board.store, state.rank, state.world_size
     try:
-        store.set(drain_key(lane, seq, me), json.dumps(mine))
+        store.set(drain_key(board, lane, seq, me), json.dumps(mine))
     except Exception as e:  # noqa: BLE001 - the store is gone: nothing can be drained
         raise declare_dead(state, GroupDeadError(
             f"rank {me}: {who}: could not publish this rank's part of call #{seq} ({type(e).__name__}: {e}); "
@@ -107,7 +108,7 @@ def drain_call(state, group, lane: int, seq: int, mine: dict, timeout: float, wh
     waiting = [q for q in range(n) if q != me]
     while waiting:
         for q in list(waiting):
-            key = drain_key(lane, seq, q)
+            key = drain_key(board, lane, seq, q)
             try:
                 if store.check([key]):
                     theirs[q] = json.loads(store.get(key))

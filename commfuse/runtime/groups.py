@@ -146,9 +146,9 @@ class GroupState:
     store) and whether a peer's part of the call in progress failed."""
 
     __slots__ = ("seqs", "now", "lock", "busy", "dirty", "error", "name", "checked", "lacking", "group", "rank",
-                 "world_size", "board", "told", "lane", "recorder", "__weakref__")
+                 "world_size", "board", "told", "lane", "recorder", "incarnation", "__weakref__")
 
-    def __init__(self, name: str, group=None) -> None:
+    def __init__(self, name: str, group=None, incarnation: int = 1) -> None:
         #: the next call number of each thread lane (:func:`lane`'s code): every thread's calls on the group
         #: are numbered apart, so a call pairs with its thread's call of the same number on every peer
         self.seqs: dict[int, int] = {}
@@ -178,6 +178,11 @@ class GroupState:
         #: the flight recorder of this group on this rank (``runtime.recorder``): None until the first plan on
         #: the group asks for it, False when ``COMMFUSE_RECORDER=0``
         self.recorder = None
+        #: how many states this process has made for a group of this name, this one included: every rank
+        #: makes them in step (after each ``commfuse.backends.release()``, for each group made again under
+        #: the name), so the board's notes are kept apart per incarnation and no call reads a note written
+        #: before its own numbering began
+        self.incarnation = incarnation
 
     def current(self) -> int:
         """The number of the call in progress."""
@@ -186,6 +191,8 @@ class GroupState:
 
 _STATES: dict[object, GroupState] = {}
 _STATES_LOCK = threading.Lock()
+#: how many states were made per group name (:attr:`GroupState.incarnation`); never cleared
+_INCARNATIONS: dict[str, int] = {}
 
 
 def _group_name(group) -> str:
@@ -202,7 +209,9 @@ def state_of_group(group) -> GroupState:
         with _STATES_LOCK:
             found = _STATES.get(group)
             if found is None:
-                found = _STATES[group] = GroupState(_group_name(group), _c10d_group(group))
+                name = _group_name(group)
+                incarnation = _INCARNATIONS[name] = _INCARNATIONS.get(name, 0) + 1
+                found = _STATES[group] = GroupState(name, _c10d_group(group), incarnation)
     return found
 
 

@@ -48,6 +48,13 @@ failure (:func:`failed`: a timeout, a ``CommunicationError``, a
 program has not installed its own handler (:func:`install_signal_handlers`),
 when the watchdog ends the process, and on demand (:func:`dump_all`).
 ``commfuse trace analyze`` (``commfuse.traces``) merges the ranks' files.
+
+Every dump names its job (:func:`job_identity`), so that the dumps of two runs
+written into one folder are never read as one: the first rank of the job to
+make a recorder proposes an identity in the default group's store
+(``compare_set``: the store keeps the first proposal and gives every later
+rank that one), once per recorder, when the group's first call is planned;
+nothing is added to a call.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import collections
 import itertools
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -66,7 +74,7 @@ import weakref
 from commfuse.runtime.env import number
 
 __all__ = ["DEFAULT_SIZE", "DEVICE", "FORMAT", "Call", "DeviceStamps", "Recorder", "device_timing", "device_waits",
-           "dump_all", "failed", "group_name", "install_signal_handlers", "recorder_for", "recorders",
+           "dump_all", "failed", "group_name", "install_signal_handlers", "job_identity", "recorder_for", "recorders",
            "size_from_env", "stamper", "trace_dir"]
 
 #: Calls each group keeps on each rank, unless ``COMMFUSE_RECORDER`` says otherwise (0: off).
@@ -192,14 +200,46 @@ def _stalled_ns(began, done) -> int | None:
         return None
 
 
+#: The key, in the default group's store, under which the ranks of a job agree on its identity.
+JOB_KEY = "commfuse/job"
+
+
+def job_identity() -> tuple[str | None, str | None]:
+    """This job's identity and where it came from: ``(id, "store")``, agreed in the default group's store (the
+    first rank to ask proposes the UTC time and 8 random hex digits, and every rank reads back that one
+    proposal, so the ranks of one job share it and another job, with a store of its own, does not); else
+    ``(TORCHELASTIC_RUN_ID.restart, "TORCHELASTIC_RUN_ID")`` where torchrun set a run id; else ``(None,
+    None)``. One store round trip, made when a group's recorder is made (its first planned call), never in a
+    call; a store that cannot be reached gives the fallback."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            import torch.distributed.distributed_c10d as c10d
+
+            store = c10d._get_process_group_store(c10d._get_default_group())
+            proposal = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+            agreed = store.compare_set(JOB_KEY, "", proposal)
+            text = agreed.decode("utf-8", "replace") if isinstance(agreed, bytes) else str(agreed)
+            if text:
+                return text[:200], "store"
+    except Exception:  # noqa: BLE001 - a store without compare_set (torch's fake one) or one that is gone
+        pass
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run and run.lower() != "none":
+        return f"{run[:160]}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0').strip()[:20]}", "TORCHELASTIC_RUN_ID"
+    return None, None
+
+
 class Recorder:
     """The ring of one group's last ``size`` calls on this rank (see the module)."""
 
-    __slots__ = ("state", "size", "entries", "append", "ring", "next", "errors", "dumps", "__weakref__")
+    __slots__ = ("state", "size", "entries", "append", "ring", "next", "errors", "dumps", "job", "__weakref__")
 
     def __init__(self, state, size: int) -> None:
         self.state = state
         self.size = size
+        #: (the job's identity, where it came from): see :func:`job_identity`; written into every dump
+        self.job = job_identity()
         #: the last ``size`` calls, oldest first: :class:`Call` records (calls that stamp) and tuples
         #: ``(plan, seq, lane, site, start)`` (calls that do not); ``append`` is the deque's own, which the step
         #: loop calls with the tuple it builds in place (a method of ours there would cost a measurable share
@@ -257,6 +297,8 @@ class Recorder:
             "rank": state.rank,
             "global_rank": _global_rank(),
             "world_size": state.world_size,
+            "job": self.job[0],
+            "job_from": self.job[1],
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "reason": reason,

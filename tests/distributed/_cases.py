@@ -217,6 +217,32 @@ def matrix(rank, n):
     return results
 
 
+def half_contraction(rank, n):
+    """all_gather_matmul along the contraction dim in float16 and bfloat16, partial products that a sum in the
+    input's type rounds away or overflows (float16: 40000 + 30000 is inf though the whole sum is 40000;
+    bfloat16: 256 + 1 is 256): every algorithm's result is the unsharded float32 product rounded once, as
+    torch's own matmul gives it. Needs 3 ranks or more (two partials of a finite sum cannot overflow)."""
+    results = {}
+    for dname, dtype, partials in (("fp16", torch.float16, [40000.0, 30000.0, -30000.0]),
+                                   ("bf16", torch.bfloat16, [256.0, 1.0, -256.0])):
+        x = torch.tensor([partials + [0.0] * (n - 3)])  # (1, n): rank r holds column r
+        y = torch.ones(n, 2)
+        want = (x @ y).to(dtype)
+        whole = x.to(dtype) @ y.to(dtype)
+
+        for alg in ("ring", "bidirectional", "sliced:2", "vanilla", "auto"):
+            def case(alg=alg):
+                if not torch.equal(whole, want):  # torch's own half matmul: the sum in float32, rounded once
+                    raise AssertionError(f"torch's unsharded {dname} matmul gives {whole.tolist()}, not {want.tolist()}")
+                got = cf.all_gather_matmul(x[:, rank:rank + 1].to(dtype), y.to(dtype), gather_dim=-1, algorithm=alg,
+                                           timeout=30)
+                if got.dtype != dtype or not torch.equal(got, want):
+                    raise AssertionError(f"{alg}: {got.tolist()} ({got.dtype}), want {want.tolist()}")
+
+            _run(results, f"{dname}-{alg}", case)
+    return results
+
+
 # -- edge cases -------------------------------------------------------------
 
 

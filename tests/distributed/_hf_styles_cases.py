@@ -6,7 +6,8 @@ not compute."""
 from __future__ import annotations
 
 import copy
-import traceback
+import sys
+from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -15,6 +16,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from commfuse import tp
 from commfuse.errors import CommfuseError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_cases import _run, expect  # noqa: E402  (the shared checks of the DTensor tests)
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
 BATCH, SEQ = 2, 12  # the sequence divides over 2 and 3 ranks and is longer than the sliding windows (4)
@@ -65,14 +69,6 @@ def model_of(family: str, seed: int = 0, **more):
     return transformers.AutoModelForCausalLM.from_config(config_of(family, **more)).float()
 
 
-def _run(results, name, fn):
-    try:
-        fn()
-        results[name] = None
-    except Exception as e:  # noqa: BLE001 - handed to the pytest side, with its traceback
-        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=10)}"
-
-
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -84,18 +80,6 @@ def _close(got, want, what):
     if not torch.allclose(got, want, **TOL):
         scale = want.abs().max().item()
         raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g} (max |value| {scale:.3g})")
-
-
-def expect(call, kind, *words) -> str:
-    """``call()`` must raise ``kind`` with every one of ``words`` in its message; returns the message."""
-    try:
-        call()
-    except kind as e:
-        missing = [w for w in words if w not in str(e)]
-        if missing:
-            raise AssertionError(f"the error does not say {missing}: {e}") from e
-        return str(e)
-    raise AssertionError(f"no {kind.__name__} naming {words}")
 
 
 def captured_calls(model) -> dict:

@@ -55,6 +55,31 @@ def killed_rank(rank, n, k):
     return k, "no error", ""
 
 
+def run_then_dump(rank, n, calls, kill_at):
+    """One run of a small job. ``kill_at`` None: ``calls`` ring calls, then every rank dumps on demand (the
+    files the next run's dumps land beside). Else rank 1 is killed (SIGKILL) inside its compute of call
+    ``kill_at``, after posting that call's first step; rank 0's transfers with it fail, in that call or (when
+    rank 1's shard had arrived: with two ranks the call's last step has nothing to receive) the next, and it
+    dumps. Returns (the paths dumped on demand, or the failed call's number, its error's class)."""
+    from commfuse import metrics
+
+    a = _ints((4, 8), rank)
+    at = [0]
+
+    def consume(shard, source):
+        if rank == 1 and at[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return shard
+
+    for i in range(calls):
+        at[0] = i
+        try:
+            cf.all_gather_consume(a, consume, algorithm="ring", timeout=20)
+        except CommfuseError as e:
+            return i, type(e).__name__
+    return metrics.dump_trace("end of the first run"), None
+
+
 def mismatch(rank, n, k):
     """Calls 0..k-1 agree; at call k rank 1 passes another shape."""
     b = _ints((8, 5), 99)

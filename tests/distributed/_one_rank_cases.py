@@ -325,6 +325,59 @@ def group_remade(rank, n):
     return out
 
 
+def notes_of_an_earlier_numbering(rank, n):
+    """The board's notes belong to one numbering of the group's calls. Rank 1's producer raises mid-ring in
+    call #1 (its failure note on the board; the group stays usable); then the numbering starts again, and call
+    #1 of the new numbering is a healthy ``produce_reduce_scatter`` that rank 2 joins 1.5 s late (past the
+    grace period, so its peers read the board while they wait). Twice: after ``commfuse.backends.release()``
+    on the same group, and on the default group made again on the same store (the documented recovery:
+    destroy, release, init; under another prefix: gloo's own rendezvous cannot make a group again under the
+    prefix of one it destroyed, it reads the old group's addresses). Returns each healthy call's outcome."""
+    from torch.distributed import distributed_c10d as c10d
+
+    parts = {d: _ints((4, 6), 10 * rank + d) for d in range(n)}
+    want = sum(_ints((4, 6), 10 * r + rank) for r in range(n))
+
+    def failing():
+        bad = (rank - 2) % n  # the second partial rank 1 makes: its first was sent
+
+        def producer(d):
+            if rank == 1 and d == bad:
+                raise Injected(f"rank 1's producer failed for rank {d}")
+            return parts[d].clone()
+
+        _run(lambda: cf.produce_reduce_scatter(producer, algorithm="ring", timeout=TIMEOUT))
+
+    def healthy():
+        if rank == 2:
+            time.sleep(1.5)
+        return bool(torch.equal(cf.produce_reduce_scatter(lambda d: parts[d].clone(), algorithm="ring",
+                                                          timeout=TIMEOUT), want))
+
+    out = {}
+    base = c10d._get_default_store()
+    for how in ("release", "group made again"):
+        if how == "group made again":
+            dist.destroy_process_group()
+            cf.backends.release()
+            dist.init_process_group("gloo", store=dist.PrefixStore("first", base), rank=rank, world_size=n,
+                                    timeout=datetime.timedelta(seconds=60))
+        _before(rank, n)  # call #0
+        failing()  # call #1: rank 1's note
+        dist.barrier()
+        if how == "release":
+            cf.backends.release()
+        else:
+            dist.destroy_process_group()
+            cf.backends.release()
+            dist.init_process_group("gloo", store=dist.PrefixStore("again", base), rank=rank, world_size=n,
+                                    timeout=datetime.timedelta(seconds=60))
+        _before(rank, n)  # call #0 of the new numbering
+        out[how] = _run(healthy)[:2]  # call #1 of the new numbering
+        out[how + ", then"] = _run(lambda: _agmm_check(rank, n, 60))[:2]
+    return out
+
+
 # -- a stream-ordered backend's watchdog reads the board (its pieces, on gloo) ------------------------------
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gc
 import threading
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,15 +23,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 import commfuse as cf
 from commfuse import backends, tp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tp_cases import _run  # noqa: E402  (the shared checks of the DTensor tests)
+
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
-
-
-def _run(results, name, fn):
-    try:
-        fn()
-        results[name] = None
-    except Exception as e:
-        results[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
 
 
 def _close(got, want, what):

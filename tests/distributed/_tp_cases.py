@@ -21,14 +21,15 @@ from commfuse import tp
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, summed in another order
 
 
-def expect(call, kind, *words) -> None:
-    """``call()`` must raise ``kind`` with every one of ``words`` in its message."""
+def expect(call, kind, *words) -> str:
+    """``call()`` must raise ``kind`` with every one of ``words`` in its message; returns the message."""
     try:
         call()
     except kind as e:
         missing = [w for w in words if w not in str(e)]
         if missing:
             raise AssertionError(f"the error does not say {missing}: {e}") from e
+        return str(e)
     else:
         raise AssertionError(f"no {kind.__name__} naming {words}")
 

@@ -105,7 +105,7 @@ def test_a_selective_policy_saves_commfuse_reduce_scatters_and_recomputes_its_ga
 @pytest.mark.parametrize("mode", ("wrapper", "selective"))
 def test_compiled_checkpointed_block_equals_eager_and_recomputes_as_the_policy_says(mode, n):
     # AOTAutograd with inductor's partitioner: the backward graph holds the recomputed forward ops; the fused
-    # ops' results are those of the eager block without checkpointing, bit for bit
+    # ops' results are those of the block compiled without checkpointing, bit for bit (of eager, within rounding)
     results = _check("compiled", n, f"{mode}-record", "record")
     for rank, res in enumerate(results):
         backward = res[f"{mode}-graphs"]["backward"]

@@ -38,14 +38,16 @@ def test_a_checkpoint_of_such_a_model_loads_back_exactly(tmp_path):
         assert problems == [], f"rank {rank}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("wrapper,said", [("fully_shard", "must have the same mesh"),
-                                          ("ddp", "mixed torch.Tensor and DTensor")])
+@pytest.mark.parametrize("wrapper,said", [
+    # torch 2.13 names the meshes; torch 2.9 fails in the stack's sharding propagation
+    ("fully_shard", ("must have the same mesh", "Sharding propagation failed for Op(op=aten.stack.default")),
+    ("ddp", ("mixed torch.Tensor and DTensor",))])
 def test_torch_clip_grad_norm_cannot_take_such_a_model(wrapper, said):
     """Why commfuse.ep.clip_grad_norm_ exists: torch's stacks one norm per device and dtype, which fails for
     DTensors of several meshes (FSDP2) or beside plain tensors (DDP). Should torch learn to, this test says
     so."""
     for rank, text in enumerate(launch(cases.torch_clip_on_dp_by_ep, 4, wrapper, timeout=300)):
-        assert said in text, f"rank {rank}: {text}"
+        assert any(s in text for s in said), f"rank {rank}: {text}"
 
 
 RECIPE_REFUSALS = {  # what commfuse.ep refuses, and what every rank's error says

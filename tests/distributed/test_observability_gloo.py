@@ -80,6 +80,31 @@ def test_a_rank_killed_mid_op_is_named_by_the_survivors_dumps(tmp_path):
     assert "rank 1 never posted" in verdict and f"call #{k} " in verdict and "left no dump" in verdict, text
 
 
+def test_two_runs_in_one_folder_the_newer_with_a_killed_rank_name_that_rank_and_what_was_left_out(tmp_path):
+    # the first run dumps both ranks after 6 calls; the second, into the same folder, has rank 1 killed in call
+    # #2, so rank 1's file is still the first run's: main's analyze read it as the second run's and named no rank
+    first = launch(cases.run_then_dump, 2, 6, None, timeout=90, env={"COMMFUSE_TRACE_DIR": str(tmp_path)})
+    assert all(len(paths) == 1 for paths, _ in first), first
+    jobs = {json.loads(Path(paths[0]).read_text())["job"] for paths, _ in first}
+    (old,) = jobs  # one identity shared by the ranks of the run
+    second = launch(cases.run_then_dump, 2, 6, 2, timeout=90, allow_failures=True,
+                    env={"COMMFUSE_TRACE_DIR": str(tmp_path)})
+    assert isinstance(second[1], str) and second[1].startswith("FAILED") and "-9" in second[1], second[1]
+    k = second[0][0]  # the call rank 0 failed in: #2, or #3 when rank 1's shard of #2 had arrived before it died
+    assert k in (2, 3) and second[0][1] in ("CommunicationError", "GroupDeadError", "PeerFailedError"), second
+    dumps = _dumps(tmp_path)
+    assert dumps[1]["job"] == old and dumps[0]["job"] not in (None, old), (old, dumps[0]["job"])
+    assert dumps[0]["job_from"] == "store"
+    (group,) = analyze(tmp_path)
+    assert set(group.culprits) == {1} and "no dump" in group.culprits[1], group.verdict
+    assert group.stuck == ("MainThread", k)
+    text = _cli(tmp_path)
+    verdict = text.split("\n\n")[0]
+    assert "rank 1 never posted what rank 0 waited for" in verdict and f"call #{k} " in verdict, text
+    assert f"left out: job {old}" in verdict and "commfuse-trace-0-rank1.json" in verdict, text
+    assert f"job {dumps[0]['job']} (its identity agreed in the store)" in verdict, text
+
+
 def test_a_mismatch_is_named_as_the_first_call_the_ranks_disagree_on(tmp_path):
     k = 2
     out = launch(cases.mismatch, 3, k, timeout=90, env={"COMMFUSE_TRACE_DIR": str(tmp_path)})

@@ -198,6 +198,16 @@ def test_a_group_destroyed_and_made_again_is_never_called_with_old_plans():
         assert out["remade"] == ("ok", True) and out["remade, new signature"] == ("ok", True), out
 
 
+def test_no_call_reads_a_note_of_an_earlier_numbering():
+    # issue 44: after release(), or on a group made again on the same store, a late rank's peers read the board
+    # and took rank 1's failure of the old call #1 for the new call #1 (wrong data on one rank, a false
+    # PeerFailedError on the others)
+    for rank, out in enumerate(launch(cases.notes_of_an_earlier_numbering, 3, timeout=240)):
+        for how in ("release", "group made again"):
+            assert out[how] == ("ok", True), (rank, how, out)
+            assert out[how + ", then"] == ("ok", True), (rank, how, out)
+
+
 def test_a_stream_ordered_backends_watchdog_reads_the_board_for_a_pending_step():
     reported, seconds = launch(cases.watchdog_reads_the_board, 2, timeout=120)[0]
     assert reported, "the watchdog reported nothing"

@@ -56,6 +56,15 @@ def test_edge_cases(n, name):
     _assert_all_ranks(_battery("edges", n), name)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_half_precision_contraction_gather_sums_in_float32(n):
+    results = launch(_cases.half_contraction, n, timeout=300)
+    names = {f"{d}-{a}" for d in ("fp16", "bf16") for a in ("ring", "bidirectional", "sliced:2", "vanilla", "auto")}
+    assert all(set(res) == names for res in results), results
+    for name in sorted(names):
+        _assert_all_ranks(results, name)
+
+
 def test_world_size_one_process_group():
     assert launch(_cases.world_one, 1, timeout=120) == ["ok"]
 

@@ -186,8 +186,30 @@ def _positions(g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _checkpointing(ac: str):
+    """torchtitan's own activation checkpointing: ``full`` (``FullAC``: every block recomputed whole),
+    ``selective`` (``SelectiveAC``: its per-op policy with its default save list, which names none of commfuse's
+    ops, so each fused op is recomputed), ``selective+commfuse`` (the same with commfuse's
+    ``library.CHECKPOINT_SAVE`` added to the save list, as a user subclasses ``SelectiveAC`` to tune it)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    import commfuse.library
+
+    if ac == "full":
+        return FullAC(FullAC.Config())
+    if ac == "selective":
+        return SelectiveAC(SelectiveAC.Config())
+    if ac == "selective+commfuse":
+        class WithCommfuse(SelectiveAC):
+            def get_save_ops(self) -> set:
+                return super().get_save_ops() | set(commfuse.library.CHECKPOINT_SAVE)
+
+        return WithCommfuse(SelectiveAC.Config())
+    raise ValueError(f"ac={ac!r}")
+
+
 def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, query_split: bool = True,
-             core: str = "sdpa") -> dict:
+             core: str = "sdpa", ac: str = "none") -> dict:
     torch.set_num_threads(1)
     prepare()
     from torch.distributed.fsdp import fully_shard
@@ -200,7 +222,7 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, que
 
     results: dict = {}
     name = (f"{'dp%dx' % dp if dp > 1 else ''}tp{n // dp}-{'separate' if separate_qkv else 'fused'}-{algorithm}"
-            f"{'' if query_split else '-projections only'}-{core}")
+            f"{'' if query_split else '-projections only'}-{core}{'' if ac == 'none' else '-ac ' + ac}")
     problems: list[str] = []
     tp = n // dp
     parallelism = ParallelismConfig(tensor_parallel_degree=tp, data_parallel_shard_degree=dp,
@@ -230,6 +252,10 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, que
     if any(isinstance(m, cf_titan._Fused) for m in stock.modules()):
         problems.append("the stock model holds commfuse modules")
 
+    if ac != "none":  # torchtitan's order: tensor parallelism, then activation checkpointing, then FSDP
+        policy = _checkpointing(ac)
+        for model in (stock, fused):
+            policy.apply(model)
     tp_group = parallel_dims.get_mesh("tp").get_group()
     dp_group = None
     if dp > 1:
@@ -288,7 +314,9 @@ def training(rank: int, n: int, dp: int, separate_qkv: bool, algorithm: str, que
              {k: _local(v).detach() for k, v in stock.state_dict().items()}, problems, atol=2e-5)
     # each block: the Q/K/V gather and the w1/w3 gather; w2's scatter, and wo's (the query-split attention's ring
     # with query_split, else matmul_reduce_scatter)
-    per_step = len(stock_config.layers) * STEPS
+    # under checkpointing each block's forward runs again in the backward, and with it each module's call of a
+    # fused op (a saved op's result is then taken from the forward, not computed again)
+    per_step = len(stock_config.layers) * STEPS * (1 if ac == "none" else 2)
     want_calls = {"all_gather_matmul": 2 * per_step, "matmul_reduce_scatter": (1 if query_split else 2) * per_step,
                   "attention_reduce_scatter": per_step if query_split else 0}
     if counted.calls != want_calls:

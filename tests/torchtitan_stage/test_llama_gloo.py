@@ -17,8 +17,9 @@ from commfuse.launch import launch  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def _results(n: int, dp: int, separate_qkv: bool, algorithm: str, query_split: bool, core: str) -> list[dict]:
-    return launch(_llama_cases.training, n, dp, separate_qkv, algorithm, query_split, core, timeout=600)
+def _results(n: int, dp: int, separate_qkv: bool, algorithm: str, query_split: bool, core: str,
+             ac: str = "none") -> list[dict]:
+    return launch(_llama_cases.training, n, dp, separate_qkv, algorithm, query_split, core, ac, timeout=600)
 
 
 @pytest.mark.parametrize(("n", "dp", "separate_qkv", "algorithm", "query_split", "core"), [
@@ -35,4 +36,14 @@ def test_torchtitan_llama3_trains_as_its_stock_tp_plan(n, dp, separate_qkv, algo
     results = _results(n, dp, separate_qkv, algorithm, query_split, core)
     errors = {r: e for r, res in enumerate(results) for e in res.values() if e}
     assert len(results) == n and all(len(res) == 1 for res in results), results
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
+
+
+@pytest.mark.parametrize("ac", ("full", "selective", "selective+commfuse"))
+def test_torchtitan_activation_checkpointing_trains_as_its_stock_tp_plan(ac):
+    """torchtitan's own FullAC and SelectiveAC applied to both models (tp2, the fused wqkv, the query-split
+    attention): the same five steps, losses, norms and gradients as the stock model under the same policy."""
+    results = _results(2, 1, False, "ring", True, "sdpa", ac)
+    errors = {r: e for r, res in enumerate(results) for e in res.values() if e}
+    assert len(results) == 2 and all(len(res) == 1 for res in results), results
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
