@@ -25,6 +25,13 @@ Design targets: ring and reduce-scatter ring at most 1.3x the floor at
 n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
 ``auto`` at most 5 us over the algorithm it picks.
 
+``--consume``: rows for the ops that take a Python callable, ring, in the
+same shuffled rounds: ``all_gather_consume`` and ``all_to_all_consume``
+(each shard's consumer one matmul), ``produce_reduce_scatter`` with
+``inputs`` (each partial one matmul) and ``ring_attention`` (causal, 2
+heads, 4 positions a rank). They have no floor row of their own; they are
+for comparing one tree's per-call cost with another's.
+
 ``--recorder``: the flight recorder's cost (``commfuse.runtime.recorder``).
 The ring and vanilla rows run again on one more group of the same ranks,
 passed by name, whose recorder is as ``COMMFUSE_RECORDER`` says (on, 64
@@ -42,12 +49,13 @@ the recorder takes no per-step stamps here: what is timed is its per-call
 record.
 
     python benchmarks/host_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 200] [--recorder]
-        [--pairs 200] [--pair-calls 100]
+        [--pairs 200] [--pair-calls 100] [--consume]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -137,7 +145,7 @@ def _paired(fn, plans, rec, pairs: int, calls: int) -> tuple[float, float, list[
 
 
 def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int = 200,
-            pair_calls: int = 100) -> dict:
+            pair_calls: int = 100, consume: bool = False) -> dict:
     import commfuse as cf
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -184,6 +192,24 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int 
 
         candidates["cf ag ring, with grads"] = ag_grad
         candidates["cf rs ring, with grads"] = rs_grad
+        if consume:
+            chunks = list(x.view(n, m, k).unbind(0))
+            q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+            # ring_attention takes no check argument, and the fake group's receives carry no fingerprints
+            os.environ["COMMFUSE_CHECK"] = "0"
+
+            def gemm(t, source):
+                return torch.matmul(t, w)
+
+            def partial(dest, x, w):
+                return torch.matmul(x[dest * m:(dest + 1) * m], w)
+
+            candidates["cf ag consume ring"] = lambda: cf.all_gather_consume(a, gemm, algorithm="ring", check=False)
+            candidates["cf a2a consume ring"] = lambda: cf.all_to_all_consume(chunks, gemm, algorithm="ring",
+                                                                              check=False)
+            candidates["cf produce rs ring"] = lambda: cf.produce_reduce_scatter(partial, inputs=(x, w),
+                                                                                 algorithm="ring", check=False)
+            candidates["cf ring attention"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring")
         if recorder:
             # One more group, passed by name, whose plans run with their recorder and without it (_paired sets
             # it on the plans before each block), so on and off run the same plan objects, the same group, the
@@ -240,11 +266,13 @@ def main(argv=None) -> None:
                    help="also time the commfuse rows on a group with the flight recorder off (see the module)")
     p.add_argument("--pairs", type=int, default=200, help="--recorder: pairs of on and off blocks per row")
     p.add_argument("--pair-calls", type=int, default=100, help="--recorder: calls per block")
+    p.add_argument("--consume", action="store_true",
+                   help="also time all_gather_consume, all_to_all_consume, produce_reduce_scatter, ring_attention")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     print(f"host us per call, fake process group, rank 0 of N, median of {args.rounds} rounds x {args.calls} calls")
     for n in args.world_sizes:
-        r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls)
+        r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls, args.consume)
         print(f"\nworld size {n}")
         for name, value in r.items():
             if name.endswith("recorder extra"):

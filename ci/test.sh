@@ -3,12 +3,13 @@
 # from their folders), run the whole test suite, then the plain install (commfuse
 # with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
-# (ci/test_backends.sh), the XLA stage in its own environment
-# (ci/test_xla.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models under
-# torch's and commfuse's tensor-parallel plans, against each model in one process), the torchtitan stage in its
-# own environment (ci/test_torchtitan.sh: torchtitan 0.3's models with commfuse's modules), and the CPU tests
-# again on the torch floor in the XLA environment (ci/test_torch_floor.sh). Extra arguments go to the main pytest
-# run.
+# (ci/test_backends.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models
+# under torch's and commfuse's tensor-parallel plans, against each model in one process), the JAX stage in its
+# own environment (ci/test_jax.sh: the ring executed on host devices through torchax), the torchtitan stage in
+# its own environment (ci/test_torchtitan.sh: torchtitan 0.3's models with commfuse's modules), and the
+# version-sensitive CPU tests again on the torch floor in an environment of its own (ci/test_torch_floor.sh).
+# The legacy torch-xla stage (ci/test_xla.sh, a 7 GB environment) is not run: its pure parts run in
+# ci/test_backends.sh. Extra arguments go to the main pytest run.
 # Conformance reports are kept in ci-artifacts/conformance-w<N>.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 export COMMFUSE_LAUNCH_START="${COMMFUSE_LAUNCH_START:-forkserver}"
 bash ci/setup.sh
 venv="${COMMFUSE_VENV:-.venv}"
-PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
+PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
     "$venv/bin/lint-imports" --config .importlinter
 "$venv/bin/python" -m pytest "$@"
 mkdir -p ci-artifacts
@@ -37,8 +38,8 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
           + (f", ring hid {hidden:.2f} of what it could hide, min(compute, comm) (rank 0)" if hidden is not None else ""))
 PY
 bash ci/test_backends.sh || status=1
-bash ci/test_xla.sh || status=1
 bash ci/test_transformers.sh || status=1
+bash ci/test_jax.sh || status=1
 bash ci/test_torchtitan.sh || status=1
 bash ci/test_torch_floor.sh || status=1
 exit $status

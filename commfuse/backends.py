@@ -36,7 +36,7 @@ KNOWN_BACKENDS = {
 
 __all__ = [
     "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "plan_bytes",
-    "plan_usage", "process_group", "refuse_destroyed", "release", "resolve", "spec", "specs",
+    "plan_usage", "process_group", "refuse_destroyed", "release", "resolve", "spec", "specs", "whole_op",
 ]
 
 
@@ -264,7 +264,9 @@ def resolve(backend=None, group=None, device=None):
                 "a wrong result where the caller meant several ranks)"
             )
         if backend is None:
-            return None
+            backend = _whole_for(device)  # a traced backend's ranks come from its own runtime
+            if backend is None:
+                return None
     if group is not None:
         refuse_destroyed(group)
     key = ("backend", backend, group if group is not None else dist.group.WORLD, str(device))
@@ -272,6 +274,34 @@ def resolve(backend=None, group=None, device=None):
     if found is None:
         found = table.remember(key, get(backend, device=device, group=group))
     return found
+
+
+def whole_op(be, op: str) -> bool:
+    """Whether backend object ``be`` runs ``op`` whole in its own graph (``Capabilities.whole_ops``)."""
+    return be is not None and op in getattr(getattr(be, "capabilities", None), "whole_ops", ())
+
+
+def _whole_for(device) -> str | None:
+    """The name of the available backend that runs whole ops on ``device``'s type, or None: with no group and
+    no torch.distributed, such a backend (a traced one, whose ranks are the devices of its own runtime, as in
+    a JAX trace) is what the caller means, and world size 1 would be a wrong, unsharded result."""
+    if device is None:
+        return None
+    kind = getattr(device, "type", None)  # a torch.device's, in one read; a tensor's .type is a method
+    if not isinstance(kind, str):
+        kind = _device_type(device)
+    if kind == "cpu":
+        return None
+    return table.find(("whole-for", kind), lambda: _whole_named(kind)) or None
+
+
+def _whole_named(kind: str) -> str:
+    """:func:`_whole_for`'s search of the registry, for the planning table ("": none)."""
+    registry = manager.registry()
+    for s in sorted(registry.specs.values(), key=lambda s: (-s.priority, s.name)):
+        if kind in s.device_types and s.capabilities.whole_ops and registry.availability(s).ok:
+            return s.name
+    return ""
 
 
 def adopt(backend, *, group=None, device=None) -> None:

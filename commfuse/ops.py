@@ -102,6 +102,10 @@ _compiling = torch.compiler.is_compiling
 _planned = table.get
 #: torch.distributed's world: its default group goes into every key (see commfuse.planning.table)
 _WORLD = C10D_WORLD
+#: the plain tensor type, bound once: a call whose tensors are not of it may be a traced backend's, which runs
+#: the op whole (``Capabilities.whole_ops``); the check costs a global read (``torch.Tensor`` goes through the
+#: torch module's ``__getattr__`` path, about three times the instructions)
+_TENSOR = torch.Tensor
 
 
 def _watched(key):
@@ -389,6 +393,11 @@ def all_gather_consume(
         if shard.ndim == 0:
             raise CommfuseValueError("shard is a 0-d tensor; give it at least one dim")
         d = check_dim("dim", dim, shard.ndim)
+        if type(shard) is not _TENSOR:  # a tensor subclass: perhaps a traced backend's, which runs it whole
+            be = backends.resolve(backend, group, shard.device)
+            if backends.whole_op(be, "all_gather_consume"):
+                return be.run_op("all_gather_consume", shard=shard, consumer=consumer, group=group, dim=d,
+                                 algorithm=algorithm)
         call = resolve_call(Collective.ALL_GATHER, algorithm, group=group, backend=backend, device=shard.device,
                             slice_bytes=shard.numel() * shard.element_size(), timeout=timeout, check=check,
                             report=report)
@@ -442,6 +451,10 @@ def produce_reduce_scatter(
                 check_tensor(f"inputs[{i}]", t)
         device = inputs[0].device if inputs else None
         be = backends.resolve(backend, group, device)
+        # a traced backend, which runs it whole, has tensors of a subclass; without inputs only be can say
+        if (not inputs or type(inputs[0]) is not _TENSOR) and backends.whole_op(be, "produce_reduce_scatter"):
+            return be.run_op("produce_reduce_scatter", producer=producer, inputs=inputs, group=group, dim=dim,
+                             algorithm=algorithm)
         n = 1 if be is None else be.world_size
         call_producer = producer if inputs is None else (lambda d: producer(d, *inputs))
         if n == 1:
@@ -517,6 +530,9 @@ def all_to_all_consume(
     try:
         chunks, be, n, d = _a2a_chunks(chunks, group, backend, dim, uneven or output_splits is not None)
         _checked("consumer", consumer)
+        if type(chunks[0]) is not _TENSOR and backends.whole_op(be, "all_to_all_consume"):  # traced: run whole
+            return be.run_op("all_to_all_consume", chunks=chunks, consumer=consumer, group=group, dim=d,
+                             algorithm=algorithm, output_splits=output_splits, uneven=uneven)
         uneven = uneven or output_splits is not None
         row_bytes = chunks[0].element_size() * (chunks[0].numel() // max(chunks[0].shape[d], 1)) if uneven else 0
         call = resolve_call(Collective.ALL_TO_ALL, algorithm, group=group, backend=be if be is not None else backend,
@@ -688,6 +704,11 @@ def ring_attention(
         )
     if _any_autocast():  # as SDPA under autocast: q, k, v in its dtype (K/V travel in it); blocks merge in float32
         q, k, v = _autocast(q), _autocast(k), _autocast(v)
+    if type(q) is not _TENSOR and isinstance(q, torch.Tensor):  # perhaps a traced backend's, which runs it whole
+        be = backends.resolve(None, group, q.device)
+        if backends.whole_op(be, "ring_attention"):
+            return be.run_op("ring_attention", q=q, k=k, v=v, group=group, causal=causal, scale=scale, layout=layout,
+                             algorithm=algorithm, document_lengths=document_lengths, ulysses_group=ulysses_group)
     return _ring.ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                 algorithm=algorithm, document_lengths=document_lengths, timeout=timeout,
                                 ulysses_group=ulysses_group)

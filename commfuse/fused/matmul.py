@@ -178,6 +178,10 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     gd = check_dim("gather_dim", gather_dim, a.ndim)
     contraction = gd == a.ndim - 1
     be = backends.resolve(backend, group, a.device)
+    if backends.whole_op(be, "all_gather_matmul"):
+        return _handed_whole(be, "all_gather_matmul", lambda a, b: dict(
+            a_shard=a, b=b, group=group, gather_dim=gd, algorithm=algorithm, return_gathered=return_gathered,
+            gathered_size=gathered_size, keep_gathered=keep_gathered))
     n = 1 if be is None else be.world_size
     rank = 0 if be is None else be.rank
     length = a.shape[gd]
@@ -257,6 +261,17 @@ def plan_all_gather_matmul(a, b, group, gather_dim, algorithm, return_gathered, 
     run.one_weight_no_grad = direct
     # the ring's plan, which the entry goes with in the planning table (not a native kernel's: it runs none)
     run.plans = (forward.planned.plan,) if forward is not None and native is None else ()
+    return run
+
+
+def _handed_whole(be, op: str, arguments: Callable):
+    """The planned entry of a signature whose backend runs ``op`` whole (``Capabilities.whole_ops``): every
+    call hands the backend's ``run_op`` the op's ``arguments(a, b)``."""
+    def run(a, b):
+        return be.run_op(op, **arguments(a, b))
+
+    run.report = {"algorithm": "whole", "reason": f"handed whole to backend {getattr(be, 'name', be)!r}"}
+    run.call, run.sizes, run.gd, run.one_weight_no_grad = None, None, None, None
     return run
 
 
@@ -479,6 +494,9 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
     out_shape = [*a.shape[:-1], b.shape[1]]
     sd = check_dim("scatter_dim", scatter_dim, len(out_shape))
     be = backends.resolve(backend, group, a.device)
+    if backends.whole_op(be, "matmul_reduce_scatter"):
+        return _handed_whole(be, "matmul_reduce_scatter", lambda a, b: dict(
+            a=a, b=b, group=group, scatter_dim=sd, reduce_op=reduce_op, algorithm=algorithm))
     n = 1 if be is None else be.world_size
     sizes = split_sizes(out_shape[sd], n)
     per_rank = 1

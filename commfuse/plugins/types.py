@@ -25,6 +25,9 @@ EXECUTIONS = ("eager", "traced")
 COLLECTIVES = tuple(c.value for c in Collective if c.transport is c)
 #: The ops that ask a backend for its own fused kernel (``native_op``), when declared in ``native_fused_ops``.
 NATIVE_FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: The ops a backend may run whole, inside its own graph (``run_op``), when declared in ``whole_ops``.
+WHOLE_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_gather_consume", "produce_reduce_scatter",
+             "all_to_all_consume", "ring_attention")
 #: The device type that stands for whatever non-CPU device ``torch.accelerator`` reports.
 ACCELERATOR = "accelerator"
 
@@ -115,6 +118,18 @@ class Capabilities:
     #: conformance suite's capture tier (``commfuse.testing.suite.CaptureTests``), which runs only where it is
     #: declared and checks replays against eager calls.
     capturable: bool = False
+    #: Ops the backend runs whole, in its own graph, among :data:`WHOLE_OPS`: a traced backend whose ranks run
+    #: one program, so that the rank is a value of the graph and not a Python int (the JAX lowering, where it
+    #: is the device's ``axis_index``), and commfuse's step loop, which needs the rank as an int, cannot walk.
+    #: Read by: ``commfuse.ops`` and ``commfuse.fused.matmul``: a call of an op listed here, on tensors of
+    #: this backend's device, is handed to the backend's ``run_op(op, **arguments)``
+    #: (``commfuse.runtime.protocol``) with the public op's arguments, and what it returns is the op's result.
+    #: Such a backend's tensors are a tensor subclass (torchax's, for the JAX lowering): the ops ask only for
+    #: a call whose tensors are not plain ``torch.Tensor`` (``produce_reduce_scatter`` without ``inputs``:
+    #: always), so a plain tensor's call pays one type check (the matmul ops decide once per signature).
+    #: Read by ``commfuse.backends.resolve`` too: with no group and no torch.distributed, a backend that
+    #: declares whole ops is taken for tensors of its own device type (its ranks come from its runtime).
+    whole_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("bidirectional_links", "streams", "overlap", "capturable"):
@@ -145,6 +160,20 @@ class Capabilities:
         if len(set(collectives)) != len(collectives):
             raise PluginError(f"Capabilities.collectives lists an entry twice: {collectives!r}")
         object.__setattr__(self, "collectives", collectives)
+        whole = _str_tuple("Capabilities", "whole_ops", self.whole_ops)
+        _identifiers("Capabilities", "whole_ops", whole)
+        for op in whole:
+            if op not in WHOLE_OPS:
+                raise PluginError(
+                    f"Capabilities.whole_ops entries must be among {WHOLE_OPS} (the ops that hand a call to a "
+                    f"backend's run_op), got {op!r} in {whole!r}"
+                )
+        if whole and self.execution != "traced":
+            raise PluginError(
+                f"Capabilities.whole_ops {whole!r} needs execution='traced': an eager backend's ranks are Python "
+                "ints, and commfuse's step loop runs its ops"
+            )
+        object.__setattr__(self, "whole_ops", whole)
 
 
 @dataclass(frozen=True)

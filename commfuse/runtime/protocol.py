@@ -98,3 +98,8 @@ class Uneven(list):
 # tensors and the op's options (see ``commfuse.ops``); ``runner(*tensors)`` must return what the op returns
 # without it (all_gather_matmul: ``(gathered or None, [a @ b for b in bs])``; matmul_reduce_scatter: the
 # reduced shard). ``reason`` says why the call does or does not qualify; it reaches ``report``.
+#
+# Optional: ``run_op(op, **arguments)`` runs a whole op listed in ``capabilities.whole_ops`` inside the backend's
+# own graph, where the rank is a value of the graph (one program for every rank: JAX's ``shard_map``) and the
+# step loop, which needs it as an int, cannot walk. ``arguments`` are the public op's own, by name, as the caller
+# gave them (tensors, callables, dims, ``algorithm``, ``group``); what ``run_op`` returns is the op's result.

@@ -8,6 +8,7 @@ each collective means over per-rank lists.
 from commfuse.schedule._builders import ALGORITHMS, build
 from commfuse.schedule._ir import Algorithm, Collective, CollectiveCall, Schedule, SliceId, Step, Transfer
 from commfuse.schedule._overlap import hidden_fraction
+from commfuse.schedule._permute import LoweringError, hop_slice, permute_plan
 from commfuse.schedule._reference import all_gather_ref, all_to_all_ref, reduce_scatter_ref, run_schedule
 from commfuse.schedule._render import render
 from commfuse.schedule._ring import Ring
@@ -28,6 +29,7 @@ __all__ = [
     "Algorithm",
     "Collective",
     "CollectiveCall",
+    "LoweringError",
     "Ring",
     "Schedule",
     "SliceId",
@@ -37,8 +39,10 @@ __all__ = [
     "all_to_all_ref",
     "build",
     "hidden_fraction",
+    "hop_slice",
     "offsets",
     "parse_algorithm",
+    "permute_plan",
     "reduce_scatter_ref",
     "render",
     "run_schedule",

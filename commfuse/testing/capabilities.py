@@ -32,6 +32,19 @@ class Capabilities:
     lets the calls after such a fault raise commfuse's error (never return a
     wrong result), and counts a rank that commfuse's watchdog ended with the
     named error as told.
+    ``traced_runner``: ``module:function`` for a backend whose ranks are the
+    devices of one traced program (its plugin record declares ``whole_ops``:
+    the JAX lowering, where the rank is a value of the graph), which the
+    suite cannot launch as processes. Set, the tiers that launch ranks skip
+    by this capability, and the ``traced`` tier runs every op and algorithm
+    through ``function(body, inputs, world_size, cotangents)`` on that many
+    devices of the backend's runtime, forward and backward, against the
+    reference semantics (``commfuse.testing.traced`` says what the runner
+    is given and returns).
+    ``traced_check``: ``module:function``, a traced backend's own check of
+    what it lowered (the JAX lowering's: the HLO against the schedule); the
+    ``traced`` tier's ``traced-check`` case calls ``function(world_size)``,
+    which returns its failures, as lines.
     """
 
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
@@ -44,6 +57,8 @@ class Capabilities:
     device: str = "cpu"
     dist_backend: str = "gloo"
     group_survives_one_rank_failure: bool = True
+    traced_runner: str | None = None
+    traced_check: str | None = None
 
     def as_dict(self) -> dict:
         names = [n for n in dir(self) if not n.startswith("_") and not callable(getattr(self, n))]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 from pathlib import Path
 
 from commfuse.cli import MAX_LAUNCHED_RANKS, OPTIONAL_COMMANDS, check_output_file, command, integer
 from commfuse.errors import BackendUnavailableError, CommfuseValueError
 from commfuse.testing import MIN_WORLD_SIZE
 
-TIERS = ("transport", "schedules", "ops", "determinism", "overlap", "capture", "robustness")
+TIERS = ("transport", "schedules", "ops", "determinism", "overlap", "capture", "robustness", "traced")
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,21 @@ def _check_backend(ref: str) -> None:
             f"{', '.join(backends.available()) or 'none'}")
 
 
+def _declared_capabilities(ref: str) -> str | None:
+    """For a registered backend whose ranks are one traced program (its record declares ``whole_ops``), the
+    capabilities file beside its plugin (``<package>.conformance:Capabilities``), which names its traced runner:
+    without it the suite would launch processes that such a backend has no rank in. None otherwise."""
+    if ":" in ref:
+        return None
+    from commfuse import backends
+
+    spec = backends.spec(ref)
+    if not spec.capabilities.whole_ops:
+        return None
+    module = f"{spec.factory.__module__.rpartition('.')[0]}.conformance"
+    return f"{module}:Capabilities" if importlib.util.find_spec(module) is not None else None
+
+
 def _check_reference(option: str, ref: str, default: str | None) -> None:
     """``module:attribute`` imports and names something callable, or an error names ``option`` and ``ref``."""
     module, _, attr = ref.partition(":")
@@ -74,6 +90,8 @@ def _conformance(args: argparse.Namespace) -> int:
     from commfuse.testing import suite  # noqa: F401 - fails early if the suite cannot import
 
     _check_backend(args.backend)
+    if not args.capabilities:
+        args.capabilities = _declared_capabilities(args.backend)
     if args.capabilities:
         _check_reference("--capabilities", args.capabilities, "Capabilities")
     if args.report:

@@ -30,7 +30,13 @@ matmul_reduce_scatter, ring and vanilla, captured in a device graph after an
 eager warm-up, by the suite's own ``torch.cuda.graph`` and by
 ``commfuse.graphs.capture``, replayed with new values copied into the static
 inputs and compared with eager calls on them: bit-exact for the gathers,
-within tolerance for the sums; and a graphed forward and backward).
+within tolerance for the sums; and a graphed forward and backward) and
+traced (for a backend whose ranks are the devices of one traced program,
+which the other tiers skip by ``Capabilities.traced_runner``: every op and
+algorithm, forward and backward, float32 and bfloat16, run as one program by
+the backend's runner against the reference semantics, bit-exact on integer
+inputs, within tolerance for ring attention; and the backend's own check of
+what it lowered, ``traced-check``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import pytest
 
 from commfuse.launch import running_ranks
 from commfuse.schedule import parse_algorithm
-from commfuse.testing import _bodies
+from commfuse.testing import _bodies, traced as _traced
 from commfuse.testing.capabilities import Capabilities
 
 ALL_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -82,6 +88,8 @@ def cases(tier: str, n: int) -> list[str]:
         return _bodies.capture_cases()
     if tier == "robustness":
         return list(ROBUSTNESS)
+    if tier == "traced":
+        return _traced.cases(ALL_ALGORITHMS, ALL_DTYPES) + ["traced-check"]
     raise ValueError(f"unknown conformance tier {tier!r}")
 
 
@@ -122,12 +130,20 @@ def _skip_reason(case: str, caps: Capabilities) -> str | None:
     return None
 
 
+def _skip_traced(caps: Capabilities) -> None:
+    """The tiers that launch ranks skip a backend whose ranks are one traced program (``traced_runner``)."""
+    if getattr(caps, "traced_runner", None) or getattr(caps, "traced_check", None):
+        pytest.skip("capability: traced_runner is set: this backend's ranks are the devices of one traced program, "
+                    "not processes the suite launches; the traced tier checks it")
+
+
 class _Tier:
     @pytest.fixture(autouse=True)
     def _commfuse(self, commfuse_backend_name, commfuse_world_size, commfuse_capabilities):
         self.backend, self.world_size, self.caps = commfuse_backend_name, commfuse_world_size, commfuse_capabilities
 
     def _result(self, tier: str, case: str, record_property) -> None:
+        _skip_traced(self.caps)
         reason = _skip_reason(case, self.caps)
         if reason:
             pytest.skip(reason)
@@ -205,6 +221,7 @@ class CaptureTests(_Tier):
 
     @pytest.mark.commfuse_tier("capture")
     def test_capture(self, commfuse_case, record_property):
+        _skip_traced(self.caps)
         reason = declared_capture_skip(self.backend)
         if reason:
             pytest.skip(reason)
@@ -236,6 +253,7 @@ class RobustnessTests(_Tier):
     @pytest.mark.commfuse_tier("robustness")
     def test_robustness(self, commfuse_case, record_property):
         caps, n = self.caps, self.world_size
+        _skip_traced(caps)
         if _under_torchrun():
             pytest.skip(torchrun_skip_reason(self.backend, n, caps))
         if commfuse_case == "peer-death" and not caps.survives_peer_death:
@@ -541,6 +559,38 @@ def _judge_one_rank(case: str, out: list, limit: float) -> list[str]:
     return failures
 
 
+class TracedTests(_Tier):
+    """A backend whose ranks are the devices of one traced program (``Capabilities.traced_runner``): every op
+    and algorithm, forward and backward, run by the backend's runner on ``world_size`` devices of its runtime
+    against the reference semantics (``commfuse.testing.traced``), and ``traced-check``, the backend's own
+    check of what it lowered (``Capabilities.traced_check``). Skipped by those capabilities for the backends
+    whose ranks the other tiers launch."""
+
+    @pytest.mark.commfuse_tier("traced")
+    def test_traced(self, commfuse_case, record_property):
+        import importlib
+
+        which = "traced_check" if commfuse_case == "traced-check" else "traced_runner"
+        ref = getattr(self.caps, which, None)
+        if not ref:
+            traced = getattr(self.caps, "traced_runner", None)
+            pytest.skip(f"capability: {which} is not set ("
+                        + ("the backend has no check of its own lowering)" if traced else
+                           "the backend's ranks are processes: the other tiers check it)"))
+        reason = _skip_reason(commfuse_case, self.caps)
+        if reason:
+            pytest.skip(reason)
+        module, _, attr = ref.partition(":")
+        function = getattr(importlib.import_module(module), attr)
+        if commfuse_case == "traced-check":
+            failures = function(self.world_size)
+        else:
+            failures = _traced.check(function, commfuse_case, self.world_size)
+        record_property("failures", len(failures))
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+
 class ConformanceSuite(TransportTests, ScheduleTests, OpsTests, DeterminismTests, OverlapTests, CaptureTests,
-                       RobustnessTests):
+                       RobustnessTests, TracedTests):
     """Every tier. A vendor's test module: ``class TestConformance(ConformanceSuite): pass``."""

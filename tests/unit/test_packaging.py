@@ -27,7 +27,7 @@ def _project(folder: Path) -> dict:
 
 
 def test_every_backend_distribution_is_found():
-    assert {p.name for p in BACKENDS} == {"cuda", "npu", "xla", "_template"}
+    assert {p.name for p in BACKENDS} == {"cuda", "npu", "xla", "jax", "tpu", "_template"}
 
 
 @pytest.mark.parametrize("folder", BACKENDS, ids=lambda p: p.name)
@@ -70,14 +70,14 @@ def test_tomli_is_required_where_the_code_needs_it():
 
 
 def test_torch_floor_is_the_oldest_torch_ci_tests_on():
-    """pyproject's lowest torch is the one ci/setup_xla.sh pins, which ci/test_torch_floor.sh (run by
+    """pyproject's lowest torch is the one ci/setup_floor.sh pins, which ci/test_torch_floor.sh (run by
     ci/test.sh) runs the unit, gloo and conformance tests on: no older torch is admitted untested."""
     (torch_req,) = [r for r in map(Requirement, _project(ROOT)["project"]["dependencies"]) if r.name == "torch"]
-    pinned = re.search(r'^torch_version="([^"]+)"$', (ROOT / "ci" / "setup_xla.sh").read_text(), re.M)
-    assert pinned, "ci/setup_xla.sh no longer pins torch_version"
+    pinned = re.search(r'^torch_version="([^"]+)"$', (ROOT / "ci" / "setup_floor.sh").read_text(), re.M)
+    assert pinned, "ci/setup_floor.sh no longer pins torch_version"
     floor = Version(pinned.group(1))
     lower = [Version(s.version) for s in torch_req.specifier if s.operator == ">="]
     assert lower == [floor], f"pyproject requires {torch_req}; CI's oldest torch is {floor}"
     floor_stage = (ROOT / "ci" / "test_torch_floor.sh").read_text()
-    assert "ci/setup_xla.sh" in floor_stage and "tests/distributed" in floor_stage
+    assert "ci/setup_floor.sh" in floor_stage and "tests/distributed" in floor_stage
     assert "bash ci/test_torch_floor.sh" in (ROOT / "ci" / "test.sh").read_text()

@@ -40,74 +40,13 @@ from collections.abc import Sequence
 import torch
 
 from commfuse.errors import BackendUnavailableError, CommfuseTypeError, CommfuseValueError
-from commfuse.schedule import Collective, Ring, SliceId, Transfer
+from commfuse.schedule import Collective, LoweringError, Ring, Transfer, hop_slice, permute_plan
 from commfuse_xla.capabilities import CAPABILITIES
 
 
-class LoweringError(CommfuseValueError):
-    """A step cannot be lowered to collective-permutes (the message names rank, channel, shift and slice)."""
-
-
 # -- pure planning (no torch_xla): testable anywhere --------------------------
-
-
-def hop_slice(ring: Ring, x: SliceId, hops: int) -> SliceId:
-    """``x`` with every rank in it moved ``hops`` steps along ``ring``."""
-    return SliceId(
-        ring.hop(x.shard, hops), x.part, x.half, None if x.source is None else ring.hop(x.source, hops)
-    )
-
-
-def permute_plan(
-    ring: Ring, rank: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]
-) -> list[tuple[int, int, int]]:
-    """For each receive, in order: ``(index of the send that feeds its permute, shift, channel)``.
-
-    On every rank the i-th permute of a step must carry matching data: rank r
-    receives slice ``x`` from ``ring.prev(r, shift)``, which sent ``x`` in its
-    own i-th permute; by the rotation symmetry of every commfuse schedule rank
-    r sends ``hop_slice(x, shift)`` in the same position. Raises
-    :class:`LoweringError` when a transfer has no partner (the step is not a
-    permutation per channel) or its peer is not where the ring puts it.
-    """
-    unused = set(range(len(sends)))
-    for t in sends:
-        expect = ring.next(rank, t.shift)
-        if t.peer != expect:
-            raise LoweringError(
-                f"rank {rank}: a send of {t.slice} on channel {t.channel} goes to rank {t.peer}, but "
-                f"{t.shift} hop(s) along the ring {list(ring.order)} (direction {ring.direction:+d}) is rank {expect}; "
-                "the xla backend lowers a channel's messages to one permutation of that ring"
-            )
-    plan = []
-    for t in recvs:
-        expect = ring.prev(rank, t.shift)
-        if t.peer != expect:
-            raise LoweringError(
-                f"rank {rank}: a receive of {t.slice} on channel {t.channel} comes from rank {t.peer}, but "
-                f"{t.shift} hop(s) back along the ring {list(ring.order)} is rank {expect}"
-            )
-        mirror = hop_slice(ring, t.slice, t.shift)
-        match = next(
-            (i for i in sorted(unused)
-             if sends[i].slice == mirror and sends[i].shift == t.shift and sends[i].channel == t.channel),
-            None,
-        )
-        if match is None:
-            raise LoweringError(
-                f"rank {rank}: receiving {t.slice} from rank {t.peer} on channel {t.channel} (shift {t.shift}) "
-                f"needs this rank to send {mirror} on the same channel in the same step, and it does not; "
-                "a traced backend needs every rank to send and receive once per permute"
-            )
-        unused.discard(match)
-        plan.append((match, t.shift, t.channel))
-    if unused:
-        t = sends[min(unused)]
-        raise LoweringError(
-            f"rank {rank}: the send of {t.slice} to rank {t.peer} on channel {t.channel} (shift {t.shift}) "
-            "has no receive on this rank in the same step; a collective-permute sends and receives on every rank"
-        )
-    return plan
+# The permutation of each step (hop_slice, permute_plan, LoweringError) is shared with the JAX lowering and
+# lives in commfuse.schedule; it is imported above.
 
 
 def global_pairs(ring: Ring, groups: Sequence[Sequence[int]], shift: int) -> list[list[int]]:
