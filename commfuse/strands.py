@@ -38,6 +38,7 @@ import torch
 
 from commfuse.errors import CommfuseError, CommfuseTypeError, CommfuseValueError, GroupDeadError
 from commfuse.runtime.checkpointing import apart, strands_running
+from commfuse.runtime.groups import register_format
 from commfuse.sim import _strands as planning
 
 __all__ = ["Stage", "forward", "order", "profile", "run"]
@@ -292,6 +293,11 @@ def _device(group):
     backend = str(dist.get_backend(group))
     return "cpu" if "gloo" in backend or "cpu" in backend or backend == "fake" else \
         torch.accelerator.current_accelerator()
+
+
+register_format("strands.run", lambda v: "commfuse.strands.run's agreement of the ranks on their arguments and order")
+register_format("strands.forward", lambda v: "commfuse.strands.forward's agreement of the ranks on their arguments "
+                                             "and order")
 
 
 def _group(group):

@@ -217,6 +217,3 @@ def _note(error: BaseException, text: str) -> None:
 
 
 register_format("tp.apply", lambda v: "commfuse.tp's agreement of the ranks on a style they apply")
-register_format("strands.run", lambda v: "commfuse.strands.run's agreement of the ranks on their arguments and order")
-register_format("strands.forward", lambda v: "commfuse.strands.forward's agreement of the ranks on their arguments "
-                                             "and order")

@@ -250,19 +250,26 @@ def all_gather_consume(shard, consumer, *, axis_name, algorithm: str = "auto", d
     traced. A shard cut into slices (``ring:m``, ``bidirectional``) is consumed once its last slice is here."""
     axis = Axis(axis_name)
     schedule = schedule_for(Collective.ALL_GATHER, algorithm, axis)
-    got: dict[int, dict[int, object]] = {}
     results: dict[int, object] = {}
+    gather_walk(schedule, axis, shard, dim, _consumed_whole(schedule, dim, consumer, results, lambda x: x.shard))
+    return unrotate([results[o] for o in range(axis.size)], axis)
+
+
+def _consumed_whole(schedule, dim: int, consumer, results: dict, origin):
+    """A walk's ``consume(x, rank, piece)``: the pieces of each chunk kept until its last is here, then the whole
+    chunk handed to ``consumer(whole, rank)``, its result put in ``results`` under ``origin(x)`` (the rank the
+    chunk came from)."""
+    got: dict[int, dict[int, object]] = {}
 
     def consume(x, rank, piece):
-        slices = got.setdefault(x.shard, {})
+        slices = got.setdefault(origin(x), {})
         slices[schedule.piece(x)] = piece
         if len(slices) == schedule.pieces:
             whole = jnp.concatenate([slices[i] for i in range(schedule.pieces)], axis=dim) \
                 if schedule.pieces > 1 else slices[0]
-            results[x.shard] = consumer(whole, rank)
+            results[origin(x)] = consumer(whole, rank)
 
-    gather_walk(schedule, axis, shard, dim, consume)
-    return unrotate([results[o] for o in range(axis.size)], axis)
+    return consume
 
 
 def produce_reduce_scatter(producer, *, axis_name, algorithm: str = "auto", dim: int = 0):
@@ -299,18 +306,8 @@ def all_to_all_consume(chunks, consumer, *, axis_name, algorithm: str = "auto", 
             "every device moves one shape: pad every chunk to the largest"
         )
     schedule = schedule_for(Collective.ALL_TO_ALL, algorithm, axis)
-    got: dict[int, dict[int, object]] = {}
     results: dict[int, object] = {}
-
-    def consume(x, rank, piece):
-        slices = got.setdefault(x.source, {})
-        slices[schedule.piece(x)] = piece
-        if len(slices) == schedule.pieces:
-            whole = jnp.concatenate([slices[i] for i in range(schedule.pieces)], axis=dim) \
-                if schedule.pieces > 1 else slices[0]
-            results[x.source] = consumer(whole, rank)
-
-    swap_walk(schedule, axis, chunks, dim, consume)
+    swap_walk(schedule, axis, chunks, dim, _consumed_whole(schedule, dim, consumer, results, lambda x: x.source))
     return unrotate([results[o] for o in range(axis.size)], axis)
 
 
