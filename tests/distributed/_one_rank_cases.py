@@ -356,22 +356,23 @@ def notes_of_an_earlier_numbering(rank, n):
 
     out = {}
     base = c10d._get_default_store()
+
+    def made_again(prefix):
+        dist.destroy_process_group()
+        cf.backends.release()
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, base), rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=60))
+
     for how in ("release", "group made again"):
         if how == "group made again":
-            dist.destroy_process_group()
-            cf.backends.release()
-            dist.init_process_group("gloo", store=dist.PrefixStore("first", base), rank=rank, world_size=n,
-                                    timeout=datetime.timedelta(seconds=60))
+            made_again("first")
         _before(rank, n)  # call #0
         failing()  # call #1: rank 1's note
         dist.barrier()
         if how == "release":
             cf.backends.release()
         else:
-            dist.destroy_process_group()
-            cf.backends.release()
-            dist.init_process_group("gloo", store=dist.PrefixStore("again", base), rank=rank, world_size=n,
-                                    timeout=datetime.timedelta(seconds=60))
+            made_again("again")
         _before(rank, n)  # call #0 of the new numbering
         out[how] = _run(healthy)[:2]  # call #1 of the new numbering
         out[how + ", then"] = _run(lambda: _agmm_check(rank, n, 60))[:2]
