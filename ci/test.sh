@@ -16,18 +16,40 @@ cd "$(dirname "$0")/.."
 # Ranks that commfuse.launch starts (the suites' gloo ranks, and the conformance runs below) fork from a server
 # that has imported torch, instead of each importing it: about 2 s less per launch on two cores.
 export COMMFUSE_LAUNCH_START="${COMMFUSE_LAUNCH_START:-forkserver}"
-bash ci/setup.sh
-venv="${COMMFUSE_VENV:-.venv}"
-PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
-    "$venv/bin/lint-imports" --config .importlinter
-"$venv/bin/python" -m pytest "$@"
-mkdir -p ci-artifacts
+started=$SECONDS
+times=()
 status=0
-bash ci/test_plain_install.sh || status=1
-for n in 2 3 4; do
-    "$venv/bin/commfuse" conformance --backend gloo --world-size "$n" \
-        --report "ci-artifacts/conformance-w$n.json" || status=1
-done
+stage() {  # stage NAME COMMAND...: runs COMMAND, notes its time, and marks the run failed if it fails
+    local name="$1" begin=$SECONDS rc=0
+    shift
+    "$@" || rc=$?
+    times+=("$(printf '%-34s %4d:%02d  %s' "$name" $(((SECONDS - begin) / 60)) $(((SECONDS - begin) % 60)) \
+        "$([ "$rc" = 0 ] && echo ok || echo "FAILED ($rc)")")")
+    [ "$rc" = 0 ] || status=1
+    return 0
+}
+report() {  # each stage's time, at the end of the run whatever ended it
+    echo "ci/test.sh: stage times (min:s)"
+    printf '  %s\n' "${times[@]}"
+    printf '  %-34s %4d:%02d\n' "all" $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60))
+}
+trap report EXIT
+stage "set-up (ci/setup.sh)" bash ci/setup.sh
+[ "$status" = 0 ] || exit 1
+venv="${COMMFUSE_VENV:-.venv}"
+stage "import layers (lint-imports)" env \
+    PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
+    "$venv/bin/lint-imports" --config .importlinter
+stage "main suite (pytest)" "$venv/bin/python" -m pytest "$@"
+mkdir -p ci-artifacts
+stage "plain install" bash ci/test_plain_install.sh
+conformance() {
+    for n in 2 3 4; do
+        "$venv/bin/commfuse" conformance --backend gloo --world-size "$n" \
+            --report "ci-artifacts/conformance-w$n.json" || return 1
+    done
+}
+stage "conformance, gloo, world size 2 3 4" conformance
 "$venv/bin/python" - <<'PY'
 import json, pathlib
 for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
@@ -37,9 +59,9 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
     print(f"conformance gloo world size {data['world_size']}: {data['summary']}"
           + (f", ring hid {hidden:.2f} of what it could hide, min(compute, comm) (rank 0)" if hidden is not None else ""))
 PY
-bash ci/test_backends.sh || status=1
-bash ci/test_transformers.sh || status=1
-bash ci/test_jax.sh || status=1
-bash ci/test_torchtitan.sh || status=1
-bash ci/test_torch_floor.sh || status=1
+stage "vendor backends" bash ci/test_backends.sh
+stage "transformers" bash ci/test_transformers.sh
+stage "JAX" bash ci/test_jax.sh
+stage "torchtitan" bash ci/test_torchtitan.sh
+stage "torch floor" bash ci/test_torch_floor.sh
 exit $status
