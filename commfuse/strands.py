@@ -146,9 +146,16 @@ def _tuple(value, who: str) -> tuple:
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
-    raise CommfuseTypeError(f"{who} must return a tensor or a tuple of tensors, got "
-                            f"{type(value).__name__}" + (f" holding {[type(v).__name__ for v in value]}"
-                                                         if isinstance(value, (tuple, list)) else ""))
+    raise _own(CommfuseTypeError(f"{who} must return a tensor or a tuple of tensors, got "
+                                 f"{type(value).__name__}" + (f" holding {[type(v).__name__ for v in value]}"
+                                                              if isinstance(value, (tuple, list)) else "")))
+
+
+def _own(error: CommfuseError) -> CommfuseError:
+    """``error``, marked as a refusal of this module's own, made between the stages' calls: the peers are told
+    of it as of any error in a stage's code (a commfuse error out of a call was told in that call)."""
+    error._commfuse_strands_own = True
+    return error
 
 
 def _detached(values: tuple) -> tuple:
@@ -337,7 +344,8 @@ class _Runner:
             elif isinstance(batch, (tuple, list)) and len(batch) == 2:
                 inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
             else:
-                raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got {type(batch).__name__}")
+                raise _own(CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got "
+                                             f"{type(batch).__name__}"))
         else:
             inputs = _detached(self.carry.pop(i)) if self.training else self.carry.pop(i)
         if not self.training:
@@ -352,8 +360,8 @@ class _Runner:
             if k == self.n - 1:
                 loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, self.batches[i][1])
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                    raise CommfuseValueError(f"loss_fn must return a scalar tensor, got "
-                                             f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}")
+                    raise _own(CommfuseValueError(f"loss_fn must return a scalar tensor, got "
+                                                  f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}"))
                 self.losses[i] = loss
         self.saved[(i, k)] = (inputs, outputs)
         if k < self.n - 1:
@@ -508,7 +516,10 @@ class _Runner:
         rest = self.sequence[self.ran:]
         count = 1
         if self.inside:  # the error came out of rest[0], a counted entry
-            if getattr(error, "_commfuse_settled", None) is not None or isinstance(error, CommfuseError):
+            if getattr(error, "_commfuse_settled", None) is not None or (
+                    isinstance(error, CommfuseError) and not getattr(error, "_commfuse_strands_own", False)):
+                return  # told in the call it came out of
+            if getattr(calls, "left", 0):  # the entry's own count left the calls the peers wait in: nothing more
                 return
             made, planned = state.seqs.get(calls.code, 0) - calls.start, learned.get(calls.key)
             if planned is not None and made < planned:
