@@ -30,6 +30,7 @@ naming the ranks that differ.
 
 from __future__ import annotations
 
+import statistics
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,9 +147,16 @@ def _tuple(value, who: str) -> tuple:
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
         return tuple(value)
-    raise CommfuseTypeError(f"{who} must return a tensor or a tuple of tensors, got "
-                            f"{type(value).__name__}" + (f" holding {[type(v).__name__ for v in value]}"
-                                                         if isinstance(value, (tuple, list)) else ""))
+    raise _own(CommfuseTypeError(f"{who} must return a tensor or a tuple of tensors, got "
+                                 f"{type(value).__name__}" + (f" holding {[type(v).__name__ for v in value]}"
+                                                              if isinstance(value, (tuple, list)) else "")))
+
+
+def _own(error: CommfuseError) -> CommfuseError:
+    """``error``, marked as a refusal of this module's own, made between the stages' calls: the peers are told
+    of it as of any error in a stage's code (a commfuse error out of a call was told in that call)."""
+    error._commfuse_strands_own = True
+    return error
 
 
 def _detached(values: tuple) -> tuple:
@@ -337,7 +345,8 @@ class _Runner:
             elif isinstance(batch, (tuple, list)) and len(batch) == 2:
                 inputs = _tuple(batch[0], f"micro-batch {i}'s inputs")
             else:
-                raise CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got {type(batch).__name__}")
+                raise _own(CommfuseTypeError(f"micro-batch {i} must be a tuple (inputs, target), got "
+                                             f"{type(batch).__name__}"))
         else:
             inputs = _detached(self.carry.pop(i)) if self.training else self.carry.pop(i)
         if not self.training:
@@ -352,8 +361,8 @@ class _Runner:
             if k == self.n - 1:
                 loss = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, self.batches[i][1])
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                    raise CommfuseValueError(f"loss_fn must return a scalar tensor, got "
-                                             f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}")
+                    raise _own(CommfuseValueError(f"loss_fn must return a scalar tensor, got "
+                                                  f"{getattr(loss, 'shape', type(loss).__name__)} for micro-batch {i}"))
                 self.losses[i] = loss
         self.saved[(i, k)] = (inputs, outputs)
         if k < self.n - 1:
@@ -508,7 +517,10 @@ class _Runner:
         rest = self.sequence[self.ran:]
         count = 1
         if self.inside:  # the error came out of rest[0], a counted entry
-            if getattr(error, "_commfuse_settled", None) is not None or isinstance(error, CommfuseError):
+            if getattr(error, "_commfuse_settled", None) is not None or (
+                    isinstance(error, CommfuseError) and not getattr(error, "_commfuse_strands_own", False)):
+                return  # told in the call it came out of
+            if getattr(calls, "left", 0):  # the entry's own count left the calls the peers wait in: nothing more
                 return
             made, planned = state.seqs.get(calls.code, 0) - calls.start, learned.get(calls.key)
             if planned is not None and made < planned:
@@ -536,59 +548,124 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
     """``stages`` with their forward figures measured on ``group``, for the plan search: each stage's forward
     on ``inputs`` (the first stage's: a tensor or a tuple of them; each later stage takes what the one before
     returned) timed ``repeats`` times under ``commfuse.runtime.measure("compute_only")``,
-    ``measure("comm_only")`` and ``measure("outside_only")``: ``compute`` is the compute-only median and
-    ``comm`` the transfers alone, the comm-only median less the outside-only one (the stage's code around its
-    ops, which comm-only runs too), in seconds. A stage whose forward makes no commfuse call (none recorded by
-    ``commfuse.runtime.record_events``) gets ``comm=0`` and is timed compute-only alone. The backward figures are left to their defaults.
+    ``measure("comm_only")`` and ``measure("outside_only")``, in seconds: ``compute`` is the compute-only
+    median; ``comm`` the transfers the comm-only runs made, from the steps they recorded
+    (``commfuse.runtime.record_events``: each step's post to the end of its wait), their median. A stage whose
+    forward makes no commfuse call gets ``comm=0`` and is timed compute-only alone; one that makes any never
+    gets 0 (its calls recorded no step: the comm-only median less the outside-only one, or the comm-only
+    median where that is not above 0). The backward figures are left to their defaults.
 
     Every rank of ``group`` must call it with the same stages, as :func:`run` is called; the figures come from
-    the group's rank 0, so every rank plans alike. Runs under ``torch.no_grad``; the ranks leave together."""
-    import statistics
+    the group's rank 0, so every rank plans alike. Runs under ``torch.no_grad``. The ranks start each timed run
+    together through an exchange of commfuse's (numbered, bounded by its timeout) that carries each rank's
+    verdict: a rank whose arguments are refused, or whose stage raised, is named on every rank there and every
+    rank raises (the rank its own error, the others ``PeerFailedError``; a stage's calls it left are
+    announced, as under :func:`run`), the group usable."""
     import time
     from dataclasses import replace
 
-    import torch.distributed as dist
+    from commfuse.nn._agree import agree, share
+    from commfuse.runtime import loop, measure, record_events
+    from commfuse.runtime.groups import state_of_group
 
-    from commfuse.runtime import measure, record_events
+    on = _group(group)
+    if on is not None:
+        loop.refuse_dead(state_of_group(on), "commfuse.strands.profile")
+    what, label, device = "commfuse.strands.profile", "strands.profile", _device(on)
+    so = "no rank goes on profiling (the group is usable)"
 
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise CommfuseValueError(f"commfuse.strands.profile: repeats must be an int >= 1, got {repeats!r}")
-    for s in stages:
-        if not isinstance(s, Stage):
-            raise CommfuseTypeError(f"stages must be commfuse.strands.Stage, got {type(s).__name__}")
-    values = _tuple(inputs, "commfuse.strands.profile's inputs")
-    device = values[0].device
-    ranks = (group is not None or dist.is_initialized()) and dist.get_world_size(group) > 1
+    def checked() -> tuple:
+        if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+            raise CommfuseValueError(f"commfuse.strands.profile: repeats must be an int >= 1, got {repeats!r}")
+        _check_stages(stages, "profile")
+        return _tuple(inputs, "commfuse.strands.profile's inputs")
 
-    def together() -> None:  # every rank starts a timed run at once; an accelerator's queue is drained first
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-        if ranks:
-            dist.barrier(group=group)
+    values = agree(on, what, checked, lambda _: [("the stages (give every rank the same stages)",
+                                                  [s.name for s in stages]), ("repeats", repeats)],
+                   label=label, device=device, so=so)
+    where = values[0].device
+    state = None if on is None else state_of_group(on)
+    error: list = []  # this rank's error since the ranks last met, told at the next meeting
+
+    def attempt(stage: Stage, args: tuple, first: bool):
+        """``stage.fn(*args)``, its calls counted; an ``Exception`` is kept for the next meeting, the calls
+        the peers wait in left (the first run of a stage, before any call: its first call, as :func:`run`
+        guesses)."""
+        from commfuse.runtime.loop import counted_calls, leave_calls
+
+        calls = counted_calls(on, f"{what}: stage {stage.name!r}", ("commfuse.strands.profile", stage.name,
+                                                                 getattr(stage.fn, "__qualname__", "")))
+        try:
+            with calls:
+                out = stage.fn(*args)  # in a measurement mode, what the ops return is not the stage's output
+                return (_tuple(out, f"stage {stage.name!r}") if first else None), calls
+        except Exception as e:  # noqa: BLE001 - told to every rank at the next meeting
+            error.append(e)
+            told = getattr(e, "_commfuse_settled", None) is not None or (
+                isinstance(e, CommfuseError) and not getattr(e, "_commfuse_strands_own", False))
+            if state is not None and first and not told and not getattr(calls, "left", 0) and \
+                    state.seqs.get(calls.code, 0) == calls.start:
+                leave_calls(state, f"{what} (left after {type(e).__name__} on rank {state.rank})", e, 1)
+            return None, calls
+
+    def meet(items: list) -> None:
+        """Every rank here before the next timed run: this rank's error, if any, told to every rank."""
+        if where.type != "cpu":  # an accelerator's queue drained first
+            torch.accelerator.synchronize(where)
+
+        def verdict():
+            if error:
+                raise error[0]
+        agree(on, what, verdict, lambda _: items, label=label, device=device, so=so)
 
     figures = []
     with torch.no_grad():
-        for stage in stages:
+        for k, stage in enumerate(stages):
+            if k:  # after the stage before's last run: its error, if any, told before this one runs
+                meet([])
             with record_events() as events:  # a normal run first: the outputs the next stage takes, a warm-up
-                outputs = _tuple(stage.fn(*values), f"stage {stage.name!r}")
-            seconds = {}
-            for mode in ("compute_only", "comm_only", "outside_only") if events else ("compute_only",):
+                outputs, calls = attempt(stage, values, True)
+            made = bool(events) or (state is not None and state.seqs.get(calls.code, 0) > calls.start)
+            meet([(f"whether stage {stage.name!r} makes commfuse calls", made)])
+            seconds, observed = {}, []
+            for mode in ("compute_only", "comm_only", "outside_only") if made else ("compute_only",):
                 samples = []
-                for _ in range(repeats):
-                    together()
-                    start = time.perf_counter()
-                    with measure(mode):
-                        stage.fn(*values)
-                    if device.type != "cpu":
-                        torch.accelerator.synchronize(device)
-                    samples.append(time.perf_counter() - start)
+                for r in range(repeats):
+                    if r or mode != "compute_only":
+                        meet([])
+                    with record_events() as steps:
+                        start = time.perf_counter()
+                        with measure(mode):
+                            attempt(stage, values, False)
+                        if where.type != "cpu":
+                            torch.accelerator.synchronize(where)
+                        samples.append(time.perf_counter() - start)
+                    if mode == "comm_only":
+                        observed.append(sum(e["wait"][1] - e["post"][0] for e in steps
+                                            if e["sends"] or e["recvs"] or e["collectives"]))
                 seconds[mode] = statistics.median(samples)
-            # the transfers alone: comm-only less what runs around the ops (outside-only)
-            figures += [seconds["compute_only"],
-                        max(seconds["comm_only"] - seconds["outside_only"], 0.0) if events else 0.0]
+            figures += [seconds["compute_only"], _comm(seconds, observed) if made else 0.0]
             values = outputs
-    if ranks:  # rank 0's figures on every rank: one plan everywhere
-        shared = torch.tensor(figures, dtype=torch.float64, device=device)
-        dist.broadcast(shared, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        figures = shared.cpu().tolist()
+    if where.type != "cpu":
+        torch.accelerator.synchronize(where)
+
+    def mine() -> list:
+        if error:
+            raise error[0]
+        return figures
+
+    figures = share(on, what, mine, label=label, device=device, so=so)[0]  # rank 0's: one plan everywhere
     return [replace(s, compute=figures[2 * k], comm=figures[2 * k + 1]) for k, s in enumerate(stages)]
+
+
+def _comm(seconds: dict, observed: list) -> float:
+    """A stage's transfers in seconds, for one that makes commfuse calls: the median of what the comm-only runs'
+    steps recorded; where they recorded none (the calls ran where this thread's record does not reach), the
+    comm-only median less the outside-only one, or the comm-only median where that is not above 0."""
+    if any(observed):
+        return statistics.median(observed)
+    rest = seconds["comm_only"] - seconds["outside_only"]
+    return rest if rest > 0 else seconds["comm_only"]
+
+
+register_format("strands.profile", lambda v: "commfuse.strands.profile's meeting of the ranks before a timed run")

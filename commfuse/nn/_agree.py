@@ -38,7 +38,7 @@ from commfuse.runtime.groups import first_line, register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 
-__all__ = ["agree", "structure"]
+__all__ = ["agree", "share", "structure"]
 
 T = TypeVar("T")
 
@@ -73,12 +73,46 @@ def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], li
         items = [(str(name), _plain(value)) for name, value in described(decided)]
     except Exception as e:  # noqa: BLE001 - any refusal is told to the peers, then raised here unchanged
         error = e
-    if group is None or dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+    if _alone(group):
         if error is not None:
             raise error
         return decided
+    table = _told(group, what, label, device, error, items, so, "and nothing was distributed")
+    rows = [[(str(k), v) for k, v in row.get("decided", ())] for row in table]
+    if all(row == rows[0] for row in rows):
+        return decided
+    name = _namer(group, dist.get_rank(group))
+    raise MismatchError(f"{what}: the ranks decided differently, so {so}: {_differences(rows, name)}")
+
+
+def share(group, what: str, decide: Callable[[], object], *, label: str, device=None,
+          so: str = "no rank goes on (the group is usable)") -> list:
+    """``decide()`` on this rank (a value JSON keeps: numbers, strings, booleans, None and lists of them) and
+    every other rank's of ``group``, by rank, in one exchange as :func:`agree` makes (a refusal raised on
+    every rank alike, by name); nothing is compared. ``group`` None or of one rank: ``[decide()]``."""
+    error, value = None, None
     try:
-        table = _exchange(group, label, device, error, items)
+        value = decide()
+    except Exception as e:  # noqa: BLE001 - told to the peers, then raised here unchanged
+        error = e
+    if _alone(group):
+        if error is not None:
+            raise error
+        return [value]
+    return [row.get("decided") for row in _told(group, what, label, device, error, value, so, f"so {so}")]
+
+
+def _alone(group) -> bool:
+    """Whether ``group`` exchanges nothing: None, one rank, or torch's ``fake`` group."""
+    return group is None or dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake"
+
+
+def _told(group, what: str, label: str, device, error: BaseException | None, decided, so: str,
+          then: str) -> list[dict]:
+    """The exchange of every rank's verdict and ``decided``; any refusal raised on every rank, by name (``so``
+    in the peers' error says what follows, ``then`` in the note on a refusing rank's own)."""
+    try:
+        table = _exchange(group, label, device, error, decided)
     except Exception as failed:
         if error is None:
             raise
@@ -92,16 +126,12 @@ def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], li
         told = "; ".join(f"{name(q)}: {kind}: {message}" for q, (kind, message) in refused.items())
         if error is not None:
             others = {q: r for q, r in refused.items() if q != rank}
-            _note(error, f"commfuse: every rank of the group was told of this refusal of {what} and raised, and "
-                         "nothing was distributed"
+            _note(error, f"commfuse: every rank of the group was told of this refusal of {what} and raised, {then}"
                          + (f"; other ranks refused too: {told}" if others else ""))
             raise error
         raise PeerFailedError(
             f"{what}: {_ranks(refused, name)} refused it, so {so}: {told}")
-    rows = [[(str(k), v) for k, v in row.get("decided", ())] for row in table]
-    if all(row == rows[0] for row in rows):
-        return decided
-    raise MismatchError(f"{what}: the ranks decided differently, so {so}: {_differences(rows, name)}")
+    return table
 
 
 def structure(module: nn.Module) -> list[tuple[str, str]]:

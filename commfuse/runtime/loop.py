@@ -321,7 +321,7 @@ class op_calls:
     peers that wait in them hear of it and say why, instead of waiting out the timeout, and this rank's
     call numbers stay those of the peers that completed the op. ``backend`` None (a single process): nothing."""
 
-    __slots__ = ("state", "label", "planned", "start", "code", "which")
+    __slots__ = ("state", "label", "planned", "start", "code", "which", "left")
 
     def __init__(self, backend, label: str, planned: int) -> None:
         self.state = None if backend is None else group_state(backend)
@@ -344,6 +344,7 @@ class op_calls:
             return False
         planned = self._planned(made, error)
         if error is not None and state.rank is not None and state.world_size > 1 and planned > made:
+            self.left = planned - made  # read by a caller that announces more (commfuse.strands); unset otherwise
             leave_calls(state, self.label, error, planned - made, self.which)
         return False
 

@@ -341,3 +341,157 @@ def one_rank_fails_forward_only(rank: int, n: int) -> tuple:
     except Exception as e:  # noqa: BLE001 - reported by name
         return type(e).__name__, str(e), time.perf_counter() - t0
     return "ok", "", time.perf_counter() - t0
+
+
+# -- one rank that misbehaves in its own code: every rank told by name, the group usable or dead on all -----------
+
+
+def _misbehaving(stages: list, how: str, rank: int) -> tuple[list, object]:
+    """``stages`` and a loss function as rank ``rank`` runs them for ``how``: ``"before-op:<stage>:<call>"``
+    (the stage's ``call``-th forward, counted from 0, raises ``ZeroDivisionError`` before its op),
+    ``"detached-loss"`` (micro-batch 1's loss comes back detached), ``"non-scalar-loss"`` (micro-batch 1's loss
+    is a vector) or ``"none"``."""
+    if how.startswith("before-op:"):
+        _, name, call = how.split(":")
+        seen = [0]
+        out = []
+        for s in stages:
+            if s.name == name:
+                def fn(*args, _fn=s.fn):
+                    seen[0] += 1
+                    if seen[0] == int(call) + 1:
+                        raise ZeroDivisionError(f"injected on rank {rank} before the op of {name!r}")
+                    return _fn(*args)
+                s = strands.Stage(s.name, fn, s.compute, s.comm)
+            out.append(s)
+        return out, _loss
+    calls = [0]
+
+    def loss(y, target):
+        calls[0] += 1
+        value = _loss(y, target)
+        if calls[0] == 2 and how == "detached-loss":
+            return value.detach()
+        if calls[0] == 2 and how == "non-scalar-loss":
+            return (y - target).square().mean(dim=(0, 2))
+        return value
+    return stages, loss
+
+
+def one_rank_misbehaves(rank: int, n: int, how: str, plan: str) -> dict:
+    """Rank 1 misbehaves as ``how`` says (:func:`_misbehaving`) in ``strands.run``; every rank reports what it
+    raised and after how long (``"outcome"``), then runs three more steps of two strands against sequential
+    micro-batches (``"after"``: ``"ok"``, ``"wrong"`` or the error it raised)."""
+    import time
+
+    torch.set_num_threads(1)
+    p = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    stages, loss = _stages(p, "ring", plan == "searched"), _loss
+    if rank == 1:
+        stages, loss = _misbehaving(stages, how, rank)
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        strands.run(stages, _batches(rank, n, 2, 0), loss, plan=plan)
+        out["outcome"] = ("ok", "", time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    out["after"] = _after(rank, n, p, plan)
+    return out
+
+
+def _after(rank: int, n: int, p: dict, plan: str) -> tuple:
+    """Three steps of two strands on ``p`` against sequential micro-batches: ``("ok" | "wrong", problems,
+    seconds)`` or the error raised."""
+    import time
+
+    t0 = time.perf_counter()
+    problems: list[str] = []
+    try:
+        for t in p.values():
+            t.grad = None
+        theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
+        against_sequential(p, theirs, _stages(p, "ring", plan == "searched"), _stages(theirs, "ring", False),
+                           lambda step: _batches(rank, n, 2, 10 + step), _loss, plan, problems,
+                           label="after the failure: ")
+        return ("ok" if not problems else "wrong", "; ".join(problems[:6]), time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        return (type(e).__name__, str(e), time.perf_counter() - t0)
+
+
+def _failing_profile(stages: list, how: str, rank: int) -> list:
+    """``stages`` as rank ``rank`` profiles them for ``how``: ``"raise:<stage>:<call>"`` (the stage's
+    ``call``-th run, counted from 0 over the warm-up and the timed runs, raises before its op)."""
+    _, name, call = how.split(":")
+    seen = [0]
+    out = []
+    for s in stages:
+        if s.name == name:
+            def fn(*args, _fn=s.fn):
+                seen[0] += 1
+                if seen[0] == int(call) + 1:
+                    raise ZeroDivisionError(f"injected on rank {rank} before the op of {name!r}")
+                return _fn(*args)
+            s = strands.Stage(s.name, fn)
+        out.append(s)
+    return out
+
+
+def one_rank_fails_in_profile(rank: int, n: int, how: str) -> dict:
+    """Rank 1 fails in ``strands.profile``: ``"repeats"`` (it passes ``repeats=0``, refused before any timed
+    run) or ``"raise:<stage>:<call>"`` (:func:`_failing_profile`). Every rank reports what it raised and after
+    how long, then runs three steps of two strands against sequential micro-batches (``"after"``)."""
+    import time
+
+    torch.set_num_threads(1)
+    p = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    stages = _stages(p, "ring", False)
+    if rank == 1 and how.startswith("raise:"):
+        stages = _failing_profile(stages, how, rank)
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        strands.profile(stages, _batches(rank, n, 1, 0)[0][0], repeats=0 if rank == 1 and how == "repeats" else 2)
+        out["outcome"] = ("ok", "", time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported by name
+        out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    out["after"] = _after(rank, n, p, "alternate")
+    return out
+
+
+def profile_measures_the_transfers(rank: int, n: int) -> dict:
+    """``strands.profile`` of the block where the code around the first stage's op takes longer in the
+    outside-only runs than in the comm-only ones (as noise can make it: comm-only less outside-only <= 0):
+    its ``comm`` must still be above 0, and ``run`` with the profiled figures (the searched plan) must give
+    sequential micro-batches' losses and gradients (a stage given comm 0 that calls an op is handed to another
+    op's wait, and its op is refused)."""
+    import time
+
+    from commfuse.runtime.observe import measuring
+
+    torch.set_num_threads(1)
+    p = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
+    stages = []
+    for s in _stages(p, "ring", False):
+        if s.name == "gather + QKV":
+            def fn(*args, _fn=s.fn):
+                if measuring() == "outside_only":
+                    time.sleep(0.05)
+                return _fn(*args)
+            s = strands.Stage(s.name, fn)
+        stages.append(s)
+    profiled = strands.profile(stages, _batches(rank, n, 1, 0)[0][0], repeats=2)
+    figures = {s.name: (s.compute, s.comm) for s in profiled}
+    return {"figures": figures, "after": _after_with(rank, n, p, profiled)}
+
+
+def _after_with(rank: int, n: int, p: dict, stages: list) -> tuple:
+    """Three steps of ``stages`` (figures given: the searched plan) against sequential micro-batches."""
+    problems: list[str] = []
+    try:
+        theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
+        against_sequential(p, theirs, stages, _stages(theirs, "ring", False),
+                           lambda step: _batches(rank, n, 2, 20 + step), _loss, "searched", problems)
+        return ("ok" if not problems else "wrong", "; ".join(problems[:6]))
+    except Exception as e:  # noqa: BLE001 - reported by name
+        return (type(e).__name__, str(e))
