@@ -47,8 +47,8 @@ gloo=(
 collected="$("$venv/bin/python" -m pytest --collect-only -q -p no:cacheprovider "${gloo[@]}")"  # fails on an error
 mapfile -t cases < <(printf '%s\n' "$collected" | "$venv/bin/python" -c '
 import re, sys
-left = ("test_tp_styles_compile_with_inductor_to_one_graph_of_fused_ops",
-        "test_layers_compile_with_inductor_to_one_graph_and_train_as_eager",
+left = ("test_tp_styles_compile_to_one_graph_of_fused_ops",
+        "test_layers_compile_to_one_graph_and_train_as_eager",
         "test_layers_compile_on_the_fake_group_at_world_size_8",
         "test_compiled_with_inductor_under_the_selective_policy_equals_eager")
 ids = [line.strip() for line in sys.stdin if "::" in line]
