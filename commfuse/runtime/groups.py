@@ -248,6 +248,34 @@ def forget_groups() -> None:
         _STATES.clear()
 
 
+def known_groups() -> list:
+    """The c10d process groups that have a state here (for the sweep of destroyed groups,
+    ``commfuse.backends.forget_destroyed``)."""
+    return [state.group for state in list(_STATES.values()) if state.group is not None]
+
+
+def forget_group(group) -> bool:
+    """Drop the state of ``group``, a process group torch.distributed destroyed, unless a call on it is in
+    flight (False: then nothing is dropped, and a later sweep tries again). A call that takes the group
+    after this finds it destroyed (``loop.take_group`` refuses it by name), so no call runs on a state that
+    was dropped. The group's name keeps its count of incarnations (:data:`_INCARNATIONS`): a group made
+    again under the name, on the same store, gets a board of its own."""
+    with _STATES_LOCK:
+        found = [(key, state) for key, state in _STATES.items() if key is group or state.group is group]
+        taken = []
+        try:
+            for _, state in found:
+                if not state.lock.acquire(False):  # a call in flight: it keeps its state until it ends
+                    return False
+                taken.append(state)
+            for key, _ in found:
+                del _STATES[key]
+        finally:
+            for state in taken:
+                state.lock.release()
+    return True
+
+
 
 _FORMATS: dict[int, tuple[str, object]] = {}
 
