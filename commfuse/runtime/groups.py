@@ -203,16 +203,27 @@ def _group_name(group) -> str:
 
 
 def state_of_group(group) -> GroupState:
-    """The :class:`GroupState` of a process group (or of a backend object that has no group)."""
+    """The :class:`GroupState` of a process group (or of a backend object that has no group). A group
+    torch.distributed destroyed gets a state that is not kept and counts no incarnation: no call can take it
+    (``loop.take_group`` refuses it), and a rank that asked for one must not number the name's later groups
+    apart from its peers'."""
     found = _STATES.get(group)
     if found is None:
         with _STATES_LOCK:
             found = _STATES.get(group)
             if found is None:
                 name = _group_name(group)
+                c10d_group = _c10d_group(group)
+                if c10d_group is not None and _destroyed(c10d_group):
+                    return GroupState(name, c10d_group, _INCARNATIONS.get(name, 0))
                 incarnation = _INCARNATIONS[name] = _INCARNATIONS.get(name, 0) + 1
-                found = _STATES[group] = GroupState(name, _c10d_group(group), incarnation)
+                found = _STATES[group] = GroupState(name, c10d_group, incarnation)
     return found
+
+
+def _destroyed(group) -> bool:
+    """Whether the c10d process group ``group`` is no longer one torch.distributed knows (destroyed)."""
+    return group not in sys.modules["torch.distributed.distributed_c10d"]._world.pg_map
 
 
 def _c10d_group(group):

@@ -47,10 +47,15 @@ def test_a_destroyed_group_is_let_go_at_the_next_planning_and_a_live_one_keeps_i
     state = groups.state_of_group(kept)
     numbers = dict(state.seqs)
     plans = table.entries("plan")
+    name = groups.state_of_group(gone).name
+    incarnations = dict(groups._INCARNATIONS)
     dist.destroy_process_group(gone)
+    _call(dist.new_group([0, 1]))  # a new group: planning sweeps
+    # asked for again once let go, the destroyed group's state is not kept, and counts no incarnation
+    assert groups.state_of_group(gone).incarnation == incarnations[name]
+    assert groups._INCARNATIONS[name] == incarnations[name] and _holds(gone) == []
     dead = weakref.ref(gone)
     del gone
-    _call(dist.new_group([0, 1]))  # a new group: planning sweeps
     gc.collect()
     assert dead() is None, [type(r).__name__ for r in gc.get_referrers(dead())]
     assert groups.state_of_group(kept) is state and state.seqs == numbers  # not made again, nor renumbered
