@@ -35,8 +35,9 @@ KNOWN_BACKENDS = {
 }
 
 __all__ = [
-    "KNOWN_BACKENDS", "availability", "available", "fresh", "get", "install_hint", "on_release", "plan_bytes",
-    "plan_usage", "process_group", "refuse_destroyed", "release", "resolve", "spec", "specs", "whole_op",
+    "KNOWN_BACKENDS", "availability", "available", "forget_destroyed", "fresh", "get", "install_hint", "on_release",
+    "plan_bytes", "plan_usage", "process_group", "refuse_destroyed", "release", "resolve", "spec", "specs",
+    "whole_op",
 ]
 
 
@@ -272,6 +273,7 @@ def resolve(backend=None, group=None, device=None):
     key = ("backend", backend, group if group is not None else dist.group.WORLD, str(device))
     found = table.get(key)
     if found is None:
+        forget_destroyed()  # a new group, most often: let go of those destroyed since
         found = table.remember(key, get(backend, device=device, group=group))
     return found
 
@@ -321,11 +323,42 @@ def refuse_destroyed(group) -> None:
     if c10d is None or not isinstance(group, c10d.ProcessGroup):
         return
     if group not in c10d._world.pg_map:
+        forget_destroyed()
         raise CommfuseValueError(
             f"process group {getattr(group, 'group_name', '') or group!r} was destroyed "
             "(torch.distributed.destroy_process_group): give a live group (a module made on the old group must be "
             "made again)"
         )
+
+
+def forget_destroyed() -> int:
+    """Let go of what commfuse holds for each process group that ``torch.distributed.destroy_process_group``
+    destroyed without :func:`release`: the group's state (call numbers, agreed signatures, board, flight
+    recorder), its backend object with its receive buffers, and its entries in the planning table. Then
+    nothing of commfuse's holds the group, and torch frees it: gloo's connections (a listening socket and
+    one per peer, a pipe and an epoll descriptor) and its threads (``gloo_tcp_loop`` and the group's two
+    ``pt_gloo_runloop`` workers). A group with a call in flight is let go by a later sweep. Returns how many
+    groups were let go.
+
+    Planning calls it whenever it makes a backend object (a group's first call), and so does a call that
+    names a destroyed group; a repeated call never does. Groups that stay are untouched, and so is each group
+    name's count of incarnations (``commfuse.runtime.groups``), so a group made again under an old name keeps
+    board keys of its own. The whole world destroyed (``destroy_process_group()``) is forgotten by
+    :func:`fresh` at the next planning, as :func:`release` would."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")  # not imported: no group was ever made
+    if c10d is None:
+        return 0
+    from commfuse.runtime.groups import forget_group, known_groups
+
+    live, kind = c10d._world.pg_map, c10d.ProcessGroup
+    held = {id(group): group for group in known_groups()}
+    held.update((id(key[2]), key[2]) for key in table.keys("backend"))
+    let_go = 0
+    for group in held.values():
+        if isinstance(group, kind) and group not in live and forget_group(group):
+            table.forget_holding(group)
+            let_go += 1
+    return let_go
 
 
 def release() -> None:

@@ -50,13 +50,14 @@ import logging
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from enum import Enum
 from typing import Any
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 
 __all__ = [
-    "DEFAULT_BOUND", "ENTRY_BYTES", "SLOT_BYTES", "STEP_BYTES", "bound", "entries", "find", "forget", "get", "keys",
-    "lookup", "on_forget", "remember", "set_bound", "usage",
+    "DEFAULT_BOUND", "ENTRY_BYTES", "SLOT_BYTES", "STEP_BYTES", "bound", "entries", "find", "forget", "forget_holding",
+    "get", "keys", "lookup", "on_forget", "remember", "set_bound", "usage",
 ]
 
 log = logging.getLogger("commfuse")
@@ -308,9 +309,10 @@ def _shrink(limit: int) -> None:
         _evict(key, record)
 
 
-def _evict(key: tuple, record: _Record) -> None:
+def _evict(key: tuple, record: _Record, counted: bool = True) -> None:
     """Drop one entry (already out of ``_RECORDS`` and the clock's lists), its claims in the pool and the
-    entries that go with it."""
+    entries that go with it. ``counted``: an eviction (counted, and remembered to say when it is planned
+    again), not an entry forgotten with its group (:func:`forget_holding`)."""
     value = _ENTRIES.pop(key, None)
     if _BY_ID.get(id(value)) is record:
         del _BY_ID[id(value)]
@@ -319,19 +321,72 @@ def _evict(key: tuple, record: _Record) -> None:
         _BOUND.held -= record.pool.unclaim(record.keys)
     if record.plan is not None and _OWNERS.get(record.plan) == key:
         del _OWNERS[record.plan]
-    _BOUND.evictions += 1
-    try:
-        _EVICTED[hash(key)] = None
-    except TypeError:  # pragma: no cover - every kept key was hashed already
-        pass
-    while len(_EVICTED) > EVICTED_KEPT:
-        _EVICTED.popitem(last=False)
+    if counted:
+        _BOUND.evictions += 1
+        try:
+            _EVICTED[hash(key)] = None
+        except TypeError:  # pragma: no cover - every kept key was hashed already
+            pass
+        while len(_EVICTED) > EVICTED_KEPT:
+            _EVICTED.popitem(last=False)
     for follower in record.followers:  # they run this plan: they go with it
         followed = _RECORDS.pop(follower, None)
         if followed is not None:
             _ACTIVE.pop(follower, None)
             _INACTIVE.pop(follower, None)
-            _evict(follower, followed)
+            _evict(follower, followed, counted)
+
+
+def _owned(value: Any) -> bool:
+    """Whether an entry's value is an object of its own (a backend, a resolved call) that other keys may hold
+    to mean it, rather than a value any key may hold for itself (None, a number, a string, a dtype, an enum
+    member, a tuple)."""
+    kind = type(value)
+    return kind.__module__ not in ("builtins", "torch") and not isinstance(value, Enum)
+
+
+def _mentions(key, doomed: dict[int, Any]) -> bool:
+    """Whether a key holds one of ``doomed`` (by identity), itself or inside a tuple it holds."""
+    for part in key:
+        if id(part) in doomed or (type(part) is tuple and _mentions(part, doomed)):
+            return True
+    return False
+
+
+def forget_holding(obj: Any) -> int:
+    """Forget every entry that holds ``obj`` (a process group torch.distributed destroyed): each entry whose
+    key holds it, then each entry whose key holds what such an entry kept (the group's backend object, its
+    resolved calls, their plans), and the entries that go with those plans; their claims in the pools go
+    with them. Not evictions: nothing is counted, and planning such a key again warns of nothing. Entries
+    of other groups, and those every group shares (schedules, compiled steps), stay. Returns how many
+    entries went."""
+    with _LOCK:
+        doomed: dict[int, Any] = {id(obj): obj}  # the objects, kept alive while their ids are compared
+        gone: dict[tuple, None] = {}
+        grew = True
+        while grew:  # a key holds the group, another holds that entry's value, and so on: a few rounds
+            grew = False
+            for key in list(_RECORDS):
+                if key not in gone and _mentions(key, doomed):
+                    gone[key] = None
+                    value = _ENTRIES.get(key)
+                    if _owned(value) and id(value) not in doomed:
+                        doomed[id(value)] = value
+                        grew = True
+        dropped = 0
+        for key in gone:
+            record = _RECORDS.pop(key, None)
+            if record is None:  # went already, with a plan it followed
+                continue
+            _ACTIVE.pop(key, None)
+            _INACTIVE.pop(key, None)
+            before = len(_ENTRIES)
+            _evict(key, record, counted=False)
+            dropped += before - len(_ENTRIES)
+        kept = [value for value in _FOUND if id(value) not in doomed]  # hits not yet marked: no longer kept
+        _FOUND.clear()
+        _FOUND.extend(kept)
+        return dropped
 
 
 def find(key: tuple, make: Callable[[], Any], *, held: Callable[[Any], dict] | None = None) -> Any:

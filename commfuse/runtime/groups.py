@@ -203,16 +203,27 @@ def _group_name(group) -> str:
 
 
 def state_of_group(group) -> GroupState:
-    """The :class:`GroupState` of a process group (or of a backend object that has no group)."""
+    """The :class:`GroupState` of a process group (or of a backend object that has no group). A group
+    torch.distributed destroyed gets a state that is not kept and counts no incarnation: no call can take it
+    (``loop.take_group`` refuses it), and a rank that asked for one must not number the name's later groups
+    apart from its peers'."""
     found = _STATES.get(group)
     if found is None:
         with _STATES_LOCK:
             found = _STATES.get(group)
             if found is None:
                 name = _group_name(group)
+                c10d_group = _c10d_group(group)
+                if c10d_group is not None and _destroyed(c10d_group):
+                    return GroupState(name, c10d_group, _INCARNATIONS.get(name, 0))
                 incarnation = _INCARNATIONS[name] = _INCARNATIONS.get(name, 0) + 1
-                found = _STATES[group] = GroupState(name, _c10d_group(group), incarnation)
+                found = _STATES[group] = GroupState(name, c10d_group, incarnation)
     return found
+
+
+def _destroyed(group) -> bool:
+    """Whether the c10d process group ``group`` is no longer one torch.distributed knows (destroyed)."""
+    return group not in sys.modules["torch.distributed.distributed_c10d"]._world.pg_map
 
 
 def _c10d_group(group):
@@ -246,6 +257,34 @@ def forget_groups() -> None:
     """Drop every group's state (``commfuse.backends.release`` calls it before groups are destroyed)."""
     with _STATES_LOCK:
         _STATES.clear()
+
+
+def known_groups() -> list:
+    """The c10d process groups that have a state here (for the sweep of destroyed groups,
+    ``commfuse.backends.forget_destroyed``)."""
+    return [state.group for state in list(_STATES.values()) if state.group is not None]
+
+
+def forget_group(group) -> bool:
+    """Drop the state of ``group``, a process group torch.distributed destroyed, unless a call on it is in
+    flight (False: then nothing is dropped, and a later sweep tries again). A call that takes the group
+    after this finds it destroyed (``loop.take_group`` refuses it by name), so no call runs on a state that
+    was dropped. The group's name keeps its count of incarnations (:data:`_INCARNATIONS`): a group made
+    again under the name, on the same store, gets a board of its own."""
+    with _STATES_LOCK:
+        found = [(key, state) for key, state in _STATES.items() if key is group or state.group is group]
+        taken = []
+        try:
+            for _, state in found:
+                if not state.lock.acquire(False):  # a call in flight: it keeps its state until it ends
+                    return False
+                taken.append(state)
+            for key, _ in found:
+                del _STATES[key]
+        finally:
+            for state in taken:
+                state.lock.release()
+    return True
 
 
 
