@@ -63,9 +63,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
+from commfuse.runtime.groups import register_format
 
-__all__ = ["Captured", "capture", "check_capturable", "closure_leaves", "failed_ranks", "paused_watchdog",
-           "signature_key"]
+__all__ = ["Captured", "agree_captured", "capture", "check_capturable", "closure_leaves", "failed_ranks",
+           "paused_watchdog", "signature_key"]
 
 #: The device type :func:`capture` captures on (torch.cuda's graph API).
 DEVICE_TYPE = "cuda"
@@ -335,15 +336,7 @@ class Captured:
             entry, error = None, e
         # A replay runs the captured transfers: a rank whose capture failed would leave its peers' replays
         # waiting on the device. So the ranks agree first, and none replays unless all captured.
-        failed = failed_ranks(error is None, device, getattr(be, "group", None) if be is not None else self.group)
-        if error is not None:
-            raise error
-        if failed:
-            raise CommfuseValueError(
-                f"commfuse.graphs.capture: rank(s) {', '.join(map(str, failed))} failed to capture this signature "
-                f"(their own errors say why); this rank captured it but does not replay it, so that no rank waits "
-                f"for transfers its peers never run"
-            )
+        agree_captured(error, device, getattr(be, "group", None) if be is not None else self.group)
         return entry
 
     def _forward_only(self, s_args: tuple, s_kwargs: dict, static: list[torch.Tensor], device) -> _Entry:
@@ -404,17 +397,43 @@ class Captured:
 
 def failed_ranks(ok: bool, device: torch.device, group=None) -> list[int]:
     """Every rank of ``group`` (None: the default group) says whether it succeeded (``ok``); the ranks (in the
-    group) that did not, the same list on every rank. One all-gather of a flag on ``device``; without an
-    initialised torch.distributed, ``[]`` or ``[0]``: this process alone."""
+    group) that did not, the same list on every rank. One exchange through commfuse's agreement
+    (``commfuse.planning.agreement.share``: numbered like every commfuse call on the group and bounded by
+    commfuse's timeout, on ``device``'s backend); without an initialised torch.distributed, ``[]`` or ``[0]``:
+    this process alone."""
     import torch.distributed as dist
+
+    from commfuse.planning.agreement import share
 
     if not (dist.is_available() and dist.is_initialized()):
         return [] if ok else [0]
-    n = dist.get_world_size(group)
-    flags = torch.zeros(n, dtype=torch.int32, device=device)
-    dist.all_gather_into_tensor(flags, torch.tensor([1 if ok else 0], dtype=torch.int32, device=device),
-                                group=group)
-    return [r for r, flag in enumerate(flags.tolist()) if not flag]
+    said = share(dist.group.WORLD if group is None else group, "commfuse.graphs.failed_ranks", lambda: bool(ok), label="graphs.failed_ranks",
+                 device=device)
+    return [r for r, flag in enumerate(said) if flag is not True]
+
+
+def agree_captured(error: BaseException | None, device: torch.device, group=None) -> None:
+    """The ranks of ``group`` (None: the default group) agree that each captured a signature (``error`` None)
+    before any replays it: one exchange through commfuse's agreement (numbered, bounded by commfuse's timeout,
+    on ``device``'s backend). A rank whose capture failed raises its ``error`` (a note says its peers were
+    told); every other rank raises :class:`~commfuse.errors.PeerFailedError` naming each rank that failed and
+    its error's class and first line, and replays nothing. Without an initialised torch.distributed,
+    ``error`` is raised as it is."""
+    import torch.distributed as dist
+
+    from commfuse.planning.agreement import share
+
+    def captured() -> bool:
+        if error is not None:
+            raise error
+        return True
+
+    if not (dist.is_available() and dist.is_initialized()):
+        captured()
+        return
+    share(dist.group.WORLD if group is None else group, "commfuse.graphs.capture of a signature", captured, label="graphs.capture", device=device,
+          so="no rank replays it (a rank that captured it does not replay it, so that no rank waits for "
+             "transfers its peers never run)")
 
 
 def closure_leaves(outputs: Sequence[torch.Tensor], allowed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -464,8 +483,14 @@ def capture(module_or_fn: Callable, *, warmup: int = 3, backward: bool = False, 
 
     Every rank must call the returned callable with the same signatures in
     the same order (see the module). After capturing, the ranks agree that
-    every one of them captured (:func:`failed_ranks`, one all-gather of a
-    flag per signature): if one failed, none replays, and each raises. Refuses
+    every one of them captured (:func:`agree_captured`, one exchange through
+    commfuse's agreement per signature, numbered and bounded by commfuse's
+    timeout): if one failed, none replays; it raises its own error and every
+    other rank a ``PeerFailedError`` naming it and what it raised. Refuses
     ``COMMFUSE_CHECK=always``.
     """
     return Captured(module_or_fn, warmup=warmup, backward=backward, pool=pool, group=group, backend=backend)
+
+
+register_format("graphs.capture", lambda v: "commfuse.graphs' agreement of the ranks that each captured a signature")
+register_format("graphs.failed_ranks", lambda v: "commfuse.graphs.failed_ranks' exchange of the ranks' verdicts")

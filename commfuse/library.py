@@ -564,9 +564,27 @@ def _replicated_setup(ctx, inputs, output):
 
 
 def _replicated_backward(ctx, g):
-    from torch.distributed import _functional_collectives as funcol
+    return torch.ops.commfuse.replicated_grad(g.contiguous(), ctx.group_name), None
 
-    return funcol.all_reduce(g.contiguous(), "sum", ctx.group_name), None
+
+@torch.library.custom_op("commfuse::replicated_grad", mutates_args=())
+def _replicated_grad(g: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``g`` over the group through commfuse (numbered with the group's other calls, bounded by
+    its timeout, told to every rank), as the eager ``ReplicatedGrad`` sums it; not torch's functional
+    all-reduce, which only the process group's own timeout bounds."""
+    from commfuse.planning.calls import resolve_call
+    from commfuse.planning.pipelined import all_reduce_core
+
+    call = resolve_call("reduce_scatter", "vanilla", group=_group(group_name), device=g.device)
+    if call is None:
+        return g.clone()
+    with torch.no_grad():
+        return all_reduce_core(call, g, label="replicated_grad")
+
+
+@_replicated_grad.register_fake
+def _(g, group_name):
+    return g.new_empty(g.shape)
 
 
 _replicated.register_autograd(_replicated_backward, setup_context=_replicated_setup)

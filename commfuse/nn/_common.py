@@ -12,9 +12,13 @@ from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime import sites
-from commfuse.planning.pipelined import layer_config
+from commfuse.planning.agreement import agree
+from commfuse.planning.calls import resolve_call
+from commfuse.planning.pipelined import all_gather_consume_core, collect, layer_config
+from commfuse.runtime.programs import dtype_name
 from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
-from commfuse.schedule import offsets, site_algorithm, split_sizes
+from commfuse.runtime.groups import register_format
+from commfuse.schedule import Collective, offsets, site_algorithm, split_sizes
 
 
 def resolve_group(group):
@@ -155,21 +159,53 @@ def even(what: str, size: int, n: int, name: str) -> None:
         )
 
 
-def gather_dim(t: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
-    """The whole tensor from every rank's ``tensor_split`` piece along ``dim`` (exact copy, uneven allowed)."""
+def gather_dim(t: torch.Tensor, dim: int, full: int, group, *, what: str = "a sharded parameter") -> torch.Tensor:
+    """The whole tensor from every rank's ``tensor_split`` piece along ``dim`` (exact copy, uneven allowed).
+
+    Through commfuse, so numbered with the group's other calls and bounded by commfuse's timeout. In plain
+    code::
+
+        agree(this rank's piece is tensor_split(full, n)[rank] along dim; the whole shape, dim, dtype)
+        padded = this rank's piece, zero-padded along dim to the biggest piece
+        parts = all_gather(padded.flatten())    # every rank's padded piece alike: one signature
+        return cat(part.view(padded.shape).narrow(dim, 0, sizes[q]) for q, part in enumerate(parts))
+
+    A rank whose piece is not its ``tensor_split`` share raises its own ``CommfuseValueError`` and every
+    other rank a ``PeerFailedError`` naming it; ranks that gather other wholes (shape, dim or dtype) raise
+    ``MismatchError`` naming them; nothing is gathered then and the group stays usable. ``what`` names the
+    tensor in those errors."""
     rank, n = world(group)
     t = local(t)
     if n == 1:
         return t.detach().clone()
     sizes = split_sizes(full, n)
-    biggest = max(sizes)
+    d = dim % t.ndim if -t.ndim <= dim < t.ndim else dim
+
+    def piece() -> torch.Tensor:
+        if not 0 <= d < t.ndim:
+            raise CommfuseValueError(f"rank {rank}: gathering {what}: dim {dim} is out of range for its "
+                                     f"{t.ndim}-D piece {list(t.shape)}")
+        if t.shape[d] != sizes[rank]:
+            raise CommfuseValueError(
+                f"rank {rank}: gathering {what}: its piece {list(t.shape)} has {t.shape[d]} along dim {d}, but "
+                f"tensor_split of {full} over {n} ranks gives rank {rank} {sizes[rank]} ({sizes})")
+        return t
+
+    def whole(_) -> list[tuple[str, object]]:
+        shape = list(t.shape)
+        shape[d] = full
+        return [("the whole shape", str(shape)), ("dim", d), ("dtype", str(t.dtype).removeprefix("torch."))]
+
+    agree(dist.group.WORLD if group is None else group, f"gathering {what}", piece, whole, label="nn.gather_dim.agree", device=t.device,
+          so="no rank gathers it (nothing was sent; the group is usable)")
     shape = list(t.shape)
-    shape[dim] = biggest
+    shape[d] = max(sizes)
     padded = t.new_zeros(shape)
-    padded.narrow(dim, 0, t.shape[dim]).copy_(t.detach())
-    parts = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+    padded.narrow(d, 0, t.shape[d]).copy_(t.detach())
+    call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, device=t.device)
+    with torch.no_grad():
+        parts = all_gather_consume_core(call, padded.reshape(-1), collect, 0, label="nn.gather_dim")
+    return torch.cat([p.view(shape).narrow(d, 0, s) for p, s in zip(parts, sizes)], dim=d)
 
 
 class ReplicatedGrad(torch.autograd.Function):
@@ -235,3 +271,8 @@ def linear_from_row_shards(layer):
         if layer.bias is not None:
             linear.bias.copy_(gather_dim(layer.bias, 0, layer.out_features, layer.group))
     return linear
+
+
+register_format("nn.gather_dim.agree", lambda v: "commfuse.nn's agreement of the ranks on a parameter they gather whole")
+register_format("nn.gather_dim", lambda v: f"a parameter's pieces gathered whole (each rank's padded to {v[3]} "
+                                           f"{dtype_name(v[0])} elements)")
