@@ -157,6 +157,11 @@ class ParallelAttention(nn.Module):
           flash-attention's varlen functions take them.
 
         Every query slice of the reduce-scatter ring takes its rows of the mask and its keys' columns.
+        The ranks' masks are compared (``commfuse.fused.attention.shared_mask``): ``cu_seqlens`` and
+        ``document_ids`` on the CPU on every call, a dense ``attn_mask`` and ``document_ids`` on an accelerator
+        only under ``COMMFUSE_CHECK=always``, a ``BlockMask`` never; a digest of each rank's is exchanged before
+        the first projection, and where they differ every rank raises ``MismatchError`` naming the ranks and
+        both values.
         """
         b, rows_here, _ = x.shape
         n = self.world_size

@@ -17,6 +17,10 @@ found, in one exchange over the group, and acts only when all agree. In plain co
 
 Every rank leaves the exchange having made the same one call, so the group stays usable whatever was raised.
 A group of one rank (or torch's ``fake`` group, one process standing for many) exchanges nothing.
+
+:func:`agree_shared` is the per-call form for inputs the ranks must pass alike (ring attention's document
+lengths, a layer's mask): one exchange of 8-byte digests on every call, and :func:`agree`'s exchange of the
+readable values only where the digests differ.
 """
 
 from __future__ import annotations
