@@ -349,9 +349,8 @@ def mask_shared(name: str, value: torch.Tensor) -> tuple[int, object]:
     whole mask, every head's, before this rank's heads are cut out), and ``described()``, what a
     ``MismatchError`` shows of it, made only where the ranks' digests differ."""
     if name in CUMULATIVE_MASK_NAMES or is_varlen(value):
-        ends = torch.as_tensor(value).tolist()
-        text = repr(ends)
-        return digest(text.encode()), lambda: [(name, _shown(text))]
+        ends = tuple(torch.as_tensor(value).tolist())
+        return digest(ends), lambda: [(name, _shown(repr(list(ends))))]
     t = value.detach().contiguous().cpu()
     raw = t.view(torch.uint8) if t.dtype != torch.bool and t.element_size() > 1 else t
     head = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"

@@ -553,12 +553,14 @@ def _shared_lengths(lengths) -> tuple[int, object]:
     already (the block plans are made from them there): no device is read."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.tolist()
-    else:
-        lengths = [x.tolist() if isinstance(x, torch.Tensor) else list(x) if isinstance(x, tuple) else x
-                   for x in lengths]
-    text = repr(lengths)
-    return digest(text.encode()), lambda: [("document_lengths", text if len(text) <= 600 else
-                                            f"{text[:600]}... ({len(text)} characters)")]
+    rows = tuple(tuple(x.tolist()) if isinstance(x, torch.Tensor) else tuple(x) if isinstance(x, (list, tuple))
+                 else x for x in lengths)
+
+    def described() -> list[tuple[str, str]]:
+        text = repr([list(x) if isinstance(x, tuple) else x for x in rows])
+        return [("document_lengths", text if len(text) <= 600 else f"{text[:600]}... ({len(text)} characters)")]
+
+    return digest(rows), described
 
 
 class _UlyssesExchange(torch.autograd.Function):

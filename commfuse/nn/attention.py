@@ -178,7 +178,8 @@ class ParallelAttention(nn.Module):
             group=self.group, backend=self.backend, device=x.device)
         # the mask the ranks compare on this call (fused_attention.shared_mask: names, types, devices), one
         # exchange of digests more; a rank whose mask is refused leaves every call: its peers, waiting, are told why
-        shared = None if given is None or call is None else fused_attention.shared_mask(given, check_mode(None) == "always")
+        shared = None if given is None or call is None else \
+            fused_attention.shared_mask(given, check_mode(None) == "always")
         with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2 if shared is None else 3):
             mask = self._mask(given, b, rows_here * n)
             if shared is not None:  # before any projection: no rank computes with masks that differ
