@@ -29,8 +29,9 @@ n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
 same shuffled rounds: ``all_gather_consume`` and ``all_to_all_consume``
 (each shard's consumer one matmul), ``produce_reduce_scatter`` with
 ``inputs`` (each partial one matmul) and ``ring_attention`` (causal, 2
-heads, 4 positions a rank; and with two documents, ``document_lengths``). They have no floor row of their own; they are
-for comparing one tree's per-call cost with another's.
+heads, 4 positions a rank; and with two documents, ``document_lengths``).
+They have no floor row of their own; they are for comparing one tree's
+per-call cost with another's.
 
 ``--recorder``: the flight recorder's cost (``commfuse.runtime.recorder``).
 The ring and vanilla rows run again on one more group of the same ranks,
