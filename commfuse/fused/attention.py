@@ -317,10 +317,11 @@ def _dense(who: str, name: str, m: torch.Tensor, batch: int, seq: int, heads: in
     return m
 
 
-def shared_mask(given: dict, always: bool) -> tuple[str, object] | None:
+def shared_mask(given: dict, check: str) -> tuple[str, object] | None:
     """The mask among ``given`` (forward arguments by name) that the ranks compare on this call, as
     ``(name, value)``, or None, read from names, types and devices only (every rank that passed the same kind
-    decides alike, before the mask is checked; :func:`mask_shared` then digests it):
+    decides alike, before the mask is checked; :func:`mask_shared` then digests it). ``check``: the call's
+    check mode (``COMMFUSE_CHECK``: "off" compares nothing, "always" compares every kind but a BlockMask):
 
     - ``cu_seqlens`` (or a ``VarlenMetadata``'s ``cu_seq_q``): on every call (its ends are read on the host
       to make the document ids anyway);
@@ -328,6 +329,9 @@ def shared_mask(given: dict, always: bool) -> tuple[str, object] | None:
       (``COMMFUSE_CHECK=always``): digesting them would read the device on every call;
     - a dense ``attn_mask`` (boolean or additive): only with ``always`` (digesting (s, s) or more values costs);
     - a FlexAttention ``BlockMask``: never (its ``mask_mod`` is a function)."""
+    if check == "off":
+        return None
+    always = check == "always"
     for name, value in given.items():
         if value is None or is_block_mask(value):
             continue

@@ -542,7 +542,7 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     scatter = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, device=q.device,
                            slice_bytes=2 * k.numel() * _acc(k.dtype).itemsize, timeout=timeout, halves=True)
     plans = _SlicePlans(seq, rank, n, layout, bool(causal), documents, q.device)
-    shared = None if documents is None or gather is None else _shared_lengths(document_lengths)
+    shared = None if documents is None or gather is None or gather.check == "off" else _shared_lengths(document_lengths)
     return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank,
                  shared)
 

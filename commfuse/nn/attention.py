@@ -73,7 +73,6 @@ from commfuse.planning import pipelined
 from commfuse.planning.agree import agree_shared
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
-from commfuse.runtime.groups import check_mode
 from commfuse.runtime.loop import op_calls
 from commfuse.schedule import Collective
 
@@ -159,7 +158,8 @@ class ParallelAttention(nn.Module):
         Every query slice of the reduce-scatter ring takes its rows of the mask and its keys' columns.
         The ranks' masks are compared (``commfuse.fused.attention.shared_mask``): ``cu_seqlens`` and
         ``document_ids`` on the CPU on every call, a dense ``attn_mask`` and ``document_ids`` on an accelerator
-        only under ``COMMFUSE_CHECK=always``, a ``BlockMask`` never; a digest of each rank's is exchanged before
+        only under ``COMMFUSE_CHECK=always``, a ``BlockMask`` never, nothing under ``COMMFUSE_CHECK=0``; a
+        digest of each rank's is exchanged before
         the first projection, and where they differ every rank raises ``MismatchError`` naming the ranks and
         both values.
         """
@@ -178,8 +178,7 @@ class ParallelAttention(nn.Module):
             group=self.group, backend=self.backend, device=x.device)
         # the mask the ranks compare on this call (fused_attention.shared_mask: names, types, devices), one
         # exchange of digests more; a rank whose mask is refused leaves every call: its peers, waiting, are told why
-        shared = None if given is None or call is None else \
-            fused_attention.shared_mask(given, check_mode(None) == "always")
+        shared = None if given is None or call is None else fused_attention.shared_mask(given, call.check)
         with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2 if shared is None else 3):
             mask = self._mask(given, b, rows_here * n)
             if shared is not None:  # before any projection: no rank computes with masks that differ

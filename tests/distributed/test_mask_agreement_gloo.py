@@ -20,12 +20,12 @@ from commfuse.launch import launch  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
-def _results(body: str, n: int) -> list[dict]:
-    return launch(getattr(cases, body), n, timeout=300)
+def _results(body: str, n: int, *args) -> list[dict]:
+    return launch(getattr(cases, body), n, *args, timeout=300)
 
 
-def _check(body: str, n: int, name: str) -> None:
-    results = _results(body, n)
+def _check(body: str, n: int, name: str, *args) -> None:
+    results = _results(body, n, *args)
     errors = {r: res.get(name, "did not run") for r, res in enumerate(results) if res.get(name, "missing")}
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in errors.items())
     times = [res.get(f"time:{name}") for res in results]
@@ -35,9 +35,16 @@ def _check(body: str, n: int, name: str) -> None:
 
 
 @pytest.mark.parametrize("n", (2, 3))
-@pytest.mark.parametrize("name", ("document-ids", "cu-seqlens", "boolean"))
+@pytest.mark.parametrize("name", ("document-ids", "cu-seqlens"))
 def test_parallel_attention_masks_that_differ_raise_on_every_rank(name, n):
     _check("parallel_attention", n, name)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("name", ("document-ids", "cu-seqlens", "boolean"))
+def test_parallel_attention_masks_that_differ_raise_under_check_always(name, n):
+    """COMMFUSE_CHECK=always: a dense boolean attn_mask is compared too (and the rest as without it)."""
+    _check("parallel_attention", n, name, "always")
 
 
 @pytest.mark.parametrize("n", (2, 3))
