@@ -211,8 +211,8 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int 
             candidates["cf produce rs ring"] = lambda: cf.produce_reduce_scatter(partial, inputs=(x, w),
                                                                                  algorithm="ring", check=False)
             candidates["cf ring attention"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring")
-            # with documents: their digest is made on every call (the fake group exchanges none: its receives
-            # carry nothing, so the exchange itself is timed on gloo ranks, see docs/benchmarks.md)
+            # with documents (their digest is made on every call unless COMMFUSE_CHECK=0, as set above; the fake
+            # group exchanges none, its receives carry nothing: benchmarks/mask_agreement.py times the exchange)
             halves = [2 * n, 2 * n]
             candidates["cf ring attention, documents"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring",
                                                                                     document_lengths=halves)
