@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-OPS = ("ag_consume", "a2a_consume", "produce_rs", "ring_attention", "ag_ring", "rs_ring")
+OPS = ("ag_consume", "a2a_consume", "produce_rs", "ring_attention", "ring_attention_docs", "ag_ring", "rs_ring")
 
 
 def _calls(op: str, n: int):
@@ -56,6 +56,7 @@ def _calls(op: str, n: int):
         "a2a_consume": lambda: cf.all_to_all_consume(chunks, gemm, algorithm="ring", check=False),
         "produce_rs": lambda: cf.produce_reduce_scatter(partial, inputs=(x, w), algorithm="ring", check=False),
         "ring_attention": lambda: cf.ring_attention(q, kv, kv, algorithm="ring"),
+        "ring_attention_docs": lambda: cf.ring_attention(q, kv, kv, algorithm="ring", document_lengths=[2 * n, 2 * n]),
         "ag_ring": lambda: cf.all_gather_matmul(a, w, algorithm="ring", check=False),
         "rs_ring": lambda: cf.matmul_reduce_scatter(x, w, algorithm="ring", check=False),
     }[op]

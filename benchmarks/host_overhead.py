@@ -29,8 +29,9 @@ n=2 and n=8; vanilla at most 20 us over torch's collective plus matmul;
 same shuffled rounds: ``all_gather_consume`` and ``all_to_all_consume``
 (each shard's consumer one matmul), ``produce_reduce_scatter`` with
 ``inputs`` (each partial one matmul) and ``ring_attention`` (causal, 2
-heads, 4 positions a rank). They have no floor row of their own; they are
-for comparing one tree's per-call cost with another's.
+heads, 4 positions a rank; and with two documents, ``document_lengths``).
+They have no floor row of their own; they are for comparing one tree's
+per-call cost with another's.
 
 ``--recorder``: the flight recorder's cost (``commfuse.runtime.recorder``).
 The ring and vanilla rows run again on one more group of the same ranks,
@@ -210,6 +211,11 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int 
             candidates["cf produce rs ring"] = lambda: cf.produce_reduce_scatter(partial, inputs=(x, w),
                                                                                  algorithm="ring", check=False)
             candidates["cf ring attention"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring")
+            # with documents (their digest is made on every call unless COMMFUSE_CHECK=0, as set above; the fake
+            # group exchanges none, its receives carry nothing: benchmarks/mask_agreement.py times the exchange)
+            halves = [2 * n, 2 * n]
+            candidates["cf ring attention, documents"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring",
+                                                                                    document_lengths=halves)
         if recorder:
             # One more group, passed by name, whose plans run with their recorder and without it (_paired sets
             # it on the plans before each block), so on and off run the same plan objects, the same group, the

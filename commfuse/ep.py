@@ -37,7 +37,7 @@ from torch import nn
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn import MoE, ShardedLinear
-from commfuse.nn._agree import agree
+from commfuse.planning.agreement import agree
 from commfuse.nn._common import local
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
@@ -155,7 +155,7 @@ def _axes(mesh, dp_axis: str, ep_axis: str, where: str):
 def _layers(module: nn.Module, mesh, dp_axis: str, ep_axis: str, flat, where: str) -> list[tuple[str, MoE]]:
     """``module``'s MoE layers ``(path, layer)``, each checked against the mesh, and the same on every rank:
     each rank's verdict (its layers, or its refusal) and what it holds are agreed over the dp x ep ranks in one
-    exchange before anything is sharded (``commfuse.nn._agree``), so a rank that refuses alone, or holds other
+    exchange before anything is sharded (``commfuse.planning.agreement``), so a rank that refuses alone, or holds other
     layers, is named on every rank."""
 
     def decide() -> list[tuple[str, MoE]]:

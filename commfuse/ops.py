@@ -675,7 +675,9 @@ def ring_attention(
     log-sum-exp in float32. ``causal``: query position p sees keys up to p (fully masked blocks are
     skipped). ``document_lengths`` (ints, or a 1-D integer tensor, summing to the whole sequence's length,
     the same for every batch row; or one such list per batch row, for packed rows whose documents differ):
-    a query sees the keys of its own document only. ``scale``: the scores'
+    a query sees the keys of its own document only; every rank must pass the same lengths, which are
+    compared on every call (a digest exchanged before any block is computed; where they differ every rank
+    raises ``MismatchError`` naming the ranks and both values). ``scale``: the scores'
     factor (None: ``1 / sqrt(d)``). ``algorithm``: the all-gather's (forward) and reduce-scatter's
     (backward) ``ring[:m]``, ``bidirectional``, ``vanilla`` (one all-gather of K/V, then attention) or
     ``auto``.

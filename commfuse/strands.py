@@ -267,7 +267,7 @@ def _start(decide: Callable[[], list], group, who: str) -> tuple[list, object]:
     raises; ranks holding other orders all raise ``MismatchError``; the group stays usable). Returns the order
     and the group the stages' calls are counted on."""
     from commfuse import autograd
-    from commfuse.nn._agree import agree
+    from commfuse.planning.agreement import agree
     from commfuse.runtime import loop
     from commfuse.runtime.groups import state_of_group
 

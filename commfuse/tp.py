@@ -184,7 +184,7 @@ class _Style(ParallelStyle):
 
     def _agreed(self, module: nn.Module, mesh: DeviceMesh, decide=None):
         """What ``decide()`` reads of ``module`` (the block's parts; None without it), once every rank of the
-        mesh agrees (``commfuse.nn._agree``): each rank's verdict (applied, or its refusal) and what it decided
+        mesh agrees (``commfuse.planning.agreement``): each rank's verdict (applied, or its refusal) and what it decided
         (the style's arguments, :meth:`_decisions` of what it read, the module's structure) are exchanged once,
         before anything is distributed, so that a rank that refuses, or reads its module otherwise, is named on
         every rank instead of leaving its peers in ``distribute_tensor``'s scatter."""

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
+from commfuse.planning.agreement import digest
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import atomic
@@ -47,7 +48,8 @@ from commfuse.schedule import Collective
 __all__ = [
     "CUMULATIVE_MASK_NAMES", "DENSE_MASK_NAMES", "DOCUMENT_MASK_NAMES", "MASK_KINDS", "MASK_NAMES", "AttentionMask",
     "attend", "attention_reduce_scatter", "attention_reduce_scatter_backward", "is_block_mask", "is_mask",
-    "is_varlen", "mask_kind", "mask_of", "partial_bytes", "query_slices", "reduce_scatter_call", "resolve_mask",
+    "is_varlen", "mask_kind", "mask_of", "mask_shared", "partial_bytes", "query_slices", "reduce_scatter_call",
+    "resolve_mask", "shared_mask",
 ]
 
 
@@ -313,6 +315,66 @@ def _dense(who: str, name: str, m: torch.Tensor, batch: int, seq: int, heads: in
     if h > 1 and world_size > 1:
         m = m[:, rank * heads : (rank + 1) * heads]  # this rank's heads
     return m
+
+
+def shared_mask(given: dict, check: str) -> tuple[str, object] | None:
+    """The mask among ``given`` (forward arguments by name) that the ranks compare on this call, as
+    ``(name, value)``, or None, read from names, types and devices only (every rank that passed the same kind
+    decides alike, before the mask is checked; :func:`mask_shared` then digests it). ``check``: the call's
+    check mode (``COMMFUSE_CHECK``: "off" compares nothing, "always" compares every kind but a BlockMask):
+
+    - ``cu_seqlens`` (or a ``VarlenMetadata``'s ``cu_seq_q``): on every call (its ends are read on the host
+      to make the document ids anyway);
+    - ``document_ids`` on the CPU: on every call; on an accelerator only with ``always``
+      (``COMMFUSE_CHECK=always``): digesting them would read the device on every call;
+    - a dense ``attn_mask`` (boolean or additive): only with ``always`` (digesting (s, s) or more values costs);
+    - a FlexAttention ``BlockMask``: never (its ``mask_mod`` is a function)."""
+    if check == "off":
+        return None
+    always = check == "always"
+    for name, value in given.items():
+        if value is None or is_block_mask(value):
+            continue
+        if is_varlen(value):
+            return (name, value.cu_seq_q)
+        if not isinstance(value, torch.Tensor):
+            return None
+        if name in CUMULATIVE_MASK_NAMES:
+            return (name, value)
+        if name in DOCUMENT_MASK_NAMES:
+            return (name, value) if always or value.device.type == "cpu" else None
+        return (name, value) if always else None
+    return None
+
+
+def mask_shared(name: str, value: torch.Tensor) -> tuple[int, object]:
+    """``(digest, described)`` of a mask :func:`shared_mask` chose (checked already by :func:`resolve_mask`),
+    as ``commfuse.planning.agreement.agree_shared`` compares them: the digest of its dtype, shape and values (the
+    whole mask, every head's, before this rank's heads are cut out), and ``described()``, what a
+    ``MismatchError`` shows of it, made only where the ranks' digests differ."""
+    if name in CUMULATIVE_MASK_NAMES or is_varlen(value):
+        ends = tuple(torch.as_tensor(value).tolist())
+        return digest(ends), lambda: [(name, _shown(repr(list(ends))))]
+    t = value.detach().contiguous().cpu()
+    raw = t.view(torch.uint8) if t.dtype != torch.bool and t.element_size() > 1 else t
+    head = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+    code = digest(head.encode() + raw.numpy().tobytes())
+
+    def described() -> list[tuple[str, object]]:
+        if name in DOCUMENT_MASK_NAMES:
+            rows = t.reshape(-1, t.shape[-1]) if t.ndim else t.reshape(1, 1)
+            lengths = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in rows]
+            return [(name, _shown(f"{head}, documents of lengths {lengths[0] if len(lengths) == 1 else lengths}"))]
+        if t.dtype == torch.bool:
+            return [(name, f"{head}, {int(t.sum())} of {t.numel()} attend, digest {code:#x}")]
+        return [(name, f"{head}, {int(torch.isinf(t).sum())} of {t.numel()} are -inf, sum of the finite "
+                       f"{float(t[torch.isfinite(t)].double().sum()):.6g}, digest {code:#x}")]
+
+    return code, described
+
+
+def _shown(text: str, most: int = 600) -> str:
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: int,

@@ -43,6 +43,7 @@ from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
+from commfuse.planning.agreement import agree_shared, digest
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
@@ -336,6 +337,8 @@ class _Ring:
     scale: float
     hkv: int
     rank: int
+    #: the document lengths every rank must pass, as ``(digest, described)`` for ``agree_shared`` (None: none)
+    shared: tuple | None = None
 
 
 def _forward(ring: _Ring, q: torch.Tensor, kv: torch.Tensor | None, keep: bool,
@@ -539,7 +542,25 @@ def _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths, ti
     scatter = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, device=q.device,
                            slice_bytes=2 * k.numel() * _acc(k.dtype).itemsize, timeout=timeout, halves=True)
     plans = _SlicePlans(seq, rank, n, layout, bool(causal), documents, q.device)
-    return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank)
+    shared = None if documents is None or gather is None or gather.check == "off" else _shared_lengths(document_lengths)
+    return _Ring(configured(gather, config), configured(scatter, config), plans, float(scale), k.shape[2], rank,
+                 shared)
+
+
+def _shared_lengths(lengths) -> tuple[int, object]:
+    """Checked ``document_lengths`` as :func:`agree_shared` compares them: their digest, and their description
+    (a list of ints, or one per batch row), made only where the digests differ. The lengths are on the host
+    already (the block plans are made from them there): no device is read."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    rows = tuple(tuple(x.tolist()) if isinstance(x, torch.Tensor) else tuple(x) if isinstance(x, (list, tuple))
+                 else x for x in lengths)
+
+    def described() -> list[tuple[str, str]]:
+        text = repr([list(x) if isinstance(x, tuple) else x for x in rows])
+        return [("document_lengths", text if len(text) <= 600 else f"{text[:600]}... ({len(text)} characters)")]
+
+    return digest(rows), described
 
 
 class _UlyssesExchange(torch.autograd.Function):
@@ -621,6 +642,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             return _UlyssesExchange.apply(ulysses, False, out)
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
+    if ring.shared is not None:  # the ranks' document lengths compared on every call, before any block is computed
+        agree_shared(group, "ring_attention's document_lengths", *ring.shared,
+                     label="ring_attention.documents", device=q.device)
     return _RingAttention.apply(ring, q, k, v)
 
 

@@ -70,6 +70,7 @@ from commfuse.nn._common import (
 )
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
+from commfuse.planning.agreement import agree_shared
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.loop import op_calls
@@ -155,6 +156,12 @@ class ParallelAttention(nn.Module):
           flash-attention's varlen functions take them.
 
         Every query slice of the reduce-scatter ring takes its rows of the mask and its keys' columns.
+        The ranks' masks are compared (``commfuse.fused.attention.shared_mask``): ``cu_seqlens`` and
+        ``document_ids`` on the CPU on every call, a dense ``attn_mask`` and ``document_ids`` on an accelerator
+        only under ``COMMFUSE_CHECK=always``, a ``BlockMask`` never, nothing under ``COMMFUSE_CHECK=0``; a
+        digest of each rank's is exchanged before
+        the first projection, and where they differ every rank raises ``MismatchError`` naming the ranks and
+        both values.
         """
         b, rows_here, _ = x.shape
         n = self.world_size
@@ -169,9 +176,15 @@ class ParallelAttention(nn.Module):
             self.algorithm, batch=b, rows=rows_here, hidden=self.hidden_size,
             dtype=ops.autocast_dtype(x) or x.dtype,  # under autocast the partials are in its dtype
             group=self.group, backend=self.backend, device=x.device)
-        # a rank whose mask is refused leaves both calls: its peers, waiting in them, are told why
-        with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2):
-            return self._run(x, self._mask(given, b, rows_here * n), call)
+        # the mask the ranks compare on this call (fused_attention.shared_mask: names, types, devices), one
+        # exchange of digests more; a rank whose mask is refused leaves every call: its peers, waiting, are told why
+        shared = None if given is None or call is None else fused_attention.shared_mask(given, call.check)
+        with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2 if shared is None else 3):
+            mask = self._mask(given, b, rows_here * n)
+            if shared is not None:  # before any projection: no rank computes with masks that differ
+                agree_shared(self.group, "ParallelAttention's mask", *fused_attention.mask_shared(*shared),
+                             label="ParallelAttention.mask", device=x.device)
+            return self._run(x, mask, call)
 
     def _mask(self, given: dict | None, batch: int, seq: int) -> AttentionMask | None:
         if given is None:

@@ -18,7 +18,12 @@ plain code::
 
 Every rank leaves the exchange having made the same one call, so the group stays usable whatever was raised.
 A group of one rank (or torch's ``fake`` group, one process standing for many) exchanges nothing. It lives
-in the planning layer so that every layer above (``graphs``, ``nn``, ``tp``, ``ep``, ``strands``) can use it.
+in the planning layer so that every layer above (``fused``, ``graphs``, ``nn``, ``tp``, ``ep``, ``strands``) can
+use it.
+
+:func:`agree_shared` is the per-call form for inputs the ranks must pass alike (ring attention's document
+lengths, a layer's mask): one exchange of 8-byte digests on every call, and :func:`agree`'s exchange of the
+readable values only where the digests differ.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from commfuse.runtime.groups import first_line, register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 
-__all__ = ["agree", "share"]
+__all__ = ["agree", "agree_shared", "digest", "share"]
 
 T = TypeVar("T")
 
@@ -51,7 +56,8 @@ _SHOWN = 8
 
 
 def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], list[tuple[str, object]]], *,
-          label: str, device=None, so: str = "no rank applies it (nothing was distributed; the group is usable)") -> T:
+          label: str, device=None, so: str = "no rank applies it (nothing was distributed; the group is usable)",
+          differ: str = "the ranks decided differently") -> T:
     """``decide()`` on this rank, agreed with every rank of ``group`` before the caller acts on it.
 
     ``decided = decide()`` may raise (a refusal: any ``Exception``); ``described(decided)`` lists what it
@@ -83,7 +89,7 @@ def agree(group, what: str, decide: Callable[[], T], described: Callable[[T], li
     if all(row == rows[0] for row in rows):
         return decided
     name = _namer(group, dist.get_rank(group))
-    raise MismatchError(f"{what}: the ranks decided differently, so {so}: {_differences(rows, name)}")
+    raise MismatchError(f"{what}: {differ}, so {so}: {_differences(rows, name)}")
 
 
 def share(group, what: str, decide: Callable[[], object], *, label: str, device=None,
@@ -101,6 +107,60 @@ def share(group, what: str, decide: Callable[[], object], *, label: str, device=
             raise error
         return [value]
     return [row.get("decided") for row in _told(group, what, label, device, error, value, so, f"so {so}")]
+
+
+#: The first integer of a digest row (:func:`agree_shared`): a row without it was not sent by this version.
+_SHARED_MAGIC = 0x5EA6ED
+
+
+def agree_shared(group, what: str, digest: int, described: Callable[[], list[tuple[str, object]]], *, label: str,
+                 device=None, so: str = "no rank computed with them (the group is usable)") -> None:
+    """Check that every rank of ``group`` passed the same per-call inputs ``what`` (document lengths, a mask),
+    from this rank's ``digest`` of them (an int below 2**63), on every rank alike. In plain code::
+
+        everyone = all_gather([magic, digest])       # through commfuse: numbered, bounded by its timeout
+        if every digest is the same: return
+        agree(described())                           # a second exchange, of the readable descriptions
+        raise MismatchError                          # naming two ranks and what differs, on every rank
+
+    ``described()`` lists the inputs as ``(name, value)`` pairs, as :func:`agree` compares them; it runs only
+    when the digests differ. Every rank makes the same calls and raises the same way, so the group stays
+    usable. ``group`` of one rank, or torch's ``fake`` group (one process standing for many, whose exchanges
+    carry nothing): nothing is exchanged. ``device``: the inputs' device, whose backend carries the 16 bytes
+    (on an accelerator reading them back is one device-to-host copy)."""
+    pg = group
+    if pg is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        pg = dist.group.WORLD
+    if dist.get_world_size(pg) == 1 or dist.get_backend(pg) == "fake":
+        return
+    device = torch.device(device or "cpu")
+    be = backends.resolve(None, group, device)
+    if be is None or be.world_size == 1:
+        return
+    mine = torch.tensor([_SHARED_MAGIC, digest], dtype=torch.int64, device=getattr(be, "device", None) or device)
+    call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, backend=be, device=mine.device)
+    with unmeasured():  # the digests must travel inside the benchmark's measure() scopes too
+        got = pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label=label)
+    rows = torch.stack(got).cpu().tolist()
+    if all(row == rows[0] for row in rows) and rows[0][0] == _SHARED_MAGIC:
+        return
+    agree(pg, what, lambda: None, lambda _: described(), label=label, device=device, so=so,
+          differ="the ranks passed different values")
+    raise MismatchError(  # the descriptions agree, the digests do not: what differs is beyond the description
+        f"{what}: the ranks passed different values, so {so}: their digests differ ("
+        + ", ".join(f"rank {q}: {row[1] & 0xFFFFFFFFFFFFFFFF:#x}" for q, row in enumerate(rows))
+        + ") where their descriptions agree")
+
+
+def digest(data: bytes | tuple) -> int:
+    """A 63-bit digest of ``data``, as :func:`agree_shared` compares them: BLAKE2b of bytes; Python's ``hash``
+    of a tuple of ints (or of such tuples), which is the same in every process (ints are not salted), and
+    costs a tenth of turning them into bytes first."""
+    if isinstance(data, tuple):
+        return hash(data) & 0x7FFFFFFFFFFFFFFF
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
 
 
 def _alone(group) -> bool:

@@ -1,0 +1,190 @@
+"""Rank-side bodies of the mask agreement tests: per-call masks and document metadata that differ in content
+from rank to rank (commfuse.nn.ParallelAttention's document_ids, cu_seqlens and boolean attn_mask, ring
+attention's document_lengths, one list or one per row) raise MismatchError on every rank naming both ranks and
+what differs, and the next call on the same group, with the masks equal again, matches the unsharded
+attention."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import commfuse as cf
+from commfuse.errors import MismatchError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ring_attention_cases import reference  # noqa: E402
+from _tp_cases import _run  # noqa: E402
+
+TOL = dict(rtol=1e-4, atol=1e-5)  # float32, summed in another order
+HEADS, HEAD_DIM, ROWS = 6, 4, 4  # ParallelAttention: 6 heads divide over 2 and 3 ranks; 4 rows a rank
+
+
+def _close(got, want, what):
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
+    if not torch.allclose(got, want, **TOL):
+        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+
+
+def _mismatch(results: dict, name: str, call, *words) -> None:
+    """``call()`` must raise MismatchError naming every one of ``words``; the wall time from the call to the
+    error on this rank goes into ``results`` as ``time:<name>`` (seconds)."""
+    t0 = time.perf_counter()
+    try:
+        call()
+    except MismatchError as e:
+        results[f"time:{name}"] = time.perf_counter() - t0
+        missing = [w for w in words if w not in str(e)]
+        if missing:
+            raise AssertionError(f"the error does not say {missing}: {e}") from e
+        return
+    raise AssertionError(f"no MismatchError naming {words}: the call returned a result")
+
+
+# -- ParallelAttention ---------------------------------------------------------------------------------------------
+
+
+def _ids(lengths) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+def _whole(linears, x, allowed, causal):
+    """The unsharded attention of x (b, s, hidden) through the layer's four projections, ``allowed`` (b or 1,
+    1, s, s) boolean."""
+    q_proj, k_proj, v_proj, o_proj = linears
+    b, s, _ = x.shape
+    q, k, v = (p(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2) for p in (q_proj, k_proj, v_proj))
+    if causal:
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    return o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def parallel_attention(rank: int, n: int, check: str = "") -> dict:
+    """document_ids and cu_seqlens that differ on the last rank, and with ``check`` "always"
+    (COMMFUSE_CHECK=always, set before the process's first call: the mode is read when a call is first
+    resolved) a boolean attn_mask too: MismatchError on every rank naming rank 0 and the last rank and the
+    argument; then the same layer with the masks equal matches the unsharded attention."""
+    if check:
+        os.environ["COMMFUSE_CHECK"] = check
+    torch.set_num_threads(1)
+    results: dict = {}
+    torch.manual_seed(0)
+    layer = cf.nn.ParallelAttention(HEADS * HEAD_DIM, HEADS, causal=False, algorithm="ring")
+    linears = layer.to_linears()
+    s = ROWS * n
+    x = torch.randn(2, s, HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    mine = x[:, rank * ROWS : (rank + 1) * ROWS]
+    last = rank == n - 1
+    halves, other = [s // 2, s - s // 2], [3, s - 3]
+    names = ("rank 0", f"rank {n - 1}")
+
+    def healthy(kw, allowed, what):
+        got = layer(mine, **kw)
+        want = _whole(linears, x, allowed, False)[:, rank * ROWS : (rank + 1) * ROWS]
+        _close(got.detach(), want.detach(), what)
+
+    def document_ids():
+        ids = _ids(other if last else halves)
+        _mismatch(results, "document-ids", lambda: layer(mine, document_ids=ids), *names, "document_ids",
+                  f"lengths {halves}", f"lengths {other}")
+        same = _ids(halves)
+        healthy(dict(document_ids=same), (same[:, None] == same[None, :])[None, None], "after document_ids")
+
+    def cu_seqlens():
+        def cu(rows):
+            ends = [0]
+            for row in rows:
+                for length in row:
+                    ends.append(ends[-1] + length)
+            return torch.tensor(ends, dtype=torch.int32)
+
+        mine_cu = cu([halves, other if last else halves])
+        _mismatch(results, "cu-seqlens", lambda: layer(mine, cu_seqlens=mine_cu), *names, "cu_seqlens")
+        same = _ids(halves)
+        healthy(dict(cu_seqlens=cu([halves, halves])), (same[:, None] == same[None, :])[None, None],
+                "after cu_seqlens")
+
+    def boolean():
+        g = torch.Generator().manual_seed(3)
+        allowed = torch.rand(s, s, generator=g) < 0.6
+        allowed |= torch.eye(s, dtype=torch.bool)
+        differs = allowed.clone()
+        differs[0, 1] = not bool(differs[0, 1])
+        _mismatch(results, "boolean", lambda: layer(mine, attn_mask=differs if last else allowed), *names,
+                  "attn_mask", "bool [", " attend")
+        healthy(dict(attn_mask=allowed), allowed[None, None], "after attn_mask")
+
+    _run(results, "document-ids", document_ids)
+    _run(results, "cu-seqlens", cu_seqlens)
+    if check == "always":
+        _run(results, "boolean", boolean)
+    return results
+
+
+# -- ring attention ------------------------------------------------------------------------------------------------
+
+
+def ring_attention(rank: int, n: int) -> dict:
+    """document_lengths ([s/2, s/2] against [s/4, 3s/4]) and per-row lists that differ on the last rank:
+    MismatchError on every rank naming rank 0, the last rank and both values; then a call with equal lengths
+    matches the unsharded attention, forward and backward (lengths given as a tensor on one rank and a list on
+another agree); and through commfuse.nn.RingAttention too."""
+    torch.set_num_threads(1)
+    results: dict = {}
+    length = 8
+    s = length * n
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, s, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    rows = slice(rank * length, (rank + 1) * length)
+    last = rank == n - 1
+    halves, quarter = [s // 2, s - s // 2], [s // 4, s - s // 4]
+    names = ("rank 0", f"rank {n - 1}")
+
+    def healthy(lengths, what):
+        mine = [t[:, rows].detach().requires_grad_() for t in (q, k, v)]
+        got = cf.ring_attention(*mine, causal=True, algorithm="ring", document_lengths=lengths)
+        whole = [t.detach().requires_grad_() for t in (q, k, v)]
+        want = reference(*whole, True, lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+        _close(got, want[:, rows], what)
+        dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(11), dtype=want.dtype)
+        got.backward(dout[:, rows])
+        want.backward(dout)
+        for name, a, b in zip("qkv", mine, whole):
+            _close(a.grad, b.grad[:, rows], f"{what}: d{name}")
+
+    def lengths():
+        mine = [t[:, rows] for t in (q, k, v)]
+        _mismatch(results, "lengths",
+                  lambda: cf.ring_attention(*mine, algorithm="ring", document_lengths=quarter if last else halves),
+                  *names, "document_lengths", repr(halves), repr(quarter))
+        healthy(halves, "after document_lengths")
+        # a 1-D tensor on the last rank, a list on the others, the same lengths: they agree
+        healthy(torch.tensor(halves) if last else halves, "lengths as a tensor on one rank")
+
+    def per_row():
+        mine = [t[:, rows] for t in (q, k, v)]
+        want, theirs = [halves, quarter], [halves, [s]]
+        _mismatch(results, "per-row",
+                  lambda: cf.ring_attention(*mine, algorithm="ring", document_lengths=theirs if last else want),
+                  *names, "document_lengths", repr(want), repr(theirs))
+        healthy(want, "after per-row document_lengths")
+
+    def layer():  # commfuse.nn.RingAttention passes document_lengths to the op: refused the same way
+        torch.manual_seed(0)
+        ra = cf.nn.RingAttention(16, 4, num_kv_heads=2, group=None)
+        x = torch.randn(2, length, 16, generator=torch.Generator().manual_seed(rank))
+        _mismatch(results, "layer", lambda: ra(x, document_lengths=quarter if last else halves), *names,
+                  "document_lengths")
+        ra(x, document_lengths=halves)
+
+    _run(results, "lengths", lengths)
+    _run(results, "per-row", per_row)
+    _run(results, "layer", layer)
+    return results
