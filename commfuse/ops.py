@@ -74,6 +74,7 @@ from commfuse.planning.pipelined import (
 from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
 from commfuse.runtime.checkpointing import depth as _modes
 from commfuse.runtime import sites as _sites
+from commfuse.runtime.programs import sum_dtype
 from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
@@ -467,7 +468,7 @@ def produce_reduce_scatter(
             src = (be.rank - 1) % n  # the partial the ring needs first: its size is every rank's slice size
             first = check_tensor(f"producer({src})", call_producer(src))
             early[src] = first
-            slice_bytes = first.numel() * first.element_size()
+            slice_bytes = first.numel() * sum_dtype(first.dtype).itemsize  # as they travel
         call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=be, device=device,
                             slice_bytes=slice_bytes, timeout=timeout, check=check, report=report)
         call = configured(call, config)

@@ -39,7 +39,7 @@ from commfuse.planning.pipelined import (
 )
 from commfuse.runtime import sites
 from commfuse.runtime.groups import group_state, state_of_group
-from commfuse.runtime.programs import dtype_code
+from commfuse.runtime.programs import dtype_code, sum_dtype
 from commfuse.runtime.loop import (
     announce_left,
     execute_one_by_one,
@@ -352,7 +352,7 @@ def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, 
     make = torch.zeros if contraction else torch.empty
     # a gather along the contraction dim sums one partial product per shard: in float32 for half types, as
     # torch's own matmul accumulates (summed in fp16, partials of a finite result can overflow to inf)
-    acc = torch.float32 if contraction and a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    acc = sum_dtype(a.dtype) if contraction else a.dtype
     out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
     full_a = list(a.shape)
     full_a[gd] = total
@@ -505,11 +505,13 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
     taken: dict = {}
     native, algorithm = native_kernel(be, "matmul_reduce_scatter", algorithm, taken, a=a, b=b, scatter_dim=sd,
                                 reduce_op=reduce_op, group=group)
+    # the partials travel as they are summed: float32 for half inputs (programs.sum_dtype)
+    slice_bytes = per_rank * sum_dtype(a.dtype).itemsize
     call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group,
                         backend=be if be is not None else backend, device=a.device,
-                        slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
+                        slice_bytes=slice_bytes, flops=2.0 * a.numel() * b.shape[1] / n,
                         timeout=timeout, check=check, report=None if native else taken)
-    resolved = (Collective.REDUCE_SCATTER, algorithm, per_rank * a.element_size(), call)
+    resolved = (Collective.REDUCE_SCATTER, algorithm, slice_bytes, call)
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "matmul_reduce_scatter")

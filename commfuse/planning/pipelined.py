@@ -415,6 +415,10 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
     plan, layout, pool = planned.plan, planned.layout, planned.pool
     out = pool.get(layout.key[layout.own[0]])
     stacked = layout.whole_key[0]
+    wide = layout.widen
+    if wide is not None:  # half partials: summed, and sent, in float32 (programs.sum_dtype)
+        made = whole if callable(whole) else (lambda: whole)
+        whole = lambda: made().to(wide)  # noqa: E731
     if callable(whole):
         make = whole
 
@@ -425,7 +429,7 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
         execute_into(plan, whole, out)
     else:
         execute_into(plan, whole if whole.shape == stacked else whole.view(stacked), out)
-    return out
+    return out if wide is None else out.to(layout.made)
 
 
 def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
@@ -438,9 +442,16 @@ def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
     if walk is None:
         walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
     held: list = [None] * len(layout.size)
+    wide = layout.widen
+    if wide is not None:  # half partials: summed, and sent, in float32 (programs.sum_dtype)
+        make = on_slice
+
+        def on_slice(start, size, t):
+            return make(start, size, t).to(wide)
     execute_one_by_one(plan, walk, held, on_slice, planned.pool, [None] * len(layout.size))
     own = layout.own
-    return held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
+    out = held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
+    return out if wide is None else out.to(layout.made)
 
 
 # -- consume / produce forms -----------------------------------------------------------------------------------

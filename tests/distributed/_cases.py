@@ -243,6 +243,89 @@ def half_contraction(rank, n):
     return results
 
 
+HALF_SCATTER_ALGORITHMS = ("ring", "ring:2", "bidirectional", "sliced:2", "vanilla", "auto")
+#: Per dtype, the partials of one output element on ranks 0, 1, 2 (zeros on more ranks) whose running sum in
+#: the dtype goes wrong in some ring order: float16's 40000 + 30000 is inf, bfloat16's 256 + 1 is 256.
+HALF_PARTIALS = {"fp16": (torch.float16, (40000.0, 30000.0, -30000.0)),
+                 "bf16": (torch.bfloat16, (256.0, 1.0, -256.0))}
+
+
+def half_scatter(rank, n):
+    """The reduce-scatter sums in float16 and bfloat16 against the unsharded float32 sum rounded once: the
+    forward of matmul_reduce_scatter and produce_reduce_scatter, the weight gradient of matmul_reduce_scatter,
+    the dgrad and wgrad of all_gather_matmul and the input gradient of produce_reduce_scatter, every algorithm.
+    Each case runs n times with the partials moved one rank on (``turn``), so every output shard's ring order
+    starts at every rank; the sums in the input's type (the code before) overflow or lose the 1 in some of
+    them. Needs 3 ranks or more."""
+    results = {}
+    rows, cols = 2, 3
+    for dname, (dtype, values) in HALF_PARTIALS.items():
+        values = list(values) + [0.0] * (n - 3)
+        want = torch.tensor(sum(values)).to(dtype)  # the float32 sum, rounded once
+        for alg in HALF_SCATTER_ALGORITHMS:
+            def check(wrong, what, got, shape, alg=alg, want=want, dtype=dtype):
+                """A wrong sum goes into ``wrong``, said once the case's calls are all made (ranks stay in step)."""
+                if got.dtype != dtype or list(got.shape) != list(shape) or not torch.equal(
+                        got, torch.full(shape, want.item(), dtype=dtype)):
+                    wrong.append(f"{what} ({alg}): {got.tolist()} ({got.dtype}), want {want.item()} in "
+                                 f"{list(shape)}")
+
+            def forward(alg=alg, values=values, dtype=dtype):
+                wrong: list = []
+                for turn in range(n):
+                    mine = values[(rank + turn) % n]
+                    # matmul_reduce_scatter: every element of this rank's partial a @ b is `mine`
+                    a = torch.full((n * rows, 1), mine, dtype=dtype)
+                    b = torch.ones(1, cols, dtype=dtype)
+                    whole = torch.cat([torch.full((n * rows, 1), values[(r + turn) % n]) for r in range(n)], 1)
+                    unsharded = whole.to(dtype) @ torch.ones(n, cols, dtype=dtype)
+                    if not torch.isfinite(unsharded).all():  # only cases whose unsharded op is finite
+                        raise AssertionError(f"torch's unsharded matmul is {unsharded.tolist()}")
+                    check(wrong, f"matmul_reduce_scatter turn {turn}",
+                          cf.matmul_reduce_scatter(a, b, algorithm=alg, timeout=30), (rows, cols))
+                    check(wrong, f"produce_reduce_scatter turn {turn}",
+                          cf.produce_reduce_scatter(lambda d: torch.full((rows, cols), mine, dtype=dtype),
+                                                    algorithm=alg, timeout=30), (rows, cols))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            def backward(alg=alg, values=values, dtype=dtype):
+                wrong: list = []
+                for turn in range(n):
+                    mine = values[(rank + turn) % n]
+                    # matmul_reduce_scatter's wgrad db = a^T @ AG(dz), a GEMM per arriving slice of dz: dz this
+                    # rank's `mine`, a 1 on each shard's first row and 0 elsewhere, so every GEMM's product is
+                    # exact (a step may join slices of two shards) and the steps add one `mine` per rank
+                    a = (torch.arange(n * rows) % rows == 0).to(dtype)[:, None]
+                    b = torch.ones(1, cols, dtype=dtype, requires_grad=True)
+                    z = cf.matmul_reduce_scatter(a, b, algorithm=alg, timeout=30)
+                    z.backward(torch.full_like(z, mine))
+                    check(wrong, f"matmul_reduce_scatter wgrad turn {turn}", b.grad, (1, cols))
+                    # all_gather_matmul's wgrad db = AG(x)^T @ dy, a GEMM per arriving shard of x: x this rank's
+                    # `mine`, dy 1 on each shard's first row; its dgrad dx = RS(dy @ b^T): dy this rank's `mine`
+                    x = torch.full((rows, 1), mine, dtype=dtype)
+                    b = torch.ones(1, cols, dtype=dtype, requires_grad=True)
+                    y = cf.all_gather_matmul(x, b, algorithm=alg, timeout=30)
+                    y.backward((torch.arange(n * rows) % rows == 0).to(dtype)[:, None].expand_as(y).contiguous())
+                    check(wrong, f"all_gather_matmul wgrad turn {turn}", b.grad, (1, cols))
+                    x = torch.ones(rows, 1, dtype=dtype, requires_grad=True)
+                    y = cf.all_gather_matmul(x, torch.ones(1, 1, dtype=dtype), algorithm=alg, timeout=30)
+                    y.backward(torch.full_like(y, mine))
+                    check(wrong, f"all_gather_matmul dgrad turn {turn}", x.grad, (rows, 1))
+                    # produce_reduce_scatter's input gradient: every destination's partial is the input, so
+                    # its gradient sums the output gradients of every rank (arriving one per step)
+                    x = torch.zeros(rows, cols, dtype=dtype, requires_grad=True)
+                    out = cf.produce_reduce_scatter(lambda d, x: x * 1, inputs=(x,), algorithm=alg, timeout=30)
+                    out.backward(torch.full_like(out, mine))
+                    check(wrong, f"produce_reduce_scatter input gradient turn {turn}", x.grad, (rows, cols))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            _run(results, f"{dname}-{alg}-forward", forward)
+            _run(results, f"{dname}-{alg}-backward", backward)
+    return results
+
+
 # -- edge cases -------------------------------------------------------------
 
 
