@@ -32,8 +32,7 @@ from commfuse.planning.pipelined import (
     rows_of,
     run_gather,
     run_scatter,
-    run_scatter_one_by_one,
-    run_scatter_whole,
+    scatter_runners,
     scatters_whole,
     write_rows,
 )
@@ -435,11 +434,13 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
     plan = planned.plan
     whole = scatters_whole(planned)
     ring = plan.one_by_one
+    # half partials are summed, and travel, in float32, rounded once at the end (programs.sum_dtype)
+    run_ring, run_whole = scatter_runners(planned)
 
     def forward(a, b):
         if (whole or ring) and may_skip_program(plan):  # signature agreed: no program
             if whole:  # vanilla: one GEMM, one reduce-scatter
-                return run_scatter_whole(planned, lambda: torch.matmul(a, b))
+                return run_whole(planned, lambda: torch.matmul(a, b))
             if last:
                 def part(start, size, _):
                     return torch.matmul(a, b[:, start:start + size])
@@ -449,7 +450,7 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
             else:
                 def part(start, size, _):
                     return torch.matmul(a.narrow(sd, start, size), b)
-            return run_scatter_one_by_one(planned, part)  # a ring: this rank's partial of each slice
+            return run_ring(planned, part)  # a ring: this rank's partial of each slice
         if last:
             def produce(spans):
                 y = torch.matmul(a, rows_of(b, spans, 1))

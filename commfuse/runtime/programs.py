@@ -448,10 +448,13 @@ class ReduceScatterProgram(_Base):
             self._widen()
 
     def _widen(self) -> None:
-        wide, produce, produce_whole = self.layout.widen, self.produce, self.produce_whole
+        """Half partials: each cast to the layout's ``widen`` dtype as it is made, the result cast back."""
+        layout = self.layout
+        wide, produce, produce_whole = layout.widen, self.produce, self.produce_whole
         self.produce = lambda slots: [p.to(wide) for p in produce(slots)]
         if produce_whole is not None:
             self.produce_whole = lambda: produce_whole().to(wide)
+        self.result = lambda: [self.sums[s].to(layout.made) for s in layout.own]
 
     def payload(self, s):
         return self.sums[s]
@@ -525,10 +528,7 @@ class ReduceScatterProgram(_Base):
             self.sums[s] = None
 
     def result(self) -> list[torch.Tensor]:
-        layout = self.layout
-        if layout.widen is not None:
-            return [self.sums[s].to(layout.made) for s in layout.own]
-        return [self.sums[s] for s in layout.own]
+        return [self.sums[s] for s in self.layout.own]
 
 
 def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
