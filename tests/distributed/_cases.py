@@ -321,8 +321,25 @@ def half_scatter(rank, n):
                 if wrong:
                     raise AssertionError("; ".join(wrong))
 
+            def sharded(alg=alg, values=values, dtype=dtype):
+                # ShardedLinear's input gradient dx = sum_s dy[..., cols_s] @ W_s, one weight shard per ring
+                # step: W_s (1, 1) holds rank s's `mine`, dy all ones
+                from commfuse.nn import ShardedLinear
+
+                wrong: list = []
+                for turn in range(n):
+                    layer = ShardedLinear(1, n, bias=False, algorithm=alg, dtype=dtype)
+                    with torch.no_grad():
+                        layer.weight.to_local().fill_(values[(rank + turn) % n])
+                    x = torch.ones(rows, 1, dtype=dtype, requires_grad=True)
+                    layer(x).backward(torch.ones(rows, n, dtype=dtype))
+                    check(wrong, f"ShardedLinear dgrad turn {turn}", x.grad, (rows, 1))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
             _run(results, f"{dname}-{alg}-forward", forward)
             _run(results, f"{dname}-{alg}-backward", backward)
+            _run(results, f"{dname}-{alg}-sharded", sharded)
     return results
 
 
