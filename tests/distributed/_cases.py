@@ -254,6 +254,7 @@ def half_scatter(rank, n):
     """The reduce-scatter sums in float16 and bfloat16 against the unsharded float32 sum rounded once: the
     forward of matmul_reduce_scatter and produce_reduce_scatter, the weight gradient of matmul_reduce_scatter,
     the dgrad and wgrad of all_gather_matmul and the input gradient of produce_reduce_scatter, every algorithm.
+    Also ShardedLinear's input gradient and Ulysses attention's dV (sums of a piece per arriving chunk).
     Each case runs n times with the partials moved one rank on (``turn``), so every output shard's ring order
     starts at every rank; the sums in the input's type (the code before) overflow or lose the 1 in some of
     them. Needs 3 ranks or more."""
@@ -337,9 +338,31 @@ def half_scatter(rank, n):
                 if wrong:
                     raise AssertionError("; ".join(wrong))
 
+            def ulysses(alg=alg, values=values, dtype=dtype):
+                # Ulysses attention's dV sums one piece per arriving output-gradient chunk (the query rows of
+                # one rank): every query attends only to rank 0's key (scores +-100 a side: softmax gives 1
+                # and 0), so rank 0's dV is the sum of every rank's dO, here this rank's `mine`
+                from commfuse.nn.attention import ulysses_attention
+
+                wrong: list = []
+                for turn in range(n):
+                    q = torch.ones(1, 1, n, 1, dtype=dtype)
+                    k = torch.full((1, 1, n, 1), 100.0 if rank == 0 else -100.0, dtype=dtype)
+                    v = torch.zeros(1, 1, n, 1, dtype=dtype, requires_grad=True)
+                    o = ulysses_attention(q, k, v, causal=False, algorithm=alg, timeout=30)
+                    o.backward(torch.full_like(o, values[(rank + turn) % n]))
+                    if rank == 0:
+                        check(wrong, f"ulysses dV turn {turn}", v.grad, (1, 1, n, 1))
+                    elif v.grad.abs().max() != 0:
+                        wrong.append(f"ulysses dV turn {turn} ({alg}): {v.grad.flatten().tolist()}, want zeros")
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
             _run(results, f"{dname}-{alg}-forward", forward)
             _run(results, f"{dname}-{alg}-backward", backward)
             _run(results, f"{dname}-{alg}-sharded", sharded)
+            if alg != "bidirectional":  # the all-to-all has no bidirectional ring
+                _run(results, f"{dname}-{alg}-ulysses", ulysses)
     return results
 
 
