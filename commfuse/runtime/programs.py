@@ -51,8 +51,8 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
     A reduce-scatter's running sums are also what travels, so half partials go on the wire as float32: twice
     the bytes, but a sum whose ring order passes through a value half cannot hold (float16: 40000 + 30000;
-    bfloat16: 256 + 1) comes out as the unsharded sum rounded once. Rounding the running sum to half on each
-    hop, as a reduce-scatter in the partials' dtype does (gloo's and NCCL's), loses both."""
+    bfloat16: 256 + 1) comes out as the float32 sum of the partials, rounded once. Rounding the running sum
+    to half on each hop, as a reduce-scatter in the partials' dtype does (gloo's and NCCL's), loses both."""
     return torch.float32 if dtype is torch.float16 or dtype is torch.bfloat16 else dtype
 
 
