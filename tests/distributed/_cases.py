@@ -254,7 +254,8 @@ def half_scatter(rank, n):
     """The reduce-scatter sums in float16 and bfloat16 against the unsharded float32 sum rounded once: the
     forward of matmul_reduce_scatter and produce_reduce_scatter, the weight gradient of matmul_reduce_scatter,
     the dgrad and wgrad of all_gather_matmul and the input gradient of produce_reduce_scatter, every algorithm.
-    Also ShardedLinear's input gradient and Ulysses attention's dV (sums of a piece per arriving chunk).
+    Also ShardedLinear's input gradient, Ulysses attention's dV and the MoE combine's expert weight gradient
+    (sums of a piece per arriving chunk).
     Each case runs n times with the partials moved one rank on (``turn``), so every output shard's ring order
     starts at every rank; the sums in the input's type (the code before) overflow or lose the 1 in some of
     them. Needs 3 ranks or more."""
@@ -358,11 +359,33 @@ def half_scatter(rank, n):
                 if wrong:
                     raise AssertionError("; ".join(wrong))
 
+            def moe(alg=alg, values=values, dtype=dtype):
+                # experts_combine's expert weight gradient dw2 = (1/n) sum over sources q of act_q^T @ dy_q, one
+                # source a step: one expert a rank, one row from every rank to every rank, acts all ones, dy
+                # this rank's `mine`; so rank e's dw2 is the mean of the ranks' `mine` (the scale is added
+                # with each product, so float16 cannot overflow here: bfloat16 256 / 3 + 1 / 3 - 256 / 3 can
+                # lose the third)
+                from commfuse.nn.moe import experts_combine
+
+                wrong: list = []
+                mean = torch.tensor(sum(values) / n).to(dtype)
+                counts = torch.ones(n, 1, dtype=torch.int64)
+                for turn in range(n):
+                    w2 = torch.ones(1, 1, 1, dtype=dtype, requires_grad=True)
+                    ys = experts_combine(torch.ones(n, 1, dtype=dtype), w2, counts, counts, algorithm=alg)
+                    ys.backward(torch.full_like(ys, values[(rank + turn) % n]))
+                    if not torch.equal(w2.grad, torch.full_like(w2, mean.item())):
+                        wrong.append(f"experts_combine dw2 turn {turn} ({alg}): {w2.grad.flatten().tolist()}, "
+                                     f"want {mean.item()}")
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
             _run(results, f"{dname}-{alg}-forward", forward)
             _run(results, f"{dname}-{alg}-backward", backward)
             _run(results, f"{dname}-{alg}-sharded", sharded)
             if alg != "bidirectional":  # the all-to-all has no bidirectional ring
                 _run(results, f"{dname}-{alg}-ulysses", ulysses)
+                _run(results, f"{dname}-{alg}-moe", moe)
     return results
 
 
