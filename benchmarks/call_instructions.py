@@ -14,7 +14,11 @@ hundred instructions, so compare figures of that size against a measured
 statement (``--statement``).
 
     python benchmarks/call_instructions.py [--ops ag_consume a2a_consume produce_rs ring_attention ag_ring rs_ring]
-        [--world-size 2] [--calls 300] [--statement 'type(x) is not Tensor']
+        [--world-size 2] [--calls 300] [--dtype float32] [--statement 'type(x) is not Tensor']
+
+``--dtype`` (float32, bfloat16 or float16) is the ops' tensors' dtype: a
+reduce-scatter of half partials sums them in float32 (``programs.sum_dtype``),
+which costs a cast per partial and one on the result.
 
 Run it with ``PYTHONPATH`` pointing at another checkout to count that
 checkout's package. Needs valgrind (``callgrind_control`` beside it).
@@ -33,17 +37,18 @@ import tempfile
 OPS = ("ag_consume", "a2a_consume", "produce_rs", "ring_attention", "ring_attention_docs", "ag_ring", "rs_ring")
 
 
-def _calls(op: str, n: int):
-    """``op``'s call on tiny tensors, as ``host_overhead.py --consume`` makes it."""
+def _calls(op: str, n: int, dtype: str = "float32"):
+    """``op``'s call on tiny tensors of ``dtype``, as ``host_overhead.py --consume`` makes it."""
     import torch
 
     import commfuse as cf
 
     m, k, f = 4, 8, 8
-    a, w = torch.randn(m, k), torch.randn(k, f)
-    x = torch.randn(n * m, k)
+    dt = getattr(torch, dtype)
+    a, w = torch.randn(m, k, dtype=dt), torch.randn(k, f, dtype=dt)
+    x = torch.randn(n * m, k, dtype=dt)
     chunks = list(x.view(n, m, k).unbind(0))
-    q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    q, kv = torch.randn(1, 4, 2, 8, dtype=dt), torch.randn(1, 4, 2, 8, dtype=dt)
 
     def gemm(t, source):
         return torch.matmul(t, w)
@@ -62,7 +67,7 @@ def _calls(op: str, n: int):
     }[op]
 
 
-def _child(op: str, n: int, calls: int) -> None:
+def _child(op: str, n: int, calls: int, dtype: str = "float32") -> None:
     """Under valgrind: warm up, say READY, wait for a line on stdin (instrumentation is on by then), call."""
     import torch
     import torch.distributed as dist
@@ -77,7 +82,7 @@ def _child(op: str, n: int, calls: int) -> None:
         x = torch.randn(4, 8)  # noqa: F841 - the statement's operand
         fn = eval("lambda: " + op.partition(":")[2], {"torch": torch, "x": x, "Tensor": torch.Tensor})
     else:
-        fn = _calls(op, n)
+        fn = _calls(op, n, dtype)
     with torch.no_grad():
         for _ in range(50):
             fn()
@@ -89,13 +94,13 @@ def _child(op: str, n: int, calls: int) -> None:
         dist.destroy_process_group()
 
 
-def count(op: str, n: int, calls: int) -> float:
-    """Instructions per call of ``op`` at world size ``n``, over ``calls`` calls."""
+def count(op: str, n: int, calls: int, dtype: str = "float32") -> float:
+    """Instructions per call of ``op`` on ``dtype`` tensors at world size ``n``, over ``calls`` calls."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "callgrind.out")
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                "--toggle-collect=starmap_next", f"--callgrind-out-file={out}", sys.executable, __file__,
-               "--child", op, str(n), str(calls)]
+               "--child", op, str(n), str(calls), dtype]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=dict(os.environ, PYTHONHASHSEED="0"))
         line = proc.stdout.readline()
@@ -114,22 +119,23 @@ def count(op: str, n: int, calls: int) -> float:
 
 def main(argv=None) -> None:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--statement", action="append", default=[],
                    help="also count a Python expression over x (a tensor), torch and Tensor (torch.Tensor bound as "
                         "a global), e.g. 'type(x) is not Tensor'")
     args = p.parse_args(argv)
     import commfuse
 
-    print(f"instructions per call, world size {args.world_size}, {args.calls} calls, commfuse from "
+    print(f"instructions per call, world size {args.world_size}, {args.calls} calls, {args.dtype}, commfuse from "
           f"{os.path.dirname(commfuse.__file__)}")
     for op in args.ops:
-        print(f"  {op:18s} {count(op, args.world_size, args.calls):12,.0f}", flush=True)
+        print(f"  {op:18s} {count(op, args.world_size, args.calls, args.dtype):12,.0f}", flush=True)
     for statement in args.statement:
         empty = count("statement:None", 1, 10000)
         print(f"  {statement!r}: {count('statement:' + statement, 1, 10000) - empty:,.0f} "

@@ -49,8 +49,12 @@ The fake group's waits return at once, so, as on a stream-ordered device,
 the recorder takes no per-step stamps here: what is timed is its per-call
 record.
 
+``--dtype`` (float32, bfloat16 or float16): every row's tensors, the floor's
+and torch's too; a reduce-scatter of half partials sums them in float32 (the
+floor and torch's rows do not).
+
     python benchmarks/host_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 200] [--recorder]
-        [--pairs 200] [--pair-calls 100] [--consume]
+        [--pairs 200] [--pair-calls 100] [--consume] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -146,21 +150,21 @@ def _paired(fn, plans, rec, pairs: int, calls: int) -> tuple[float, float, list[
 
 
 def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int = 200,
-            pair_calls: int = 100, consume: bool = False) -> dict:
+            pair_calls: int = 100, consume: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     import commfuse as cf
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
     try:
         m, k, f = 4, 8, 8
-        a = torch.randn(m, k)
-        w = torch.randn(k, f)
-        out = torch.empty(n * m, f)
+        a = torch.randn(m, k, dtype=dtype)
+        w = torch.randn(k, f, dtype=dtype)
+        out = torch.empty(n * m, f, dtype=dtype)
         bufs = [torch.empty_like(a), torch.empty_like(a)]
-        x = torch.randn(n * m, k)
-        rs_bufs = [torch.empty(m, f), torch.empty(m, f)]
-        gathered = torch.empty(n * m, k)
-        rs_out = torch.empty(m, f)
+        x = torch.randn(n * m, k, dtype=dtype)
+        rs_bufs = [torch.empty(m, f, dtype=dtype), torch.empty(m, f, dtype=dtype)]
+        gathered = torch.empty(n * m, k, dtype=dtype)
+        rs_out = torch.empty(m, f, dtype=dtype)
         candidates = {}
 
         gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -195,7 +199,7 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int 
         candidates["cf rs ring, with grads"] = rs_grad
         if consume:
             chunks = list(x.view(n, m, k).unbind(0))
-            q, kv = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+            q, kv = torch.randn(1, 4, 2, 8, dtype=dtype), torch.randn(1, 4, 2, 8, dtype=dtype)
             # ring_attention takes no check argument, and the fake group's receives carry no fingerprints
             os.environ["COMMFUSE_CHECK"] = "0"
 
@@ -274,11 +278,14 @@ def main(argv=None) -> None:
     p.add_argument("--pair-calls", type=int, default=100, help="--recorder: calls per block")
     p.add_argument("--consume", action="store_true",
                    help="also time all_gather_consume, all_to_all_consume, produce_reduce_scatter, ring_attention")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"host us per call, fake process group, rank 0 of N, median of {args.rounds} rounds x {args.calls} calls")
+    print(f"host us per call, fake process group, rank 0 of N, median of {args.rounds} rounds x {args.calls} calls, "
+          f"{args.dtype}")
     for n in args.world_sizes:
-        r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls, args.consume)
+        r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls, args.consume,
+                    getattr(torch, args.dtype))
         print(f"\nworld size {n}")
         for name, value in r.items():
             if name.endswith("recorder extra"):

@@ -32,7 +32,7 @@ from commfuse.planning.pipelined import (
     scatter_spans,
 )
 from commfuse.runtime.checkpointing import TOP_HOOKS
-from commfuse.runtime.programs import dtype_code
+from commfuse.runtime.programs import dtype_code, sum_dtype
 from commfuse.schedule import split_sizes
 
 __all__ = [
@@ -121,7 +121,9 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
     pairs = [(b, d) for b, d in zip(bs, douts) if d is not None]
     sinks = [_deferred(b) if defer and keep and need and d is not None else None
              for b, d, need in zip(bs, douts, need_b)]
-    dbs = [torch.zeros_like(b) if need and d is not None and sink is None else None
+    # a weight gradient sums one GEMM per ring step: in float32 for half weights (programs.sum_dtype), cast
+    # back once at the end, as torch's one GEMM over the gathered rows accumulates
+    dbs = [torch.zeros_like(b, dtype=sum_dtype(b.dtype)) if need and d is not None and sink is None else None
            for b, d, need, sink in zip(bs, douts, need_b, sinks)]
     k = bs[0].shape[0]
 
@@ -159,7 +161,7 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
                            meta=lambda: [dtype_code(x.dtype), gd, *full])
     elif keep and any(db is not None or sink is not None for db, sink in zip(dbs, sinks)):
         wgrad(x, lambda d: d)
-    return da, dbs
+    return da, [db if db is None or db.dtype is b.dtype else db.to(b.dtype) for b, db in zip(bs, dbs)]
 
 
 def all_gather_matmul_fn(forward: Callable, call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes,
@@ -212,7 +214,8 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
         dz = dz / call.world_size
     da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
     sink = _deferred(b) if defer and need_b else None
-    db = torch.zeros_like(b) if need_b and sink is None else None
+    # db sums one GEMM per arriving slice of dz: in float32 for a half weight (programs.sum_dtype), cast back once
+    db = torch.zeros_like(b, dtype=sum_dtype(b.dtype)) if need_b and sink is None else None
     sizes = split_sizes(a.shape[sd], call.world_size)
     bt = b.detach().t()  # as all_gather_matmul_backward's dgrad takes its weights
 
@@ -230,7 +233,7 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
         # a deferred weight gradient keeps the pieces that arrived until it runs
         gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
                      meta=gather_matmul_meta(dz, [bt], sd, a.shape[sd]), keep=sink is not None)
-    return da, db
+    return da, (db if db is None or db.dtype is b.dtype else db.to(b.dtype))
 
 
 def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: torch.Tensor, sd: int,
@@ -355,11 +358,12 @@ class _ProduceReduceScatter(torch.autograd.Function):
             p = partial(d)
             got = torch.autograd.grad(p, [leaves[i] for i in wanted], g, allow_unused=True)
             for i, gi in zip(wanted, got):
-                if gi is not None:
-                    grads[i] = gi if grads[i] is None else grads[i].add_(gi)
+                if gi is not None:  # one gradient per arriving piece, summed in float32 for half inputs
+                    grads[i] = gi.to(sum_dtype(gi.dtype)) if grads[i] is None else grads[i].add_(gi)
 
         all_gather_consume_core(ctx.call, dout.contiguous(), consume, 0, keep=False,
                                 label="produce_reduce_scatter.backward")
+        grads = [g if g is None or g.dtype is leaf.dtype else g.to(leaf.dtype) for g, leaf in zip(grads, leaves)]
         return (None, None, None, *grads)
 
 

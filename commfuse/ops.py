@@ -74,6 +74,7 @@ from commfuse.planning.pipelined import (
 from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
 from commfuse.runtime.checkpointing import depth as _modes
 from commfuse.runtime import sites as _sites
+from commfuse.runtime.programs import sum_dtype
 from commfuse.schedule import Collective, parse_algorithm
 
 __all__ = [
@@ -301,6 +302,20 @@ def matmul_reduce_scatter(
     backward of ``a`` is an all-gather + matmul decomposed the same way, with
     the weight-gradient GEMM of every arriving slice overlapping the next hop.
 
+    float16 and bfloat16: every algorithm sums the ranks' partials in float32
+    and rounds the result to the input's type once. Each partial ``a @ b`` is
+    rounded once, as torch's own matmul rounds it before its reduce-scatter;
+    the running sums travel as float32 (twice the bytes of the partials).
+    torch's ``reduce_scatter_tensor`` (gloo, NCCL) sums in the input's type
+    and rounds on every hop, so where a shard's running sum passes through a
+    value the type cannot hold, torch's own path gives inf (float16 partials
+    40000, 30000, -30000 summed in that order) or loses a term (bfloat16 256,
+    1, -256 gives 0), though the unsharded product is finite and exact; this
+    op gives 40000 and 1 there. A sum whose float32 value is beyond the
+    type's range is inf, as the unsharded matmul's is. ``avg`` divides the
+    rounded sum. The weight gradient sums one GEMM per arriving slice (each
+    rounded once) in float32 too, rounded once.
+
     Shapes: ``a`` (..., K); ``b`` (K, N); result: ``(..., N)`` with the dim at
     ``scatter_dim`` cut to this rank's shard.
 
@@ -440,6 +455,15 @@ def produce_reduce_scatter(
 
     ``auto`` decides on the size of the first partial (every rank's partials
     have one shape), which is produced before the ring starts.
+
+    float16 and bfloat16 partials are summed in float32: each is cast up as it
+    is made, the running sums travel as float32 (twice the partials' bytes),
+    and the result is rounded to the partials' type once. So a shard whose
+    running sum passes through a value the type cannot hold (float16: 40000 +
+    30000, where torch's ``reduce_scatter`` in float16 gives inf; bfloat16:
+    256 + 1) still comes out as the float32 sum rounded once (40000; 256 + 1 -
+    256 = 1). With ``inputs``, the gradient of each input sums the pieces that
+    arrive in the backward in float32 as well.
     """
     if _compiling():
         _not_compiled("produce_reduce_scatter")
@@ -467,7 +491,7 @@ def produce_reduce_scatter(
             src = (be.rank - 1) % n  # the partial the ring needs first: its size is every rank's slice size
             first = check_tensor(f"producer({src})", call_producer(src))
             early[src] = first
-            slice_bytes = first.numel() * first.element_size()
+            slice_bytes = first.numel() * sum_dtype(first.dtype).itemsize  # as they travel
         call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=be, device=device,
                             slice_bytes=slice_bytes, timeout=timeout, check=check, report=report)
         call = configured(call, config)

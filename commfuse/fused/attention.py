@@ -42,7 +42,7 @@ from commfuse.planning.agreement import digest
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import atomic
-from commfuse.runtime.programs import config_words
+from commfuse.runtime.programs import config_words, sum_dtype
 from commfuse.schedule import Collective
 
 __all__ = [
@@ -456,15 +456,15 @@ def attention_reduce_scatter_backward(call, q: torch.Tensor, k: torch.Tensor, v:
 
     def consume(g: torch.Tensor, d: int) -> None:
         _, vjp = torch.func.vjp(lambda *t: producer(d, *t), q, k, v, wo)
-        for i, gi in enumerate(vjp(g)):
-            grads[i] = gi if grads[i] is None else grads[i].add_(gi)
+        for i, gi in enumerate(vjp(g)):  # one piece per arriving slice, summed in float32 for half inputs
+            grads[i] = gi.to(sum_dtype(gi.dtype)) if grads[i] is None else grads[i].add_(gi)
 
     if call is None:
         consume(dout, 0)
     else:
         all_gather_consume_core(configured(call, config), dout.contiguous(), consume, 0, keep=False,
                                 label="attention_reduce_scatter.backward")
-    return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v, wo))]
+    return [g.to(t.dtype) if g is not None else torch.zeros_like(t) for g, t in zip(grads, (q, k, v, wo))]
 
 
 def mask_of(attn_mask: torch.Tensor | None, document_ids: torch.Tensor | None) -> AttentionMask | None:

@@ -32,14 +32,13 @@ from commfuse.planning.pipelined import (
     rows_of,
     run_gather,
     run_scatter,
-    run_scatter_one_by_one,
-    run_scatter_whole,
+    scatter_runners,
     scatters_whole,
     write_rows,
 )
 from commfuse.runtime import sites
 from commfuse.runtime.groups import group_state, state_of_group
-from commfuse.runtime.programs import dtype_code
+from commfuse.runtime.programs import dtype_code, sum_dtype
 from commfuse.runtime.loop import (
     announce_left,
     execute_one_by_one,
@@ -352,7 +351,7 @@ def _all_gather_matmul_forward(call: Call, a: torch.Tensor, bs, gd: int, sizes, 
     make = torch.zeros if contraction else torch.empty
     # a gather along the contraction dim sums one partial product per shard: in float32 for half types, as
     # torch's own matmul accumulates (summed in fp16, partials of a finite result can overflow to inf)
-    acc = torch.float32 if contraction and a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+    acc = sum_dtype(a.dtype) if contraction else a.dtype
     out_shapes = [tuple(lead + [bi.shape[1]]) for bi in bs]
     full_a = list(a.shape)
     full_a[gd] = total
@@ -435,11 +434,13 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
     plan = planned.plan
     whole = scatters_whole(planned)
     ring = plan.one_by_one
+    # half partials are summed, and travel, in float32, rounded once at the end (programs.sum_dtype)
+    run_ring, run_whole = scatter_runners(planned)
 
     def forward(a, b):
         if (whole or ring) and may_skip_program(plan):  # signature agreed: no program
             if whole:  # vanilla: one GEMM, one reduce-scatter
-                return run_scatter_whole(planned, lambda: torch.matmul(a, b))
+                return run_whole(planned, lambda: torch.matmul(a, b))
             if last:
                 def part(start, size, _):
                     return torch.matmul(a, b[:, start:start + size])
@@ -449,7 +450,7 @@ def _matmul_reduce_scatter_forward(call: Call, a: torch.Tensor, b: torch.Tensor,
             else:
                 def part(start, size, _):
                     return torch.matmul(a.narrow(sd, start, size), b)
-            return run_scatter_one_by_one(planned, part)  # a ring: this rank's partial of each slice
+            return run_ring(planned, part)  # a ring: this rank's partial of each slice
         if last:
             def produce(spans):
                 y = torch.matmul(a, rows_of(b, spans, 1))
@@ -505,11 +506,13 @@ def plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm, t
     taken: dict = {}
     native, algorithm = native_kernel(be, "matmul_reduce_scatter", algorithm, taken, a=a, b=b, scatter_dim=sd,
                                 reduce_op=reduce_op, group=group)
+    # the partials travel as they are summed: float32 for half inputs (programs.sum_dtype)
+    slice_bytes = per_rank * sum_dtype(a.dtype).itemsize
     call = resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group,
                         backend=be if be is not None else backend, device=a.device,
-                        slice_bytes=per_rank * a.element_size(), flops=2.0 * a.numel() * b.shape[1] / n,
+                        slice_bytes=slice_bytes, flops=2.0 * a.numel() * b.shape[1] / n,
                         timeout=timeout, check=check, report=None if native else taken)
-    resolved = (Collective.REDUCE_SCATTER, algorithm, per_rank * a.element_size(), call)
+    resolved = (Collective.REDUCE_SCATTER, algorithm, slice_bytes, call)
     call = configured(call, config)
     if not native:
         report_taken(taken, call, min(sizes), "matmul_reduce_scatter")

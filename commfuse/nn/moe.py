@@ -85,6 +85,7 @@ from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
+from commfuse.runtime.programs import sum_dtype
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "dispatch_experts", "experts_combine", "grouped_mm", "grouped_mm_kind",
@@ -149,7 +150,8 @@ def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, cou
 
     On a CPU each expert's product is added in place (``addmm_``: no temporary the size of the weights per
     slice); elsewhere torch's grouped GEMM makes every expert's at once, then one add. ``alpha`` scales the
-    product within that add (no pass of its own over the gradient).
+    product within that add (no pass of its own over the gradient). ``out`` may be float32 for half ``x`` and
+    ``dy`` (:func:`_wgrad_zeros`): each product is then made in their dtype and added in float32.
     """
     counts = list(counts)
     if (x.shape[0] and x.device.type != "cpu" and grouped_mm_kind(x.device, x.dtype) != "loop"
@@ -158,10 +160,24 @@ def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, cou
         out.add_(F.grouped_mm(x.t(), dy, offs=offs), alpha=alpha)
         return
     at = 0
+    same = out.dtype is x.dtype
     for e, c in enumerate(counts):
         if c:
-            out[e].addmm_(x.narrow(0, at, c).t(), dy.narrow(0, at, c), alpha=alpha)
+            if same:
+                out[e].addmm_(x.narrow(0, at, c).t(), dy.narrow(0, at, c), alpha=alpha)
+            else:
+                out[e].add_(x.narrow(0, at, c).t() @ dy.narrow(0, at, c), alpha=alpha)
         at += c
+
+
+def _wgrad_zeros(w: torch.Tensor) -> torch.Tensor:
+    """Where an expert weight's gradient sums one product per arriving slice: in float32 for half weights
+    (``programs.sum_dtype``), cast back once by :func:`_wgrad_done`."""
+    return torch.zeros_like(w, dtype=sum_dtype(w.dtype))
+
+
+def _wgrad_done(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return g if g.dtype is w.dtype else g.to(w.dtype)
 
 
 def _cumulative(counts) -> list[int]:
@@ -604,15 +620,16 @@ class _ExpertParallel(torch.autograd.Function):
         call, work, send_rows, shared = ctx.state
         ctx.state = None
         dys = dys.contiguous()
-        dw13 = torch.zeros_like(work.w13)
-        dw2 = torch.zeros_like(work.w2)
+        dw13 = _wgrad_zeros(work.w13)
+        dw2 = _wgrad_zeros(work.w2)
         if shared is not None:
             shared.dy = dshared.contiguous()
         with _calls(call, "MoE.backward (its dispatch and combine)", 2):
             _down_backward_dispatch(call, work, dys, send_rows, dw2, shared)
             dxs = _up_backward_combine(call, work, send_rows, dw13, dys)
         dx, dsw13, dsw2 = (None, None, None) if shared is None else shared.grads
-        return dxs, dw13, dw2, None, None, None, None, dx, dsw13, dsw2
+        return (dxs, _wgrad_done(dw13, work.w13), _wgrad_done(dw2, work.w2), None, None, None, None, dx, dsw13,
+                dsw2)
 
 
 class _DispatchExperts(torch.autograd.Function):
@@ -652,10 +669,10 @@ class _DispatchExperts(torch.autograd.Function):
         ctx.state = None
         dacts = dacts.contiguous()
         work.hold(work.d_act, dacts)
-        dw13 = torch.zeros_like(work.w13)
+        dw13 = _wgrad_zeros(work.w13)
         with _calls(call, "dispatch_experts.backward", 1):
             dxs = _up_backward_combine(call, work, send_rows, dw13, dacts)
-        return dxs, dw13, None, None, None, None
+        return dxs, _wgrad_done(dw13, work.w13), None, None, None, None
 
 
 class _ExpertsCombine(torch.autograd.Function):
@@ -689,10 +706,10 @@ class _ExpertsCombine(torch.autograd.Function):
         call, work, send_rows = ctx.state
         ctx.state = None
         dys = dys.contiguous()
-        dw2 = torch.zeros_like(work.w2)
+        dw2 = _wgrad_zeros(work.w2)
         with _calls(call, "experts_combine.backward", 1):
             _down_backward_dispatch(call, work, dys, send_rows, dw2)
-        return work.joined(work.d_act, dys, work.w2.shape[1]), dw2, None, None, None, None
+        return work.joined(work.d_act, dys, work.w2.shape[1]), _wgrad_done(dw2, work.w2), None, None, None, None
 
 
 def _not_traced() -> None:

@@ -14,7 +14,8 @@ them, given a resolved :class:`~commfuse.planning.calls.Call`. Exports:
   :func:`run_scatter`, :func:`run_gather_one_by_one`,
   :func:`run_scatter_one_by_one` (a ring, one slice per step, no program) and
   :func:`run_scatter_whole` (vanilla straight into the result, where
-  :func:`scatters_whole`) run calls on;
+  :func:`scatters_whole`; :func:`scatter_runners` gives the two as a plan of
+  half partials takes them) run calls on;
 * per shard: :func:`all_gather_consume_core`, :func:`produce_reduce_scatter_core`,
   :func:`all_to_all_consume_core`, :func:`produce_all_to_all_core`
   (:func:`a2a_layout` for an uneven call's layout), :func:`all_reduce_core`,
@@ -81,7 +82,7 @@ __all__ = [
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
     "run_scatter_whole", "schedule_for",
-    "scatter_spans", "scatters_whole", "write_rows",
+    "scatter_runners", "scatter_spans", "scatters_whole", "write_rows",
 ]
 
 log = logging.getLogger("commfuse")
@@ -389,7 +390,7 @@ def run_scatter(planned: SignaturePlan, produce, inplace: bool = True, check_sha
     given, makes the whole tensor's partial at once (its dim ``dim`` must be dim 0), for ``vanilla``."""
     plan, layout, pool, dim = planned.plan, planned.layout, planned.pool, planned.dim
     if produce_whole is not None and scatters_whole(planned) and may_skip_program(plan):
-        return run_scatter_whole(planned, produce_whole)
+        return scatter_runners(planned)[1](planned, produce_whole)
     spans = layout.spans
     program = ReduceScatterProgram(layout, pool, lambda slots: produce(spans[slots]), inplace=inplace,
                                    meta=layout.meta, check_shapes=check_shapes,
@@ -411,7 +412,8 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
     """This rank's summed shard of ``whole`` (every rank's partial, the whole tensor's shape), reduce-scattered
     along dim 0 straight into the result (see :func:`scatters_whole`). ``whole`` may be a function making it,
     called once the call has its number (so that a failure in it is told to the peers, see
-    ``loop.execute_into``)."""
+    ``loop.execute_into``). ``whole`` is in the layout's sum dtype: :func:`scatter_runners` gives the form
+    that takes any plan's partials."""
     plan, layout, pool = planned.plan, planned.layout, planned.pool
     out = pool.get(layout.key[layout.own[0]])
     stacked = layout.whole_key[0]
@@ -431,7 +433,8 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
 def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
     """A call of a ring plan from :func:`prepare_scatter` (``plan.one_by_one``; the caller has seen
     ``may_skip_program(plan)``), its steps walked with no program: ``on_slice(start, size, None)`` makes this
-    rank's partial of each slice (a fresh contiguous tensor, added into in place). Returns this rank's summed
+    rank's partial of each slice (a fresh contiguous tensor, added into in place, in the layout's sum dtype:
+    :func:`scatter_runners` gives the form that takes any plan's partials). Returns this rank's summed
     shard."""
     plan, layout, dim = planned.plan, planned.layout, planned.dim
     walk = layout.walk
@@ -441,6 +444,26 @@ def run_scatter_one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
     execute_one_by_one(plan, walk, held, on_slice, planned.pool, [None] * len(layout.size))
     own = layout.own
     return held[own[0]] if len(own) == 1 else torch.cat([held[s] for s in own], dim=dim)
+
+
+def scatter_runners(planned: SignaturePlan) -> tuple[Callable, Callable]:
+    """``(one_by_one, whole)``: :func:`run_scatter_one_by_one` and :func:`run_scatter_whole` as a call on
+    ``planned`` must take them. Where its layout widens (half partials, ``programs.sum_dtype``), each partial
+    is cast to float32 as it is made, sums and transfers stay float32, and the result is cast back once;
+    otherwise the two themselves. Taken once per signature, so a float32 call pays nothing for it."""
+    layout = planned.layout
+    wide, made = layout.widen, layout.made
+    if wide is None:
+        return run_scatter_one_by_one, run_scatter_whole
+
+    def one_by_one(planned: SignaturePlan, on_slice) -> torch.Tensor:
+        return run_scatter_one_by_one(planned, lambda start, size, t: on_slice(start, size, t).to(wide)).to(made)
+
+    def whole(planned: SignaturePlan, whole) -> torch.Tensor:
+        make = whole if callable(whole) else (lambda: whole)
+        return run_scatter_whole(planned, lambda: make().to(wide)).to(made)
+
+    return one_by_one, whole
 
 
 # -- consume / produce forms -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 __all__ = [
     "AllToAllLayout", "AllToAllProgram", "BufferPool", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
     "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "key_bytes",
-    "offsets", "register_described", "split_sizes",
+    "offsets", "register_described", "split_sizes", "sum_dtype",
 ]
 
 _DTYPES = [
@@ -43,6 +43,17 @@ _DTYPES = [
 
 def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else 99
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partials of ``dtype`` are summed in across ranks: float32 for float16 and bfloat16 (as torch's
+    matmul accumulates them), else ``dtype`` itself.
+
+    A reduce-scatter's running sums are also what travels, so half partials go on the wire as float32: twice
+    the bytes, but a sum whose ring order passes through a value half cannot hold (float16: 40000 + 30000;
+    bfloat16: 256 + 1) comes out as the float32 sum of the partials, rounded once. Rounding the running sum
+    to half on each hop, as a reduce-scatter in the partials' dtype does (gloo's and NCCL's), loses both."""
+    return torch.float32 if dtype is torch.float16 or dtype is torch.bfloat16 else dtype
 
 
 def dtype_name(code: int) -> str:
@@ -393,11 +404,17 @@ def _shape_key(key: tuple, dim: int, size: int) -> tuple:
 
 
 class ScatterLayout(_SlotLayout):
-    """Reduce-scatter of partials of ``shape`` (the whole tensor's shape along ``dim`` is ``sum(shard_sizes)``)."""
+    """Reduce-scatter of partials of ``shape`` and ``dtype`` (the whole tensor's shape along ``dim`` is
+    ``sum(shard_sizes)``). The running sums, and so the buffers and what travels, are in
+    ``sum_dtype(dtype)``; ``widen`` is that dtype where it is not ``dtype`` (half partials: each is cast up as
+    it is made, the result cast back once), else None."""
 
     def __init__(self, compiled: Compiled, shard_sizes: Sequence[int], dim: int, shape: Sequence[int],
                  dtype: torch.dtype) -> None:
-        super().__init__(compiled, shard_sizes, dim, shape, dtype)
+        wide = sum_dtype(dtype)
+        super().__init__(compiled, shard_sizes, dim, shape, wide)
+        self.made = dtype
+        self.widen = wide if wide is not dtype else None
         # per step's compute: the (start, size) of each slot, in slot order
         self.spans = {st.compute: [(self.start[s], self.size[s]) for s in st.compute]
                       for st in compiled.steps if st.compute}
@@ -412,6 +429,9 @@ class ReduceScatterProgram(_Base):
     (producers written by users). ``produce_whole()``, when given, makes
     every rank's partial at once as one tensor, rank by rank along dim 0: the
     input of a ``vanilla`` reduce-scatter run with ``collective_into``.
+    Where the layout widens (half partials), each partial is cast to its
+    ``widen`` dtype as it is made, sums and transfers stay in it, and
+    :meth:`result` is cast back to the partials' dtype, once.
     """
 
     collective = Collective.REDUCE_SCATTER
@@ -424,6 +444,17 @@ class ReduceScatterProgram(_Base):
         self.inbox: list = [None] * len(layout.size)
         self.produce_whole = produce_whole if layout.into and pool.into else None
         self.whole = None
+        if layout.widen is not None:
+            self._widen()
+
+    def _widen(self) -> None:
+        """Half partials: each cast to the layout's ``widen`` dtype as it is made, the result cast back."""
+        layout = self.layout
+        wide, produce, produce_whole = layout.widen, self.produce, self.produce_whole
+        self.produce = lambda slots: [p.to(wide) for p in produce(slots)]
+        if produce_whole is not None:
+            self.produce_whole = lambda: produce_whole().to(wide)
+        self.result = lambda: [self.sums[s].to(layout.made) for s in layout.own]
 
     def payload(self, s):
         return self.sums[s]

@@ -243,6 +243,152 @@ def half_contraction(rank, n):
     return results
 
 
+HALF_SCATTER_ALGORITHMS = ("ring", "ring:2", "bidirectional", "sliced:2", "vanilla", "auto")
+#: Per dtype, the partials of one output element on ranks 0, 1, 2 (zeros on more ranks) whose running sum in
+#: the dtype goes wrong in some ring order: float16's 40000 + 30000 is inf, bfloat16's 256 + 1 is 256.
+HALF_PARTIALS = {"fp16": (torch.float16, (40000.0, 30000.0, -30000.0)),
+                 "bf16": (torch.bfloat16, (256.0, 1.0, -256.0))}
+
+
+def half_scatter(rank, n):
+    """The reduce-scatter sums in float16 and bfloat16 against the unsharded float32 sum rounded once: the
+    forward of matmul_reduce_scatter and produce_reduce_scatter, the weight gradient of matmul_reduce_scatter,
+    the dgrad and wgrad of all_gather_matmul and the input gradient of produce_reduce_scatter, every algorithm.
+    Also ShardedLinear's input gradient, Ulysses attention's dV and the MoE combine's expert weight gradient
+    (sums of a piece per arriving chunk).
+    Each case runs n times with the partials moved one rank on (``turn``), so every output shard's ring order
+    starts at every rank; the sums in the input's type (the code before) overflow or lose the 1 in some of
+    them. Needs 3 ranks or more."""
+    results = {}
+    rows, cols = 2, 3
+    for dname, (dtype, values) in HALF_PARTIALS.items():
+        values = list(values) + [0.0] * (n - 3)
+        want = torch.tensor(sum(values)).to(dtype)  # the float32 sum, rounded once
+        for alg in HALF_SCATTER_ALGORITHMS:
+            def check(wrong, what, got, shape, alg=alg, want=want, dtype=dtype):
+                """A wrong sum goes into ``wrong``, said once the case's calls are all made (ranks stay in step)."""
+                if got.dtype != dtype or list(got.shape) != list(shape) or not torch.equal(
+                        got, torch.full(shape, want.item(), dtype=dtype)):
+                    wrong.append(f"{what} ({alg}): {got.tolist()} ({got.dtype}), want {want.item()} in "
+                                 f"{list(shape)}")
+
+            def forward(alg=alg, values=values, dtype=dtype):
+                wrong: list = []
+                for turn in range(n):
+                    mine = values[(rank + turn) % n]
+                    # matmul_reduce_scatter: every element of this rank's partial a @ b is `mine`
+                    a = torch.full((n * rows, 1), mine, dtype=dtype)
+                    b = torch.ones(1, cols, dtype=dtype)
+                    whole = torch.cat([torch.full((n * rows, 1), values[(r + turn) % n]) for r in range(n)], 1)
+                    unsharded = whole.to(dtype) @ torch.ones(n, cols, dtype=dtype)
+                    if not torch.isfinite(unsharded).all():  # only cases whose unsharded op is finite
+                        raise AssertionError(f"torch's unsharded matmul is {unsharded.tolist()}")
+                    check(wrong, f"matmul_reduce_scatter turn {turn}",
+                          cf.matmul_reduce_scatter(a, b, algorithm=alg, timeout=30), (rows, cols))
+                    check(wrong, f"produce_reduce_scatter turn {turn}",
+                          cf.produce_reduce_scatter(lambda d: torch.full((rows, cols), mine, dtype=dtype),
+                                                    algorithm=alg, timeout=30), (rows, cols))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            def backward(alg=alg, values=values, dtype=dtype):
+                wrong: list = []
+                for turn in range(n):
+                    mine = values[(rank + turn) % n]
+                    # matmul_reduce_scatter's wgrad db = a^T @ AG(dz), a GEMM per arriving slice of dz: dz this
+                    # rank's `mine`, a 1 on each shard's first row and 0 elsewhere, so every GEMM's product is
+                    # exact (a step may join slices of two shards) and the steps add one `mine` per rank
+                    a = (torch.arange(n * rows) % rows == 0).to(dtype)[:, None]
+                    b = torch.ones(1, cols, dtype=dtype, requires_grad=True)
+                    z = cf.matmul_reduce_scatter(a, b, algorithm=alg, timeout=30)
+                    z.backward(torch.full_like(z, mine))
+                    check(wrong, f"matmul_reduce_scatter wgrad turn {turn}", b.grad, (1, cols))
+                    # all_gather_matmul's wgrad db = AG(x)^T @ dy, a GEMM per arriving shard of x: x this rank's
+                    # `mine`, dy 1 on each shard's first row; its dgrad dx = RS(dy @ b^T): dy this rank's `mine`
+                    x = torch.full((rows, 1), mine, dtype=dtype)
+                    b = torch.ones(1, cols, dtype=dtype, requires_grad=True)
+                    y = cf.all_gather_matmul(x, b, algorithm=alg, timeout=30)
+                    y.backward((torch.arange(n * rows) % rows == 0).to(dtype)[:, None].expand_as(y).contiguous())
+                    check(wrong, f"all_gather_matmul wgrad turn {turn}", b.grad, (1, cols))
+                    x = torch.ones(rows, 1, dtype=dtype, requires_grad=True)
+                    y = cf.all_gather_matmul(x, torch.ones(1, 1, dtype=dtype), algorithm=alg, timeout=30)
+                    y.backward(torch.full_like(y, mine))
+                    check(wrong, f"all_gather_matmul dgrad turn {turn}", x.grad, (rows, 1))
+                    # produce_reduce_scatter's input gradient: every destination's partial is the input, so
+                    # its gradient sums the output gradients of every rank (arriving one per step)
+                    x = torch.zeros(rows, cols, dtype=dtype, requires_grad=True)
+                    out = cf.produce_reduce_scatter(lambda d, x: x * 1, inputs=(x,), algorithm=alg, timeout=30)
+                    out.backward(torch.full_like(out, mine))
+                    check(wrong, f"produce_reduce_scatter input gradient turn {turn}", x.grad, (rows, cols))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            def sharded(alg=alg, values=values, dtype=dtype):
+                # ShardedLinear's input gradient dx = sum_s dy[..., cols_s] @ W_s, one weight shard per ring
+                # step: W_s (1, 1) holds rank s's `mine`, dy all ones
+                from commfuse.nn import ShardedLinear
+
+                wrong: list = []
+                for turn in range(n):
+                    layer = ShardedLinear(1, n, bias=False, algorithm=alg, dtype=dtype)
+                    with torch.no_grad():
+                        layer.weight.to_local().fill_(values[(rank + turn) % n])
+                    x = torch.ones(rows, 1, dtype=dtype, requires_grad=True)
+                    layer(x).backward(torch.ones(rows, n, dtype=dtype))
+                    check(wrong, f"ShardedLinear dgrad turn {turn}", x.grad, (rows, 1))
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            def ulysses(alg=alg, values=values, dtype=dtype):
+                # Ulysses attention's dV sums one piece per arriving output-gradient chunk (the query rows of
+                # one rank): every query attends only to rank 0's key (scores +-100 a side: softmax gives 1
+                # and 0), so rank 0's dV is the sum of every rank's dO, here this rank's `mine`
+                from commfuse.nn.attention import ulysses_attention
+
+                wrong: list = []
+                for turn in range(n):
+                    q = torch.ones(1, 1, n, 1, dtype=dtype)
+                    k = torch.full((1, 1, n, 1), 100.0 if rank == 0 else -100.0, dtype=dtype)
+                    v = torch.zeros(1, 1, n, 1, dtype=dtype, requires_grad=True)
+                    o = ulysses_attention(q, k, v, causal=False, algorithm=alg, timeout=30)
+                    o.backward(torch.full_like(o, values[(rank + turn) % n]))
+                    if rank == 0:
+                        check(wrong, f"ulysses dV turn {turn}", v.grad, (1, 1, n, 1))
+                    elif v.grad.abs().max() != 0:
+                        wrong.append(f"ulysses dV turn {turn} ({alg}): {v.grad.flatten().tolist()}, want zeros")
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            def moe(alg=alg, values=values, dtype=dtype):
+                # experts_combine's expert weight gradient dw2 = (1/n) sum over sources q of act_q^T @ dy_q, one
+                # source a step: one expert a rank, one row from every rank to every rank, acts all ones, dy
+                # this rank's `mine`; so rank e's dw2 is the mean of the ranks' `mine` (the scale is added
+                # with each product, so float16 cannot overflow here: bfloat16 256 / 3 + 1 / 3 - 256 / 3 can
+                # lose the third)
+                from commfuse.nn.moe import experts_combine
+
+                wrong: list = []
+                mean = torch.tensor(sum(values) / n).to(dtype)
+                counts = torch.ones(n, 1, dtype=torch.int64)
+                for turn in range(n):
+                    w2 = torch.ones(1, 1, 1, dtype=dtype, requires_grad=True)
+                    ys = experts_combine(torch.ones(n, 1, dtype=dtype), w2, counts, counts, algorithm=alg)
+                    ys.backward(torch.full_like(ys, values[(rank + turn) % n]))
+                    if not torch.equal(w2.grad, torch.full_like(w2, mean.item())):
+                        wrong.append(f"experts_combine dw2 turn {turn} ({alg}): {w2.grad.flatten().tolist()}, "
+                                     f"want {mean.item()}")
+                if wrong:
+                    raise AssertionError("; ".join(wrong))
+
+            _run(results, f"{dname}-{alg}-forward", forward)
+            _run(results, f"{dname}-{alg}-backward", backward)
+            _run(results, f"{dname}-{alg}-sharded", sharded)
+            if alg != "bidirectional":  # the all-to-all has no bidirectional ring
+                _run(results, f"{dname}-{alg}-ulysses", ulysses)
+                _run(results, f"{dname}-{alg}-moe", moe)
+    return results
+
+
 # -- edge cases -------------------------------------------------------------
 
 

@@ -65,6 +65,17 @@ def test_half_precision_contraction_gather_sums_in_float32(n):
         _assert_all_ranks(results, name)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_half_precision_reduce_scatter_sums_in_float32(n):
+    results = launch(_cases.half_scatter, n, timeout=600)
+    names = {f"{d}-{a}-{p}" for d in _cases.HALF_PARTIALS for a in _cases.HALF_SCATTER_ALGORITHMS
+             for p in ("forward", "backward", "sharded", "ulysses", "moe")
+             if a != "bidirectional" or p not in ("ulysses", "moe")}
+    assert all(set(res) == names for res in results), results
+    for name in sorted(names):
+        _assert_all_ranks(results, name)
+
+
 def test_world_size_one_process_group():
     assert launch(_cases.world_one, 1, timeout=120) == ["ok"]
 
