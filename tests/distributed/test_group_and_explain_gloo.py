@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _sites_cases as cases  # noqa: E402
+import _group_and_explain_cases as cases  # noqa: E402
 
 from commfuse.launch import launch  # noqa: E402
 

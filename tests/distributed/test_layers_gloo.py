@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _layer_cases  # noqa: E402
+import _layers_cases  # noqa: E402
 
 from commfuse.launch import launch  # noqa: E402
 
@@ -25,7 +25,7 @@ OPS = [f"ops-{alg}-keep{keep}-dim{dim}" for alg in ("ring", "bidirectional", "sl
 
 @functools.lru_cache(maxsize=None)
 def _battery(n: int) -> list[dict]:
-    return launch(_layer_cases.layers, n, timeout=900)
+    return launch(_layers_cases.layers, n, timeout=900)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -39,7 +39,7 @@ def test_layer_and_gradients_match_unsharded(n, name):
 
 @functools.lru_cache(maxsize=None)
 def _training(n: int) -> list[dict]:
-    return launch(_layer_cases.training, n, timeout=900)
+    return launch(_layers_cases.training, n, timeout=900)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -58,4 +58,4 @@ def test_tp_by_dp_device_mesh(name):
 
 @functools.lru_cache(maxsize=None)
 def _mesh() -> list[dict]:
-    return launch(_layer_cases.mesh_2d, 4, timeout=600)
+    return launch(_layers_cases.mesh_2d, 4, timeout=600)

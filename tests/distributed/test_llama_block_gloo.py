@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _llama_cases  # noqa: E402
+import _llama_block_cases  # noqa: E402
 
 from commfuse.launch import launch  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
 def _results(checkpoint_dir: str) -> list[dict]:
-    return launch(_llama_cases.train_and_checkpoint, 4, checkpoint_dir, timeout=900)
+    return launch(_llama_block_cases.train_and_checkpoint, 4, checkpoint_dir, timeout=900)
 
 
 @pytest.fixture(scope="module")

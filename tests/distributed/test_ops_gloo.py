@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _cases  # noqa: E402
+import _ops_cases  # noqa: E402
 
 import commfuse as cf  # noqa: E402
 from commfuse.errors import CommfuseError  # noqa: E402
@@ -25,13 +25,13 @@ WORLD_SIZES = (2, 3, 4)
 
 @functools.lru_cache(maxsize=None)
 def _battery(body: str, n: int) -> list[dict]:
-    return launch(getattr(_cases, body), n, timeout=600)
+    return launch(getattr(_ops_cases, body), n, timeout=600)
 
 
 def _names() -> list[str]:
     names = []
-    for alg in _cases.ALGORITHMS:
-        for dname in _cases.DTYPES:
+    for alg in _ops_cases.ALGORITHMS:
+        for dname in _ops_cases.DTYPES:
             for tier in ("tol", "exact"):
                 for dim in (0, 1, -1):
                     names += [f"ag-{alg}-{dname}-{tier}-dim{dim}", f"rs-{alg}-{dname}-{tier}-dim{dim}"]
@@ -58,7 +58,7 @@ def test_edge_cases(n, name):
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_half_precision_contraction_gather_sums_in_float32(n):
-    results = launch(_cases.half_contraction, n, timeout=300)
+    results = launch(_ops_cases.half_contraction, n, timeout=300)
     names = {f"{d}-{a}" for d in ("fp16", "bf16") for a in ("ring", "bidirectional", "sliced:2", "vanilla", "auto")}
     assert all(set(res) == names for res in results), results
     for name in sorted(names):
@@ -67,8 +67,8 @@ def test_half_precision_contraction_gather_sums_in_float32(n):
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_half_precision_reduce_scatter_sums_in_float32(n):
-    results = launch(_cases.half_scatter, n, timeout=600)
-    names = {f"{d}-{a}-{p}" for d in _cases.HALF_PARTIALS for a in _cases.HALF_SCATTER_ALGORITHMS
+    results = launch(_ops_cases.half_scatter, n, timeout=600)
+    names = {f"{d}-{a}-{p}" for d in _ops_cases.HALF_PARTIALS for a in _ops_cases.HALF_SCATTER_ALGORITHMS
              for p in ("forward", "backward", "sharded", "ulysses", "moe")
              if a != "bidirectional" or p not in ("ulysses", "moe")}
     assert all(set(res) == names for res in results), results
@@ -77,7 +77,7 @@ def test_half_precision_reduce_scatter_sums_in_float32(n):
 
 
 def test_world_size_one_process_group():
-    assert launch(_cases.world_one, 1, timeout=120) == ["ok"]
+    assert launch(_ops_cases.world_one, 1, timeout=120) == ["ok"]
 
 
 def test_without_process_group_ops_are_local():
@@ -88,7 +88,7 @@ def test_without_process_group_ops_are_local():
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_mismatched_shapes_fail_on_every_rank_within_the_timeout(n):
-    out = launch(_cases.mismatch, n, "shape", timeout=120)
+    out = launch(_ops_cases.mismatch, n, "shape", timeout=120)
     for rank, (kind, message, seconds) in enumerate(out):
         # the ranks beside the disagreement raise MismatchError; the others time out, or see the
         # connection to a rank that has already given up close (CommunicationError)
@@ -104,14 +104,14 @@ def test_mismatched_shapes_fail_on_every_rank_within_the_timeout(n):
 
 
 def test_mismatched_algorithms_fail_on_every_rank():
-    out = launch(_cases.mismatch, 3, "algorithm", timeout=120)
+    out = launch(_ops_cases.mismatch, 3, "algorithm", timeout=120)
     for rank, (kind, message, seconds) in enumerate(out):
         assert kind == "MismatchError", (rank, kind, message)
         assert "algorithm ring" in message and "algorithm vanilla" in message
 
 
 def test_absent_peer_times_out_naming_rank_step_and_peer():
-    out = launch(_cases.mismatch, 3, "absent", timeout=120)
+    out = launch(_ops_cases.mismatch, 3, "absent", timeout=120)
     kind, message, seconds = out[0]
     assert kind == "CommfuseTimeoutError", out[0]
     assert 2.5 < seconds < 10, seconds
@@ -158,6 +158,6 @@ def test_repeated_calls_walk_without_a_program_and_stay_right():
         ("all_gather_matmul", "vanilla", 0), ("matmul_reduce_scatter", "vanilla", 0), ("all_gather_matmul", "ring", 0),
         ("all_gather_matmul", "ring:2", 0), ("matmul_reduce_scatter", "ring", 0),
         ("matmul_reduce_scatter", "ring:2", 0), ("matmul_reduce_scatter", "ring", 1))}
-    for rank, got in enumerate(launch(_cases.repeated_without_program, 3, timeout=120)):
+    for rank, got in enumerate(launch(_ops_cases.repeated_without_program, 3, timeout=120)):
         # the first call of each signature is planned and checked through the program; the 4 after walk without one
         assert got == expected, (rank, got)

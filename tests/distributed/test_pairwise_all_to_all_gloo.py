@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _pairwise_cases  # noqa: E402
+import _pairwise_all_to_all_cases  # noqa: E402
 
 from commfuse.launch import launch  # noqa: E402
 
@@ -23,7 +23,7 @@ FORCED = {"COMMFUSE_PAIRWISE_ALL_TO_ALL": "1"}
 
 @pytest.mark.parametrize("n", (2, 3, 4))
 def test_pairwise_exchange_equals_torch_all_to_all_and_is_logged_once(n):
-    results = launch(_pairwise_cases.exchange, n, env=FORCED, timeout=300)
+    results = launch(_pairwise_all_to_all_cases.exchange, n, env=FORCED, timeout=300)
     for rank, res in enumerate(results):
         assert res["problems"] == [], f"rank {rank}: " + "\n".join(res["problems"])
         # one message on the commfuse logger over ten exchanges, at WARNING, naming the backend and collective
@@ -36,7 +36,7 @@ def test_pairwise_exchange_equals_torch_all_to_all_and_is_logged_once(n):
 
 
 def test_refusal_is_detected_and_remembered():
-    results = launch(_pairwise_cases.detected, 3, timeout=300)
+    results = launch(_pairwise_all_to_all_cases.detected, 3, timeout=300)
     for rank, res in enumerate(results):
         assert res["problems"] == [], f"rank {rank}: " + "\n".join(res["problems"])
         if res["has"]:  # torch's gloo here has dist.all_to_all: commfuse uses it and says nothing
@@ -48,7 +48,7 @@ def test_refusal_is_detected_and_remembered():
 
 
 def test_a_step_that_outlives_the_timeout_names_rank_step_and_peers():
-    first, *others = launch(_pairwise_cases.stalled, 3, 1.0, env=FORCED, timeout=120)
+    first, *others = launch(_pairwise_all_to_all_cases.stalled, 3, 1.0, env=FORCED, timeout=120)
     assert others == ["absent", "absent"]
     assert first.startswith("TimeoutError after "), first
     seconds = float(first.split()[2])

@@ -14,7 +14,7 @@ from commfuse.runtime.c10d import C10dBackend, lacks_all_to_all
 from commfuse.runtime.groups import group_state
 from commfuse.schedule import Collective
 
-from _cases import torch_all_to_all
+from _ops_cases import torch_all_to_all
 
 
 class _Records(logging.Handler):
