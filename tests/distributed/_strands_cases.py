@@ -353,18 +353,7 @@ def _misbehaving(stages: list, how: str, rank: int) -> tuple[list, object]:
     is a vector) or ``"none"``."""
     if how.startswith("before-op:"):
         _, name, call = how.split(":")
-        seen = [0]
-        out = []
-        for s in stages:
-            if s.name == name:
-                def fn(*args, _fn=s.fn):
-                    seen[0] += 1
-                    if seen[0] == int(call) + 1:
-                        raise ZeroDivisionError(f"injected on rank {rank} before the op of {name!r}")
-                    return _fn(*args)
-                s = strands.Stage(s.name, fn, s.compute, s.comm)
-            out.append(s)
-        return out, _loss
+        return _raising(stages, name, int(call), rank, keep_figures=True), _loss
     calls = [0]
 
     def loss(y, target):
@@ -423,16 +412,22 @@ def _failing_profile(stages: list, how: str, rank: int) -> list:
     """``stages`` as rank ``rank`` profiles them for ``how``: ``"raise:<stage>:<call>"`` (the stage's
     ``call``-th run, counted from 0 over the warm-up and the timed runs, raises before its op)."""
     _, name, call = how.split(":")
+    return _raising(stages, name, int(call), rank, keep_figures=False)
+
+
+def _raising(stages: list, name: str, call: int, rank: int, keep_figures: bool) -> list:
+    """``stages`` with stage ``name``'s ``call``-th run (counted from 0) raising ``ZeroDivisionError`` before
+    its op; the stages keep their compute and comm figures if ``keep_figures``, else take the defaults."""
     seen = [0]
     out = []
     for s in stages:
         if s.name == name:
             def fn(*args, _fn=s.fn):
                 seen[0] += 1
-                if seen[0] == int(call) + 1:
+                if seen[0] == call + 1:
                     raise ZeroDivisionError(f"injected on rank {rank} before the op of {name!r}")
                 return _fn(*args)
-            s = strands.Stage(s.name, fn)
+            s = strands.Stage(s.name, fn, s.compute, s.comm) if keep_figures else strands.Stage(s.name, fn)
         out.append(s)
     return out
 
