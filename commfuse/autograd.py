@@ -32,7 +32,7 @@ from commfuse.planning.pipelined import (
     scatter_spans,
 )
 from commfuse.runtime.checkpointing import TOP_HOOKS
-from commfuse.runtime.programs import dtype_code, sum_dtype
+from commfuse.runtime.programs import dtype_code, rounded, sum_dtype, sum_zeros
 from commfuse.schedule import split_sizes
 
 __all__ = [
@@ -123,7 +123,7 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
              for b, d, need in zip(bs, douts, need_b)]
     # a weight gradient sums one GEMM per ring step: in float32 for half weights (programs.sum_dtype), cast
     # back once at the end, as torch's one GEMM over the gathered rows accumulates
-    dbs = [torch.zeros_like(b, dtype=sum_dtype(b.dtype)) if need and d is not None and sink is None else None
+    dbs = [sum_zeros(b) if need and d is not None and sink is None else None
            for b, d, need, sink in zip(bs, douts, need_b, sinks)]
     k = bs[0].shape[0]
 
@@ -161,7 +161,7 @@ def all_gather_matmul_backward(call: Call, x: torch.Tensor, bs: Sequence[torch.T
                            meta=lambda: [dtype_code(x.dtype), gd, *full])
     elif keep and any(db is not None or sink is not None for db, sink in zip(dbs, sinks)):
         wgrad(x, lambda d: d)
-    return da, [db if db is None or db.dtype is b.dtype else db.to(b.dtype) for b, db in zip(bs, dbs)]
+    return da, [db if db is None else rounded(db, b.dtype) for b, db in zip(bs, dbs)]
 
 
 def all_gather_matmul_fn(forward: Callable, call: Call, a: torch.Tensor, bs: Sequence[torch.Tensor], gd: int, sizes,
@@ -215,7 +215,7 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
     da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
     sink = _deferred(b) if defer and need_b else None
     # db sums one GEMM per arriving slice of dz: in float32 for a half weight (programs.sum_dtype), cast back once
-    db = torch.zeros_like(b, dtype=sum_dtype(b.dtype)) if need_b and sink is None else None
+    db = sum_zeros(b) if need_b and sink is None else None
     sizes = split_sizes(a.shape[sd], call.world_size)
     bt = b.detach().t()  # as all_gather_matmul_backward's dgrad takes its weights
 
@@ -233,7 +233,7 @@ def matmul_reduce_scatter_backward(call: Call, a: torch.Tensor, b: torch.Tensor,
         # a deferred weight gradient keeps the pieces that arrived until it runs
         gather_spans(call, dz.contiguous(), sd, sizes, consume, label="matmul_reduce_scatter.dgrad",
                      meta=gather_matmul_meta(dz, [bt], sd, a.shape[sd]), keep=sink is not None)
-    return da, (db if db is None or db.dtype is b.dtype else db.to(b.dtype))
+    return da, (db if db is None else rounded(db, b.dtype))
 
 
 def matmul_reduce_scatter_fn(forward: Callable, call: Call, a: torch.Tensor, b: torch.Tensor, sd: int,
@@ -363,7 +363,7 @@ class _ProduceReduceScatter(torch.autograd.Function):
 
         all_gather_consume_core(ctx.call, dout.contiguous(), consume, 0, keep=False,
                                 label="produce_reduce_scatter.backward")
-        grads = [g if g is None or g.dtype is leaf.dtype else g.to(leaf.dtype) for g, leaf in zip(grads, leaves)]
+        grads = [g if g is None else rounded(g, leaf.dtype) for g, leaf in zip(grads, leaves)]
         return (None, None, None, *grads)
 
 

@@ -319,10 +319,9 @@ def adopt(backend, *, group=None, device=None) -> None:
 
 def refuse_destroyed(group) -> None:
     """Raise, by name, when ``group`` is a c10d process group that was destroyed."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None or not isinstance(group, c10d.ProcessGroup):
-        return
-    if group not in c10d._world.pg_map:
+    from commfuse.runtime.groups import destroyed
+
+    if destroyed(group):
         forget_destroyed()
         raise CommfuseValueError(
             f"process group {getattr(group, 'group_name', '') or group!r} was destroyed "
@@ -345,17 +344,15 @@ def forget_destroyed() -> int:
     name's count of incarnations (``commfuse.runtime.groups``), so a group made again under an old name keeps
     board keys of its own. The whole world destroyed (``destroy_process_group()``) is forgotten by
     :func:`fresh` at the next planning, as :func:`release` would."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")  # not imported: no group was ever made
-    if c10d is None:
+    if "torch.distributed.distributed_c10d" not in sys.modules:  # not imported: no group was ever made
         return 0
-    from commfuse.runtime.groups import forget_group, known_groups
+    from commfuse.runtime.groups import destroyed, forget_group, known_groups
 
-    live, kind = c10d._world.pg_map, c10d.ProcessGroup
     held = {id(group): group for group in known_groups()}
     held.update((id(key[2]), key[2]) for key in table.keys("backend"))
     let_go = 0
     for group in held.values():
-        if isinstance(group, kind) and group not in live and forget_group(group):
+        if destroyed(group) and forget_group(group):
             table.forget_holding(group)
             let_go += 1
     return let_go

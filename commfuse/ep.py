@@ -40,9 +40,7 @@ from commfuse.nn import MoE, ShardedLinear
 from commfuse.planning.agreement import agree
 from commfuse.nn._common import local
 from commfuse.planning import pipelined
-from commfuse.planning.calls import resolve_call
 from commfuse.runtime.groups import register_format
-from commfuse.schedule import Collective
 
 __all__ = ["clip_grad_norm_", "ddp", "fully_shard", "total_norm"]
 
@@ -129,8 +127,7 @@ class _DataParallelGrads:
         if not self.sync:
             return
         grad = local(p.grad)
-        call = resolve_call(Collective.REDUCE_SCATTER, "vanilla", group=self.group, device=grad.device)
-        grad.copy_(pipelined.all_reduce_core(call, grad.contiguous(), label="ep.grad").div_(self.n))
+        grad.copy_(pipelined.group_sum(grad, self.group, label="ep.grad").div_(self.n))
 
 
 def _axes(mesh, dp_axis: str, ep_axis: str, where: str):

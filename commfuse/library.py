@@ -572,14 +572,10 @@ def _replicated_grad(g: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``g`` over the group through commfuse (numbered with the group's other calls, bounded by
     its timeout, told to every rank), as the eager ``ReplicatedGrad`` sums it; not torch's functional
     all-reduce, which only the process group's own timeout bounds."""
-    from commfuse.planning.calls import resolve_call
-    from commfuse.planning.pipelined import all_reduce_core
+    from commfuse.planning.pipelined import group_sum
 
-    call = resolve_call("reduce_scatter", "vanilla", group=_group(group_name), device=g.device)
-    if call is None:
-        return g.clone()
     with torch.no_grad():
-        return all_reduce_core(call, g, label="replicated_grad")
+        return group_sum(g, _group(group_name), label="replicated_grad")
 
 
 @_replicated_grad.register_fake

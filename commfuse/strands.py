@@ -159,6 +159,13 @@ def _own(error: CommfuseError) -> CommfuseError:
     return error
 
 
+def _told_in_a_call(error: BaseException) -> bool:
+    """Whether ``error`` reached the peers already, in the call it came out of: settled by a call, or a
+    commfuse error that is not one of this module's own refusals (:func:`_own`)."""
+    return getattr(error, "_commfuse_settled", None) is not None or (
+        isinstance(error, CommfuseError) and not getattr(error, "_commfuse_strands_own", False))
+
+
 def _detached(values: tuple) -> tuple:
     return tuple(v.detach().requires_grad_(v.requires_grad or v.is_floating_point()) for v in values)
 
@@ -517,8 +524,7 @@ class _Runner:
         rest = self.sequence[self.ran:]
         count = 1
         if self.inside:  # the error came out of rest[0], a counted entry
-            if getattr(error, "_commfuse_settled", None) is not None or (
-                    isinstance(error, CommfuseError) and not getattr(error, "_commfuse_strands_own", False)):
+            if _told_in_a_call(error):
                 return  # told in the call it came out of
             if getattr(calls, "left", 0):  # the entry's own count left the calls the peers wait in: nothing more
                 return
@@ -564,7 +570,7 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
     import time
     from dataclasses import replace
 
-    from commfuse.nn._agree import agree, share
+    from commfuse.planning.agreement import agree, share
     from commfuse.runtime import loop, measure, record_events
     from commfuse.runtime.groups import state_of_group
 
@@ -601,8 +607,7 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
                 return (_tuple(out, f"stage {stage.name!r}") if first else None), calls
         except Exception as e:  # noqa: BLE001 - told to every rank at the next meeting
             error.append(e)
-            told = getattr(e, "_commfuse_settled", None) is not None or (
-                isinstance(e, CommfuseError) and not getattr(e, "_commfuse_strands_own", False))
+            told = _told_in_a_call(e)
             if state is not None and first and not told and not getattr(calls, "left", 0) and \
                     state.seqs.get(calls.code, 0) == calls.start:
                 leave_calls(state, f"{what} (left after {type(e).__name__} on rank {state.rank})", e, 1)

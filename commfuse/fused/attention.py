@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
-from commfuse.planning.agreement import digest
+from commfuse.planning.agreement import digest, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import atomic
@@ -354,7 +354,7 @@ def mask_shared(name: str, value: torch.Tensor) -> tuple[int, object]:
     ``MismatchError`` shows of it, made only where the ranks' digests differ."""
     if name in CUMULATIVE_MASK_NAMES or is_varlen(value):
         ends = tuple(torch.as_tensor(value).tolist())
-        return digest(ends), lambda: [(name, _shown(repr(list(ends))))]
+        return digest(ends), lambda: [(name, shown(repr(list(ends))))]
     t = value.detach().contiguous().cpu()
     raw = t.view(torch.uint8) if t.dtype != torch.bool and t.element_size() > 1 else t
     head = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
@@ -364,17 +364,13 @@ def mask_shared(name: str, value: torch.Tensor) -> tuple[int, object]:
         if name in DOCUMENT_MASK_NAMES:
             rows = t.reshape(-1, t.shape[-1]) if t.ndim else t.reshape(1, 1)
             lengths = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in rows]
-            return [(name, _shown(f"{head}, documents of lengths {lengths[0] if len(lengths) == 1 else lengths}"))]
+            return [(name, shown(f"{head}, documents of lengths {lengths[0] if len(lengths) == 1 else lengths}"))]
         if t.dtype == torch.bool:
             return [(name, f"{head}, {int(t.sum())} of {t.numel()} attend, digest {code:#x}")]
         return [(name, f"{head}, {int(torch.isinf(t).sum())} of {t.numel()} are -inf, sum of the finite "
                        f"{float(t[torch.isfinite(t)].double().sum()):.6g}, digest {code:#x}")]
 
     return code, described
-
-
-def _shown(text: str, most: int = 600) -> str:
-    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 def query_slices(q: torch.Tensor, k: torch.Tensor, *, causal: bool, world_size: int,

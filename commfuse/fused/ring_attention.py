@@ -43,7 +43,7 @@ from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
-from commfuse.planning.agreement import agree_shared, digest
+from commfuse.planning.agreement import agree_shared, digest, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
@@ -558,7 +558,7 @@ def _shared_lengths(lengths) -> tuple[int, object]:
 
     def described() -> list[tuple[str, str]]:
         text = repr([list(x) if isinstance(x, tuple) else x for x in rows])
-        return [("document_lengths", text if len(text) <= 600 else f"{text[:600]}... ({len(text)} characters)")]
+        return [("document_lengths", shown(text))]
 
     return digest(rows), described
 

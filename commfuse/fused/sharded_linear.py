@@ -14,7 +14,7 @@ import torch
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import atomic
-from commfuse.runtime.programs import sum_dtype
+from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective
 
 __all__ = [
@@ -100,14 +100,14 @@ def sharded_linear_dgrad(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.
     """``dx = sum_s dy[..., cols_s] @ W_s``: the weight's all-gather ring again, the sum over shards in float32
     for half inputs (``programs.sum_dtype``), rounded once."""
     rows = weight.shape[0]
-    dx = torch.zeros_like(x, dtype=sum_dtype(x.dtype))
+    dx = sum_zeros(x)
 
     def consume(w_s: torch.Tensor, s: int) -> None:
         dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
 
     pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
                                       label="sharded_linear.dgrad")
-    return dx if dx.dtype is x.dtype else dx.to(x.dtype)
+    return rounded(dx, x.dtype)
 
 
 def _grad_parts(x, weight, dy, need_w: bool, need_b: bool, reduce_dtype):

@@ -14,7 +14,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime import sites
 from commfuse.planning.agreement import agree
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import all_gather_consume_core, collect, layer_config
+from commfuse.planning.pipelined import all_gather_consume_core, collect, group_sum, layer_config
 from commfuse.runtime.programs import dtype_name
 from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
 from commfuse.runtime.groups import register_format
@@ -223,12 +223,8 @@ class ReplicatedGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        from commfuse.planning.calls import resolve_call
-        from commfuse.planning.pipelined import all_reduce_core
-
         # through commfuse (numbered, bounded by its timeout, told to every rank), not a raw all_reduce
-        call = resolve_call("reduce_scatter", "vanilla", group=ctx.group, device=g.device)
-        return all_reduce_core(call, g.contiguous(), label="replicated_grad"), None
+        return group_sum(g, ctx.group, label="replicated_grad"), None
 
 
 def replicated(t: torch.Tensor, group) -> torch.Tensor:

@@ -74,7 +74,7 @@ from commfuse.planning.agreement import agree_shared
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.loop import op_calls
-from commfuse.runtime.programs import sum_dtype
+from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective
 
 
@@ -313,7 +313,7 @@ class _UlyssesAttention(torch.autograd.Function):
         n = call.world_size
         hq_l = do.shape[2] // n
         # dK, dV sum one piece per arriving do chunk: in float32 for half inputs, rounded once (programs.sum_dtype)
-        dk, dv = torch.zeros_like(kk, dtype=sum_dtype(kk.dtype)), torch.zeros_like(vv, dtype=sum_dtype(vv.dtype))
+        dk, dv = sum_zeros(kk), sum_zeros(vv)
 
         def back_chunk(do_s: torch.Tensor, s: int) -> torch.Tensor:
             keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
@@ -332,7 +332,7 @@ class _UlyssesAttention(torch.autograd.Function):
         dq_chunks = pipelined.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
         dq = torch.cat(pipelined.all_to_all_consume_core(call, dq_chunks, pipelined.collect, 1, label="ulysses.dq"), dim=2)
         rows = [slice(s * length, (s + 1) * length) for s in range(n)]
-        dk, dv = dk.to(kk.dtype), dv.to(vv.dtype)
+        dk, dv = rounded(dk, kk.dtype), rounded(dv, vv.dtype)
         dkv_chunks = [torch.stack([dk[:, r], dv[:, r]]).contiguous() for r in rows]
         dkv = torch.cat(pipelined.all_to_all_consume_core(call, dkv_chunks, pipelined.collect, 2, label="ulysses.dkv"), dim=3)
         return None, None, dq, dkv[0], dkv[1]

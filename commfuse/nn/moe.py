@@ -85,7 +85,7 @@ from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
 from commfuse.runtime.loop import op_calls
-from commfuse.runtime.programs import sum_dtype
+from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective, site_algorithm
 
 __all__ = ["GROUPED_MM", "MoE", "dispatch_experts", "experts_combine", "grouped_mm", "grouped_mm_kind",
@@ -151,7 +151,7 @@ def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, cou
     On a CPU each expert's product is added in place (``addmm_``: no temporary the size of the weights per
     slice); elsewhere torch's grouped GEMM makes every expert's at once, then one add. ``alpha`` scales the
     product within that add (no pass of its own over the gradient). ``out`` may be float32 for half ``x`` and
-    ``dy`` (:func:`_wgrad_zeros`): each product is then made in their dtype and added in float32.
+    ``dy`` (``programs.sum_zeros``): each product is then made in their dtype and added in float32.
     """
     counts = list(counts)
     if (x.shape[0] and x.device.type != "cpu" and grouped_mm_kind(x.device, x.dtype) != "loop"
@@ -168,16 +168,6 @@ def grouped_wgrad_add_(out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, cou
             else:
                 out[e].add_(x.narrow(0, at, c).t() @ dy.narrow(0, at, c), alpha=alpha)
         at += c
-
-
-def _wgrad_zeros(w: torch.Tensor) -> torch.Tensor:
-    """Where an expert weight's gradient sums one product per arriving slice: in float32 for half weights
-    (``programs.sum_dtype``), cast back once by :func:`_wgrad_done`."""
-    return torch.zeros_like(w, dtype=sum_dtype(w.dtype))
-
-
-def _wgrad_done(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return g if g.dtype is w.dtype else g.to(w.dtype)
 
 
 def _cumulative(counts) -> list[int]:
@@ -620,15 +610,15 @@ class _ExpertParallel(torch.autograd.Function):
         call, work, send_rows, shared = ctx.state
         ctx.state = None
         dys = dys.contiguous()
-        dw13 = _wgrad_zeros(work.w13)
-        dw2 = _wgrad_zeros(work.w2)
+        dw13 = sum_zeros(work.w13)
+        dw2 = sum_zeros(work.w2)
         if shared is not None:
             shared.dy = dshared.contiguous()
         with _calls(call, "MoE.backward (its dispatch and combine)", 2):
             _down_backward_dispatch(call, work, dys, send_rows, dw2, shared)
             dxs = _up_backward_combine(call, work, send_rows, dw13, dys)
         dx, dsw13, dsw2 = (None, None, None) if shared is None else shared.grads
-        return (dxs, _wgrad_done(dw13, work.w13), _wgrad_done(dw2, work.w2), None, None, None, None, dx, dsw13,
+        return (dxs, rounded(dw13, work.w13.dtype), rounded(dw2, work.w2.dtype), None, None, None, None, dx, dsw13,
                 dsw2)
 
 
@@ -669,10 +659,10 @@ class _DispatchExperts(torch.autograd.Function):
         ctx.state = None
         dacts = dacts.contiguous()
         work.hold(work.d_act, dacts)
-        dw13 = _wgrad_zeros(work.w13)
+        dw13 = sum_zeros(work.w13)
         with _calls(call, "dispatch_experts.backward", 1):
             dxs = _up_backward_combine(call, work, send_rows, dw13, dacts)
-        return dxs, _wgrad_done(dw13, work.w13), None, None, None, None
+        return dxs, rounded(dw13, work.w13.dtype), None, None, None, None
 
 
 class _ExpertsCombine(torch.autograd.Function):
@@ -706,10 +696,10 @@ class _ExpertsCombine(torch.autograd.Function):
         call, work, send_rows = ctx.state
         ctx.state = None
         dys = dys.contiguous()
-        dw2 = _wgrad_zeros(work.w2)
+        dw2 = sum_zeros(work.w2)
         with _calls(call, "experts_combine.backward", 1):
             _down_backward_dispatch(call, work, dys, send_rows, dw2)
-        return work.joined(work.d_act, dys, work.w2.shape[1]), _wgrad_done(dw2, work.w2), None, None, None, None
+        return work.joined(work.d_act, dys, work.w2.shape[1]), rounded(dw2, work.w2.dtype), None, None, None, None
 
 
 def _not_traced() -> None:
@@ -1401,8 +1391,7 @@ def _float_bits(x: float) -> int:
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
     """``t`` summed over ``group``: through commfuse (numbered, bounded by its timeout, told to every rank)."""
-    call = resolve_call(Collective.REDUCE_SCATTER, "vanilla", group=group, device=t.device)
-    return pipelined.all_reduce_core(call, t.contiguous(), label="moe.tokens_per_expert")
+    return pipelined.group_sum(t, group, label="moe.tokens_per_expert")
 
 
 def _describe_sizes(v):

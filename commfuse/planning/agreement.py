@@ -44,7 +44,7 @@ from commfuse.runtime.groups import first_line, register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 
-__all__ = ["agree", "agree_shared", "digest", "share"]
+__all__ = ["agree", "agree_shared", "digest", "share", "shown"]
 
 T = TypeVar("T")
 
@@ -139,10 +139,7 @@ def agree_shared(group, what: str, digest: int, described: Callable[[], list[tup
     be = backends.resolve(None, group, device)
     if be is None or be.world_size == 1:
         return
-    mine = torch.tensor([_SHARED_MAGIC, digest], dtype=torch.int64, device=getattr(be, "device", None) or device)
-    call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, backend=be, device=mine.device)
-    with unmeasured():  # the digests must travel inside the benchmark's measure() scopes too
-        got = pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label=label)
+    got = _gathered(be, group, device, torch.tensor([_SHARED_MAGIC, digest], dtype=torch.int64), label)
     rows = torch.stack(got).cpu().tolist()
     if all(row == rows[0] for row in rows) and rows[0][0] == _SHARED_MAGIC:
         return
@@ -161,6 +158,11 @@ def digest(data: bytes | tuple) -> int:
     if isinstance(data, tuple):
         return hash(data) & 0x7FFFFFFFFFFFFFFF
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
+
+
+def shown(text: str, most: int = 600) -> str:
+    """``text`` as a ``described()`` value of :func:`agree_shared` shows it: cut after ``most`` characters."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 def _alone(group) -> bool:
@@ -212,15 +214,20 @@ def _exchange(group, label: str, device, error: BaseException | None, items: lis
     if len(text) > PAYLOAD_BYTES - 4:
         text = _encoded({"refused": [verdict[0], verdict[1][:200]], "decided": []})
     device = torch.device(device or "cpu")
-    be = backends.resolve(None, group, device)
     mine = torch.zeros(PAYLOAD_BYTES, dtype=torch.uint8)
     mine[:4] = torch.tensor(list(len(text).to_bytes(4, "big")), dtype=torch.uint8)
     mine[4 : 4 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    got = _gathered(backends.resolve(None, group, device), group, device, mine, label)
+    return [_decoded(bytes(t.cpu().tolist())) for t in got]
+
+
+def _gathered(be, group, device: torch.device, mine: torch.Tensor, label: str) -> list[torch.Tensor]:
+    """Every rank's ``mine``, by rank: one vanilla all-gather through commfuse on backend ``be`` (numbered,
+    bounded by its timeout), on the backend's device (else ``device``)."""
     mine = mine.to(getattr(be, "device", None) or device)
     call = resolve_call(Collective.ALL_GATHER, "vanilla", group=group, backend=be, device=mine.device)
-    with unmeasured():  # the payloads must travel inside the benchmark's measure() scopes too
-        got = pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label=label)
-    return [_decoded(bytes(t.cpu().tolist())) for t in got]
+    with unmeasured():  # what the ranks say must travel inside the benchmark's measure() scopes too
+        return pipelined.all_gather_consume_core(call, mine, pipelined.collect, 0, label=label)
 
 
 def _encoded(payload: dict) -> bytes:

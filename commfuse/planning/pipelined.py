@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.planning.calls import Call
+from commfuse.planning.calls import Call, resolve_call
 from commfuse.runtime.compiled import Compiled, Plan
 from commfuse.runtime.loop import (
     enter_call,
@@ -76,7 +76,7 @@ from commfuse.planning import table
 from commfuse.schedule import AlgorithmSpec, Collective, Schedule, SliceId, build, split_sizes
 
 __all__ = [
-    "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "all_to_all_consume_core", "capped",
+    "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "group_sum", "all_to_all_consume_core", "capped",
     "collect", "compiled_for", "gather_matmul_meta",
     "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
@@ -877,6 +877,16 @@ def all_reduce_core(call: Call, t: torch.Tensor, *, label: str = "all_reduce") -
     mine = produce_reduce_scatter_core(call, lambda d: pieces[d].clone(), 0, label=f"{label}.reduce", inplace=True)
     whole = all_gather_consume_core(call, mine, collect, 0, label=f"{label}.gather")
     return torch.cat(whole)[: t.numel()].view(t.shape)
+
+
+def group_sum(t: torch.Tensor, group, *, label: str = "all_reduce") -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks by :func:`all_reduce_core` on the group's ``vanilla`` call (two whole
+    collectives through the runtime: numbered, bounded by commfuse's timeout, told to every rank); a copy of
+    ``t`` where the group has no call to make (one rank)."""
+    call = resolve_call(Collective.REDUCE_SCATTER, "vanilla", group=group, device=t.device)
+    if call is None:
+        return t.clone()
+    return all_reduce_core(call, t.contiguous(), label=label)
 
 
 def exchange_sizes(call: Call, counts: torch.Tensor, *, label: str = "all_to_all.sizes",

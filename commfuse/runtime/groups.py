@@ -214,16 +214,18 @@ def state_of_group(group) -> GroupState:
             if found is None:
                 name = _group_name(group)
                 c10d_group = _c10d_group(group)
-                if c10d_group is not None and _destroyed(c10d_group):
+                if destroyed(c10d_group):
                     return GroupState(name, c10d_group, _INCARNATIONS.get(name, 0))
                 incarnation = _INCARNATIONS[name] = _INCARNATIONS.get(name, 0) + 1
                 found = _STATES[group] = GroupState(name, c10d_group, incarnation)
     return found
 
 
-def _destroyed(group) -> bool:
-    """Whether the c10d process group ``group`` is no longer one torch.distributed knows (destroyed)."""
-    return group not in sys.modules["torch.distributed.distributed_c10d"]._world.pg_map
+def destroyed(group) -> bool:
+    """Whether ``group`` is a c10d process group torch.distributed no longer knows
+    (``destroy_process_group`` destroyed it); False for anything else."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")  # not imported: no group was ever made
+    return c10d is not None and isinstance(group, c10d.ProcessGroup) and group not in c10d._world.pg_map
 
 
 def _c10d_group(group):

@@ -32,7 +32,7 @@ from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 __all__ = [
     "AllToAllLayout", "AllToAllProgram", "BufferPool", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
     "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "key_bytes",
-    "offsets", "register_described", "split_sizes", "sum_dtype",
+    "offsets", "register_described", "rounded", "split_sizes", "sum_dtype", "sum_zeros",
 ]
 
 _DTYPES = [
@@ -54,6 +54,17 @@ def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     bfloat16: 256 + 1) comes out as the float32 sum of the partials, rounded once. Rounding the running sum
     to half on each hop, as a reduce-scatter in the partials' dtype does (gloo's and NCCL's), loses both."""
     return torch.float32 if dtype is torch.float16 or dtype is torch.bfloat16 else dtype
+
+
+def sum_zeros(like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as ``like``, in :func:`sum_dtype` of its dtype: where pieces of ``like``'s dtype are summed
+    (float32 for half), to be rounded back once by :func:`rounded`."""
+    return torch.zeros_like(like, dtype=sum_dtype(like.dtype))
+
+
+def rounded(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A sum kept in :func:`sum_dtype` (:func:`sum_zeros`), rounded once to ``dtype``: itself where they match."""
+    return total if total.dtype is dtype else total.to(dtype)
 
 
 def dtype_name(code: int) -> str:

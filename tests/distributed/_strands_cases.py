@@ -227,22 +227,7 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
         out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
     finally:
         autograd._add_grad = real
-    t0 = time.perf_counter()
-    problems: list[str] = []
-    try:
-        total = torch.tensor([float(rank + 1)])
-        dist.all_reduce(total)
-        if total.item() != n * (n + 1) / 2:
-            problems.append(f"all_reduce after the failure gave {total.item()}, want {n * (n + 1) / 2}")
-        for t in p.values():
-            t.grad = None
-        theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
-        against_sequential(p, theirs, _stages(p, "ring", plan == "searched"), _stages(theirs, "ring", False),
-                           lambda step: _batches(rank, n, 2, 10 + step), _loss, plan, problems,
-                           label="after the failure: ")
-        out["after"] = ("ok" if not problems else "wrong", "; ".join(problems[:6]), time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001 - reported by name
-        out["after"] = (type(e).__name__, str(e), time.perf_counter() - t0)
+    out["after"] = _after(rank, n, p, plan, all_reduce_first=True)
     return out
 
 
@@ -389,14 +374,19 @@ def one_rank_misbehaves(rank: int, n: int, how: str, plan: str) -> dict:
     return out
 
 
-def _after(rank: int, n: int, p: dict, plan: str) -> tuple:
-    """Three steps of two strands on ``p`` against sequential micro-batches: ``("ok" | "wrong", problems,
-    seconds)`` or the error raised."""
+def _after(rank: int, n: int, p: dict, plan: str, all_reduce_first: bool = False) -> tuple:
+    """Three steps of two strands on ``p`` against sequential micro-batches (after a plain ``dist.all_reduce``
+    checked, if ``all_reduce_first``): ``("ok" | "wrong", problems, seconds)`` or the error raised."""
     import time
 
     t0 = time.perf_counter()
     problems: list[str] = []
     try:
+        if all_reduce_first:
+            total = torch.tensor([float(rank + 1)])
+            dist.all_reduce(total)
+            if total.item() != n * (n + 1) / 2:
+                problems.append(f"all_reduce after the failure gave {total.item()}, want {n * (n + 1) / 2}")
         for t in p.values():
             t.grad = None
         theirs = {k: v.detach().clone().requires_grad_() for k, v in p.items()}
