@@ -349,7 +349,7 @@ def shared_mask(given: dict, check: str) -> tuple[str, object] | None:
 
 def mask_shared(name: str, value: torch.Tensor) -> tuple[int, object]:
     """``(digest, described)`` of a mask :func:`shared_mask` chose (checked already by :func:`resolve_mask`),
-    as ``commfuse.planning.agreement.agree_shared`` compares them: the digest of its dtype, shape and values (the
+    as ``commfuse.planning.agreement`` compares them (carried, or ``agree_shared``): the digest of its dtype, shape and values (the
     whole mask, every head's, before this rank's heads are cut out), and ``described()``, what a
     ``MismatchError`` shows of it, made only where the ranks' digests differ."""
     if name in CUMULATIVE_MASK_NAMES or is_varlen(value):

@@ -43,7 +43,7 @@ from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
-from commfuse.planning.agreement import agree_shared, digest, shown
+from commfuse.planning.agreement import agree_carried, agree_shared, carry, digest, forget_carried, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
@@ -642,10 +642,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             return _UlyssesExchange.apply(ulysses, False, out)
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
-    if ring.shared is not None:  # the ranks' document lengths compared on every call, before any block is computed
-        agree_shared(group, "ring_attention's document_lengths", *ring.shared,
-                     label="ring_attention.documents", device=q.device)
-    return _RingAttention.apply(ring, q, k, v)
+    if ring.shared is None:
+        return _RingAttention.apply(ring, q, k, v)
+    # the ranks' document lengths compared on every call: their digest rides the K/V ring's own transfers
+    # where the transport can carry it (gloo), and no rank returns a result computed with lengths that differ;
+    # elsewhere one exchange of digests of its own, before any block is computed
+    what, be = "ring_attention's document_lengths", ring.gather.be
+    if not carry(ring.gather, ring.shared[0]):
+        agree_shared(group, what, *ring.shared, label="ring_attention.documents", device=q.device)
+        return _RingAttention.apply(ring, q, k, v)
+    try:
+        out = _RingAttention.apply(ring, q, k, v)
+    except BaseException:
+        forget_carried(be)
+        raise
+    agree_carried(be, group, what, *ring.shared, label="ring_attention.documents", device=q.device)
+    return out
 
 
 def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], *,

@@ -23,7 +23,10 @@ use it.
 
 :func:`agree_shared` is the per-call form for inputs the ranks must pass alike (ring attention's document
 lengths, a layer's mask): one exchange of 8-byte digests on every call, and :func:`agree`'s exchange of the
-readable values only where the digests differ.
+readable values only where the digests differ. Where the call's own transfers can carry the digest
+(:func:`carry`, ``commfuse.runtime.rider``: gloo, a ring), there is no exchange of its own: the call that
+carried it says whether the ranks agree (:func:`agree_carried`), and only where they do not is anything
+exchanged.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from commfuse.runtime.groups import first_line, register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 
-__all__ = ["agree", "agree_shared", "digest", "share", "shown"]
+__all__ = ["agree", "agree_carried", "agree_shared", "carries", "carry", "digest", "forget_carried", "share", "shown"]
 
 T = TypeVar("T")
 
@@ -149,6 +152,55 @@ def agree_shared(group, what: str, digest: int, described: Callable[[], list[tup
         f"{what}: the ranks passed different values, so {so}: their digests differ ("
         + ", ".join(f"rank {q}: {row[1] & 0xFFFFFFFFFFFFFFFF:#x}" for q, row in enumerate(rows))
         + ") where their descriptions agree")
+
+
+#: The algorithms whose every step is point-to-point, on which a digest rides (the others run whole collectives).
+_POINT_TO_POINT = frozenset(("ring", "bidirectional", "serial"))
+
+
+def carries(call) -> bool:
+    """Whether resolved ``call`` (a ``planning.calls.Call``; None: one rank) carries a digest (:func:`carry`):
+    its backend can and its algorithm's steps are all point-to-point. The same answer on every rank of its
+    group (the algorithm is agreed on the first call), known before the digest is."""
+    if call is None or call.spec.name not in _POINT_TO_POINT:
+        return False
+    carrier = getattr(call.be, "carries", None)
+    return carrier is not None and carrier()
+
+
+def carry(call, digest: int) -> bool:
+    """Whether ``call``, made next on its backend, carries ``digest`` (below 2**63) beside its own transfers
+    (``commfuse.runtime.rider``): then :func:`agree_carried` after it compares, with no exchange of its own.
+    False (:func:`carries` says no: a device, a plugin, torch's ``fake`` group, one rank, a whole
+    collective): compare with :func:`agree_shared` before the call instead. Every rank answers alike."""
+    if not carries(call):
+        return False
+    call.be.carry(digest)
+    return True
+
+
+def agree_carried(be, group, what: str, digest: int, described: Callable[[], list[tuple[str, object]]], *,
+                  label: str, device=None,
+                  so: str = "no rank returned a result computed with them (the group is usable)") -> None:
+    """After the call that carried ``digest`` (:func:`carry`): return where every rank passed the same inputs;
+    where they differ, every rank raises :class:`MismatchError` as :func:`agree_shared` does (which then
+    runs, to name the ranks and the values). A call that gave no answer (it ran a whole collective, or
+    failed before its first step) is followed by :func:`agree_shared`, so nothing goes unchecked."""
+    verdict = forget_carried(be)
+    if verdict is True:
+        return
+    agree_shared(group, what, digest, described, label=label, device=device, so=so)
+    if verdict is False:  # the call's pairs differed and the digests did not: a peer that carried no pair
+        raise MismatchError(f"{what}: the call's transfers carried digests that differ on some rank, so {so}, "
+                            "though an exchange of the digests afterwards found them equal: a peer passed "
+                            "inputs that changed during the call")
+
+
+def forget_carried(be) -> bool | None:
+    """The verdict of the call that carried a digest on ``be`` (None: none did), forgotten: a caller whose call
+    failed before it could ask leaves no digest for the next call to carry."""
+    carried = getattr(be, "carried", None)
+    return None if carried is None else carried()
 
 
 def digest(data: bytes | tuple) -> int:

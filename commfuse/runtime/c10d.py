@@ -71,6 +71,7 @@ from commfuse.runtime.groups import (
 from commfuse.runtime.waiting import BACKSTOP_S, wait_blocking
 from commfuse.runtime.watchdog import Posting, watchdog
 from commfuse.runtime.protocol import Uneven
+from commfuse.runtime.rider import Rider
 from commfuse.schedule import Collective, Ring, Transfer
 
 log = logging.getLogger("commfuse")
@@ -285,6 +286,18 @@ class _Handle:
                 f"rank: {RECOVER}")
             declare_dead(state, told, backend.poison)
         return state.error if isinstance(state.error, CommunicationError) else told
+
+
+class _RiddenHandle(_Handle):
+    """A gloo step that carried the call's digest pairs (``commfuse.runtime.rider``): its wait also reads the
+    pairs that arrived."""
+
+    __slots__ = ("rider", "arriving")
+
+    def wait(self, timeout: float) -> list[torch.Tensor]:
+        outputs = _Handle.wait(self, timeout)
+        self.rider.absorb(self.arriving)
+        return outputs
 
 
 def _board_cause(state, rank: int, where: str, call: tuple = (None, None)) -> CommunicationError | None:
@@ -534,6 +547,11 @@ class C10dBackend:
         self._plan = None
         self._checking = None  # the plan whose call check (fingerprint ring all-gather) is being posted
         self._posts = 0
+        #: the digest the next call carries beside its transfers (:meth:`carry`), the call's that carries it, and
+        #: the one a call carried before the call now running began (for :meth:`carried`)
+        self._rider_next: Rider | None = None
+        self._rider: Rider | None = None
+        self._ridden: Rider | None = None
         self._coalescing: bool | None = None  # whether the group coalesces P2P (NCCL); on the first device post
         # gloo (and any CPU group) posts message by message; devices coalesce a step (NCCL needs it)
         self._coalesce = self.device.type != "cpu"
@@ -554,9 +572,29 @@ class C10dBackend:
             self._seq, self._plan, self._checking, self._tag_base = None, None, plan, 0
         else:
             self._seq, self._plan, self._checking, self._tag_base = seq, plan, None, TAG_STRIDE * seq
+            if self._rider_next is not None or self._rider is not None:
+                self._ridden, self._rider, self._rider_next = self._rider, self._rider_next, None
         held = self._held
         if held is not None and plan is not None:
             held.timeout = plan.timeout
+
+    def carries(self) -> bool:
+        """Whether a call on this group can carry a digest beside its transfers (``commfuse.runtime.rider``):
+        on gloo, on the CPU, with a peer that is not torch's ``fake`` group's stand-in."""
+        return not (self._coalesce or self._instant or self.world_size <= 1)
+
+    def carry(self, digest: int) -> None:
+        """The next call on this group carries ``digest`` (where :meth:`carries`); :meth:`carried` says what
+        it found."""
+        if self.carries():
+            self._rider_next = Rider(digest)
+
+    def carried(self) -> bool | None:
+        """The verdict of the call that carried the digest (``Rider.verdict``; later calls may have run since),
+        None where none did; forgets it."""
+        rider = self._rider or self._ridden or self._rider_next
+        self._rider = self._ridden = self._rider_next = None
+        return None if rider is None else rider.verdict()
 
     def _streams(self) -> bool:
         ordered = self._stream_ordered
@@ -643,6 +681,8 @@ class C10dBackend:
         self._posts += 1
         g = self.group
         if not self._coalesce:  # gloo: message by message, written out (the common CPU step, kept lean)
+            if self._rider is not None:
+                return self._post_ridden(sends, recvs)
             works, buffers = [], []
             try:
                 for t, x in sends:
@@ -668,6 +708,25 @@ class C10dBackend:
             works = self._issue(_send_recv, g, sends, recvs, base)
         return self._handle(works, buffers, (sends, buffers, recvs), None, (sends, recvs))
 
+    def _post_ridden(self, sends, recvs) -> _RiddenHandle:
+        """:meth:`post` on gloo of a step that carries the call's digest pairs too (``commfuse.runtime.rider``):
+        one to and one from each peer of the step, on their own tag; drained like the step's own messages."""
+        rider, base, g = self._rider, self._tag_base, self.group
+        own = len(recvs)
+        sends, recvs, arriving = rider.extend(sends, recvs)
+        works = []
+        try:
+            for t, x in sends:
+                works.append(g.send([x], t.peer, t.channel + base))
+            for t, x in recvs:
+                works.append(g.recv([x], t.peer, t.channel + base))
+        except RuntimeError as e:
+            raise _Handle(works, [], None, self, (sends, recvs))._failed(e) from e
+        self._call_posts.append((sends, recvs, base))
+        handle = _RiddenHandle(works, [x for _, x in recvs[:own]], sends, self, (sends, recvs))
+        handle.rider, handle.arriving = rider, arriving
+        return handle
+
     def _issue(self, call, *args, **kwargs):
         """``call(*args, **kwargs)``, a transport's issue, with the watchdog told that the host is inside it
         (stream-ordered backends; see :meth:`Watchdog.posting`)."""
@@ -691,6 +750,8 @@ class C10dBackend:
             return _Complex(self.collective(kind, *real))
         g = self.group
         self._posts += 1
+        if self._rider is not None:
+            self._rider.wholes += 1
         self._streams()  # makes the watchdog's guard of a stream-ordered backend before its first issue
         if kind is Collective.ALL_GATHER:
             work = self._issue(dist.all_gather, list(outputs), inputs[0], group=g, async_op=True)
@@ -755,6 +816,8 @@ class C10dBackend:
             return _Complex(self.collective_into(kind, torch.view_as_real(input), torch.view_as_real(output)))
         g = self.group
         self._posts += 1
+        if self._rider is not None:
+            self._rider.wholes += 1
         if not self._coalesce:
             if kind is Collective.ALL_GATHER:
                 work = g._allgather_base(output, input)

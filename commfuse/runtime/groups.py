@@ -70,6 +70,9 @@ FINGERPRINT_CHANNEL = 1_000
 #: The channel of a whole all-to-all run as pairwise point-to-point steps where the transport lacks it
 #: (``commfuse.runtime.c10d``), tagged with the call's sequence like a schedule's transfers.
 PAIRWISE_CHANNEL = 1_001
+#: The channel of the per-call digest a call's point-to-point steps carry beside their data on gloo
+#: (``commfuse.runtime.c10d``'s rider, ``commfuse.planning.agreement.carry``).
+RIDER_CHANNEL = 1_002
 FINGERPRINT_LEN = 48
 #: The first integer of every fingerprint: a row that does not start with it was not made by this version.
 FINGERPRINT_MAGIC = 0xC0F5

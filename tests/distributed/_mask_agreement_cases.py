@@ -6,6 +6,7 @@ attention."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -15,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import commfuse as cf
-from commfuse.errors import MismatchError
+from commfuse import backends
+from commfuse.errors import MismatchError, PeerFailedError
+from commfuse.fused import ring_attention as ring_module
+from commfuse.runtime.groups import group_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ring_attention_cases import reference  # noqa: E402
@@ -30,6 +34,26 @@ def _close(got, want, what):
         raise AssertionError(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
     if not torch.allclose(got, want, **TOL):
         raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3g}")
+
+
+def _calls_made(call) -> int:
+    """How many numbered calls ``call()`` makes on the world group (every lane)."""
+    state = group_state(backends.resolve(None, None, torch.device("cpu")))
+    before = sum(state.seqs.values())
+    call()
+    return sum(state.seqs.values()) - before
+
+
+def _rides(results: dict, name: str, plain, checked) -> None:
+    """``checked()`` (an op with masks the ranks compare) makes no numbered call more than ``plain()`` (the op
+    without them): the masks' digest rides the op's own transfers (commfuse.runtime.rider)."""
+    def run():
+        plain(), checked()  # the first calls plan and check their signatures
+        made = _calls_made(plain), _calls_made(checked)
+        if made[0] != made[1]:
+            raise AssertionError(f"with the masks compared the op makes {made[1]} calls, without {made[0]}: the "
+                                 "comparison is an exchange of its own, not carried by the op's transfers")
+    _run(results, name, run)
 
 
 def _mismatch(results: dict, name: str, call, *words) -> None:
@@ -123,6 +147,8 @@ def parallel_attention(rank: int, n: int, check: str = "") -> dict:
 
     _run(results, "document-ids", document_ids)
     _run(results, "cu-seqlens", cu_seqlens)
+    same = _ids(halves)
+    _rides(results, "rides", lambda: layer(mine), lambda: layer(mine, document_ids=same))
     if check == "always":
         _run(results, "boolean", boolean)
     return results
@@ -176,6 +202,49 @@ another agree); and through commfuse.nn.RingAttention too."""
                   *names, "document_lengths", repr(want), repr(theirs))
         healthy(want, "after per-row document_lengths")
 
+    def middle(algorithm):  # rank 1 alone differs: on 3 ranks rank 0 hears of it only through rank 2's flag
+        mine = [t[:, rows] for t in (q, k, v)]
+        odd = quarter if rank == 1 else halves
+        _mismatch(results, f"middle-{algorithm}",
+                  lambda: cf.ring_attention(*mine, algorithm=algorithm, document_lengths=odd),
+                  "rank 0", "rank 1", "document_lengths", repr(halves), repr(quarter))
+        healthy(halves, f"after the middle rank's lengths ({algorithm})")
+
+    def failing():
+        """The last rank fails in its first block while the digest rides. It raises its own error; every other
+        rank raises PeerFailedError naming it (the call drained, digest pairs included) or, where its own ring
+        completed before it heard (the failed block was the last rank's alone), returns its result, which must
+        be right; and the next call with equal lengths is right on every rank."""
+        mine = [t[:, rows] for t in (q, k, v)]
+        lengths = halves
+        real, seen = ring_module.block_attention, []
+
+        def broken(*args, **kwargs):
+            seen.append(1)
+            if len(seen) == 1:
+                raise RuntimeError("the first block failed on purpose")
+            return real(*args, **kwargs)
+
+        if last:
+            ring_module.block_attention = broken
+        try:
+            got = cf.ring_attention(*mine, algorithm="ring", document_lengths=lengths)
+        except PeerFailedError as e:
+            if last or f"rank {n - 1}" not in str(e):
+                raise
+        except Exception as e:  # noqa: BLE001 - the failing rank's own error
+            if not last:
+                raise
+            if "on purpose" not in str(e):
+                raise AssertionError(f"the failing rank's own error does not say why: {e}") from e
+        else:
+            if last:
+                raise AssertionError("the failing rank's call returned")
+            _close(got, reference(q, k, v, True, halves)[:, rows], "a result returned beside the failed rank")
+        finally:
+            ring_module.block_attention = real
+        healthy(halves, "after a rank failed in the call")
+
     def layer():  # commfuse.nn.RingAttention passes document_lengths to the op: refused the same way
         torch.manual_seed(0)
         ra = cf.nn.RingAttention(16, 4, num_kv_heads=2, group=None)
@@ -186,5 +255,13 @@ another agree); and through commfuse.nn.RingAttention too."""
 
     _run(results, "lengths", lengths)
     _run(results, "per-row", per_row)
+    # the digest rides every algorithm's transfers; vanilla's whole collective carries none, and an exchange of
+    # its own after the call compares instead
+    for algorithm in ("ring", "ring:2", "bidirectional", "vanilla"):
+        _run(results, f"middle-{algorithm}", functools.partial(middle, algorithm))
     _run(results, "layer", layer)
+    _run(results, "fails", failing)
+    mine = [t[:, rows] for t in (q, k, v)]
+    _rides(results, "rides", lambda: cf.ring_attention(*mine, algorithm="ring"),
+           lambda: cf.ring_attention(*mine, algorithm="ring", document_lengths=halves))
     return results

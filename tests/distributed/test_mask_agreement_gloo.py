@@ -51,3 +51,27 @@ def test_parallel_attention_masks_that_differ_raise_under_check_always(name, n):
 @pytest.mark.parametrize("name", ("lengths", "per-row", "layer"))
 def test_ring_attention_document_lengths_that_differ_raise_on_every_rank(name, n):
     _check("ring_attention", n, name)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("name", ("middle-ring", "middle-ring:2", "middle-bidirectional", "middle-vanilla"))
+def test_ring_attention_one_middle_rank_that_differs_is_named_on_every_rank(name, n):
+    """Only rank 1 differs: on 3 ranks the ring's digest pairs tell rank 0 through rank 2's flag, under every
+    algorithm (vanilla's whole collective carries no pair: an exchange after the call compares)."""
+    _check("ring_attention", n, name)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("body", ("ring_attention", "parallel_attention"))
+def test_compared_masks_make_no_call_of_their_own(body, n):
+    """On gloo the masks' digest rides the op's own transfers: an op with masks makes as many numbered calls as
+    one without."""
+    _check(body, n, "rides")
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_ring_attention_one_rank_failing_while_the_digest_rides_leaves_the_group_usable(n):
+    """The last rank fails in its first block: it raises its own error, every other rank PeerFailedError naming
+    it or a right result, and the next call with equal lengths is right (the call drained with its digest
+    pairs)."""
+    _check("ring_attention", n, "fails")
