@@ -104,7 +104,8 @@ from commfuse.nn._blocks import (
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
 from commfuse.runtime.checkpointing import as_custom_op
-from commfuse.runtime.groups import state_of_group
+from commfuse.planning.agreement import agree_carried, agree_shared, carry, forget_carried
+from commfuse.runtime.groups import check_mode, state_of_group
 from commfuse.runtime.loop import counted_calls, leave_calls
 from commfuse.schedule import Collective, site_algorithm
 
@@ -1351,7 +1352,11 @@ class AttentionParallel(_AttentionStyle):
       or when its value is a ``BlockMask`` or a ``VarlenMetadata`` whatever its
       name. Masks cover the whole sequence, are the same on every rank, apply
       together with ``causal``, and go to the attention only
-      (``commfuse.fused.attention.resolve_mask`` says what each may be);
+      (``commfuse.fused.attention.resolve_mask`` says what each may be).
+      The ranks' masks are compared as ``ParallelAttention`` compares them
+      (``cu_seqlens`` and CPU ``document_ids`` on every call, a dense mask
+      under ``COMMFUSE_CHECK=always``): where they differ every rank raises
+      ``MismatchError`` naming the block, the ranks and the values;
     - a KV cache, when its parameter is named ``kv_cache``,
       ``past_key_values``, ``past_key_value``, ``layer_past`` or ``past``:
       None passes, anything else is refused by name (the style would neither
@@ -1528,7 +1533,15 @@ class AttentionParallel(_AttentionStyle):
         scores = dict(scale=parts.scale, softcap=parts.softcap, window=window)
         wo = parts.wo
         want = _normalized(self.output_layouts[0], 3)
-        if want == Shard(1) and n > 1 and s % n == 0 and (torch.compiler.is_compiling() or as_custom_op()):
+        traced = torch.compiler.is_compiling() or as_custom_op()
+        # the mask the ranks compare on this call (fused_attention.shared_mask), as ParallelAttention compares
+        # its own: its digest rides the attention's reduce-scatter on gloo, else one exchange before the attention
+        shared = None if mask is None or n == 1 or traced else fused_attention.shared_mask(given, check_mode(None))
+        compared = None
+        if shared is not None:
+            digest, described = fused_attention.mask_shared(*shared)
+            compared = (f"{who}'s mask", digest, described)
+        if want == Shard(1) and n > 1 and s % n == 0 and traced:
             # one op in the graph (and, under selective activation checkpointing, to its policy): attention and
             # out-projection, reduce-scattered
             from commfuse import library
@@ -1544,10 +1557,22 @@ class AttentionParallel(_AttentionStyle):
             call = fused_attention.reduce_scatter_call(self.algorithm, batch=b, rows=s // n, hidden=w.shape[0],
                                                        dtype=ops.autocast_dtype(q) or q.dtype,
                                                        group=mesh.get_group(), device=q.device)
-            z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask, config=options,
-                                                         **scores)
+            riding = compared is not None and carry(call, compared[1])
+            if compared is not None and not riding:
+                agree_shared(mesh.get_group(), *compared, label="AttentionParallel.mask", device=q.device)
+            try:
+                z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask,
+                                                             config=options, **scores)
+            except BaseException:
+                if riding:
+                    forget_carried(call.be)
+                raise
+            if riding:
+                agree_carried(call.be, mesh.get_group(), *compared, label="AttentionParallel.mask", device=q.device)
             out = self._scattered(mesh, z, want, wo.bias)
         else:
+            if compared is not None:
+                agree_shared(mesh.get_group(), *compared, label="AttentionParallel.mask", device=q.device)
             o = fused_attention.attend(q, k, v, causal=causal, mask=None if mask is None else mask.rows(0, s, s),
                                        **scores)
             out = self._row(mesh, o.reshape(b, s, -1), wo, who, options)

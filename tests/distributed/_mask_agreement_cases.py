@@ -154,6 +154,78 @@ def parallel_attention(rank: int, n: int, check: str = "") -> dict:
     return results
 
 
+# -- commfuse.tp.AttentionParallel ------------------------------------------------------------------------------------
+
+
+def attention_parallel(rank: int, n: int, check: str = "") -> dict:
+    """commfuse.tp.AttentionParallel on a block given its masks by keyword: document_ids and cu_seqlens that
+    differ on the last rank (and with ``check`` "always" a boolean attn_mask): MismatchError on every rank naming
+    the block, rank 0, the last rank and the argument; then the same block with equal masks matches the unsharded
+    attention; and a call with masks makes as many numbered calls as one without (the digest rides)."""
+    if check:
+        os.environ["COMMFUSE_CHECK"] = check
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from _masks_cases import KeywordAttention, _projections, _Reference  # noqa: E402
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    s, h = 4 * n, 8 * n
+    q, k, v, o = _projections(n, bias=False)
+    ref = _Reference(q, k, v, o, 2 * n)
+    block = KeywordAttention(*(copy.deepcopy(m) for m in (q, k, v, o)))
+    parallelize_module(block, mesh, cf.tp.AttentionParallel(head_dim=4, causal=False, algorithm="ring"))
+    x = torch.randn(2, s, h, generator=torch.Generator().manual_seed(7))
+    mine = x.tensor_split(n, dim=1)[rank]
+    last = rank == n - 1
+    halves, other = [s // 2, s - s // 2], [3, s - 3]
+    names = ("rank 0", f"rank {n - 1}", "AttentionParallel")
+    same = _ids(halves)
+    allowed = (same[:, None] == same[None, :])[None, None]
+
+    def healthy(kw, allowed, what):
+        with torch.no_grad():
+            _close(block(mine, **kw), ref(x, False, allowed).tensor_split(n, dim=1)[rank], what)
+
+    def document_ids():
+        ids = _ids(other if last else halves)
+        _mismatch(results, "tp-document-ids", lambda: block(mine, document_ids=ids), *names, "document_ids")
+        healthy(dict(document_ids=same), allowed, "after document_ids")
+
+    def cu_seqlens():
+        def cu(rows):
+            ends = [0]
+            for row in rows:
+                for length in row:
+                    ends.append(ends[-1] + length)
+            return torch.tensor(ends, dtype=torch.int32)
+
+        _mismatch(results, "tp-cu-seqlens", lambda: block(mine, cu_seqlens=cu([halves, other if last else halves])),
+                  *names, "cu_seqlens")
+        healthy(dict(cu_seqlens=cu([halves, halves])), allowed, "after cu_seqlens")
+
+    def boolean():
+        g = torch.Generator().manual_seed(3)
+        dense = torch.rand(s, s, generator=g) < 0.6
+        dense |= torch.eye(s, dtype=torch.bool)
+        differs = dense.clone()
+        differs[0, 1] = not bool(differs[0, 1])
+        _mismatch(results, "tp-boolean", lambda: block(mine, attn_mask=differs if last else dense), *names,
+                  "attn_mask")
+        healthy(dict(attn_mask=dense), dense[None, None], "after attn_mask")
+
+    _run(results, "tp-document-ids", document_ids)
+    _run(results, "tp-cu-seqlens", cu_seqlens)
+    if check == "always":
+        _run(results, "tp-boolean", boolean)
+    _rides(results, "tp-rides", lambda: block(mine), lambda: block(mine, document_ids=same))
+    return results
+
+
 # -- ring attention ------------------------------------------------------------------------------------------------
 
 

@@ -75,3 +75,16 @@ def test_ring_attention_one_rank_failing_while_the_digest_rides_leaves_the_group
     it or a right result, and the next call with equal lengths is right (the call drained with its digest
     pairs)."""
     _check("ring_attention", n, "fails")
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("name", ("tp-document-ids", "tp-cu-seqlens", "tp-rides"))
+def test_attention_parallel_masks_that_differ_raise_on_every_rank(name, n):
+    """commfuse.tp.AttentionParallel compares its masks as ParallelAttention does, its digest riding the
+    attention's reduce-scatter."""
+    _check("attention_parallel", n, name)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_attention_parallel_boolean_masks_that_differ_raise_under_check_always(n):
+    _check("attention_parallel", n, "tp-boolean", "always")
