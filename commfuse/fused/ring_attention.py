@@ -608,6 +608,34 @@ def ulysses_positions(seq_len: int, cp_rank: int, cp_size: int, ulysses_rank: in
     return pos.chunk(ulysses_size)[ulysses_rank]
 
 
+def _ulysses_in(call, ulysses_group, q, k, v, document_lengths):
+    """q, k and v through the Ulysses exchange into this rank's heads of the cp shard. The ranks of the Ulysses
+    group must pass the same ``document_lengths`` too (the cp ring compares only its own ranks'): their digest
+    rides the exchanges where the transport can carry it, else one exchange of digests first; where they
+    differ every rank of the Ulysses group raises ``MismatchError`` before the ring."""
+    what = "ring_attention's document_lengths (the Ulysses group)"
+    shared = None
+    if document_lengths is not None and call.check != "off":
+        try:
+            shared = _shared_lengths(document_lengths)
+        except Exception:  # noqa: BLE001 - lengths of no known form: compared as written, refused by the ring
+            text = repr(document_lengths)
+            shared = (digest(text.encode()), lambda: [("document_lengths", shown(text))])
+    riding = shared is not None and carry(call, shared[0])
+    if shared is not None and not riding:
+        agree_shared(ulysses_group, what, *shared, label="ring_attention.ulysses.documents", device=q.device)
+    try:
+        out = tuple(_UlyssesExchange.apply(call, True, t) for t in (q, k, v))
+    except BaseException:
+        if riding:
+            forget_carried(call.be)
+        raise
+    if riding:
+        agree_carried(call.be, ulysses_group, what, *shared, label="ring_attention.ulysses.documents",
+                      device=q.device)
+    return out
+
+
 def _ulysses_call(q, k, ulysses_group, timeout):
     """The Ulysses exchange's call (None: no Ulysses group, or one of size 1), K/V heads checked."""
     if ulysses_group is None:
@@ -636,7 +664,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         ulysses = plan_once(None, lambda: _ulysses_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
                             ulysses_group, None)
         if ulysses is not None:
-            q, k, v = (_UlyssesExchange.apply(ulysses, True, t) for t in (q, k, v))
+            q, k, v = _ulysses_in(ulysses, ulysses_group, q, k, v, document_lengths)
             out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                  algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
             return _UlyssesExchange.apply(ulysses, False, out)

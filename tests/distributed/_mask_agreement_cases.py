@@ -337,3 +337,41 @@ another agree); and through commfuse.nn.RingAttention too."""
     _rides(results, "rides", lambda: cf.ring_attention(*mine, algorithm="ring"),
            lambda: cf.ring_attention(*mine, algorithm="ring", document_lengths=halves))
     return results
+
+
+# -- the 2-D form: the Ulysses group compares too ---------------------------------------------------------------------
+
+
+def two_dimensional(rank: int, n: int, algorithm: str = "ring") -> dict:
+    """cp x ulysses of 2 x 2 (n = 4): the ranks of Ulysses index 1 pass other document_lengths than those of
+    index 0. Each cp group agrees within itself, so only the Ulysses groups' comparison can see it: MismatchError
+    on every rank naming the Ulysses group and both values; then equal lengths match the unsharded attention."""
+    import torch.distributed as dist
+
+    from commfuse.fused.ring_attention import ulysses_positions
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    cp_size, u_size = 2, n // 2
+    u_groups = [dist.new_group(list(range(c * u_size, (c + 1) * u_size))) for c in range(cp_size)]
+    cp_groups = [dist.new_group(list(range(u, n, u_size))) for u in range(u_size)]
+    cp_rank, u_rank = divmod(rank, u_size)
+    cp_group, u_group = cp_groups[u_rank], u_groups[cp_rank]
+    g = torch.Generator().manual_seed(5)
+    s = 4 * n
+    q, k, v = (torch.randn(1, s, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    halves, quarter = [s // 2, s - s // 2], [s // 4, s - s // 4]
+    pos = ulysses_positions(s, cp_rank, cp_size, u_rank, u_size)
+    mine = [t[:, pos] for t in (q, k, v)]
+
+    def call(lengths):
+        return cf.ring_attention(*mine, group=cp_group, ulysses_group=u_group, algorithm=algorithm,
+                                 document_lengths=lengths)
+
+    def differs():
+        _mismatch(results, "two-d", lambda: call(quarter if u_rank == 1 else halves), "Ulysses group",
+                  "document_lengths", repr(halves), repr(quarter))
+        _close(call(halves), reference(q, k, v, True, halves)[:, pos], "after the Ulysses group's lengths")
+
+    _run(results, "two-d", differs)
+    return results

@@ -88,3 +88,11 @@ def test_attention_parallel_masks_that_differ_raise_on_every_rank(name, n):
 @pytest.mark.parametrize("n", (2, 3))
 def test_attention_parallel_boolean_masks_that_differ_raise_under_check_always(n):
     _check("attention_parallel", n, "tp-boolean", "always")
+
+
+@pytest.mark.parametrize("algorithm", ("ring", "vanilla"))
+def test_two_dimensional_ulysses_groups_that_differ_raise_on_every_rank(algorithm):
+    """cp 2 x ulysses 2: each cp group agrees within itself and the Ulysses groups do not; every rank raises
+    MismatchError naming the Ulysses group (its exchanges carry the digest, or an exchange of its own under a
+    whole all-to-all)."""
+    _check("two_dimensional", 4, "two-d", algorithm)
