@@ -13,13 +13,14 @@ import logging
 from commfuse import log as _log
 from commfuse import schedule
 from commfuse.errors import CommfuseError
+from commfuse.runtime.env import choice as _choice
 
 __version__ = "0.1.0"
 
 # The library logs on "commfuse" (auto's choices, DTensor fallbacks) and leaves handlers to the application,
 # unless COMMFUSE_LOG=info or debug asks for short rank-prefixed lines on stderr (commfuse.log).
 logging.getLogger("commfuse").addHandler(logging.NullHandler())
-_log.configure()
+_log.configure(_choice("COMMFUSE_LOG", None, _log.WORDS))
 
 _LAZY = {
     "all_gather_matmul": "commfuse.ops",

@@ -66,3 +66,17 @@ class PeerFailedError(CommunicationError):
 class GroupDeadError(CommunicationError):
     """A process group that a rank declared unusable: every later commfuse call on it raises this, and the
     message says which rank declared it, why, and how to recover (re-create the group)."""
+
+
+def first_line(error: BaseException | str, limit: int | None = 500, *, named: bool = False) -> str:
+    """The one-line summary of ``error`` that a message, a log line or a record quotes: the first line of its
+    text, stripped, at most ``limit`` characters (None: all of it); "" when it has no text. ``named`` puts the
+    exception's class in front (``"CommunicationError: rank 1 ..."``, the class alone when it has no text).
+    ``error`` may be text already (a rank's traceback)."""
+    text = error.strip() if isinstance(error, str) else str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    if limit is not None:
+        line = line[:limit]
+    if named and not isinstance(error, str):
+        return f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return line

@@ -35,7 +35,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from commfuse.errors import CommfuseError
+from commfuse.errors import CommfuseError, first_line
+from commfuse.runtime.env import choice, flag
 
 
 class LaunchError(CommfuseError, RuntimeError):
@@ -111,7 +112,7 @@ ONE_GPU_ENV = "COMMFUSE_NCCL_HOST_PER_RANK"
 def rank_environment(rank: int) -> dict[str, str]:
     """What a launched rank adds to its environment before it initialises its group (see
     :data:`ONE_GPU_ENV`)."""
-    if os.environ.get(ONE_GPU_ENV) != "1":
+    if not flag(ONE_GPU_ENV, False):
         return {}
     return {"NCCL_HOSTID": f"commfuse-rank-{rank}", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
             "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo")}
@@ -124,16 +125,16 @@ def rank_environment(rank: int) -> dict[str, str]:
 #: environment as it is at the launch (plus ``env``), not as it was when the server started.
 START_ENV = "COMMFUSE_LAUNCH_START"
 
+#: The values of :data:`START_ENV`.
+START_METHODS = ("spawn", "forkserver")
+
 #: What the forkserver imports once, before it forks any rank.
 FORKSERVER_PRELOAD = ("torch", "torch.distributed")
 
 
 def _context():
     """The multiprocessing context ranks start in (:data:`START_ENV`)."""
-    method = os.environ.get(START_ENV, "") or "spawn"
-    if method not in ("spawn", "forkserver"):
-        raise CommfuseError(f"{START_ENV}={method!r}: launched ranks start by 'spawn' (the default) or "
-                            "'forkserver'")
+    method = choice(START_ENV, "spawn", START_METHODS)
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
@@ -314,7 +315,7 @@ def launch(
         if r not in got:
             failures[r] = f"did not finish within {timeout:g} s (killed)"
     if failures and not allow_failures:
-        lines = [f"rank {r}: {msg.strip().splitlines()[0] if msg.strip() else msg}" for r, msg in sorted(failures.items())]
+        lines = [f"rank {r}: {first_line(msg, None)}" for r, msg in sorted(failures.items())]
         details = "\n\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
         raise LaunchError(f"{len(failures)} of {world_size} ranks failed:\n" + "\n".join(lines) + "\n\n" + details,
                           failures)

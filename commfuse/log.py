@@ -2,24 +2,26 @@
 
 The library logs on the ``commfuse`` logger and, by default, leaves handlers
 to the application. ``COMMFUSE_LOG=info`` (or ``debug``), read at ``import
-commfuse``, turns on short lines on stderr without editing code, each with
-the rank in front (``[commfuse rank 1] ...``): at ``info`` one line per new
-decision (once per call signature, or once per fused site), at ``debug``
-what each decision was made on as well. Anything else (``warning``, ``off``,
-unset) adds no handler.
+commfuse`` (by ``commfuse.runtime.env``, which refuses a word not in
+:data:`WORDS` by name), turns on short lines on stderr without editing code,
+each with the rank in front (``[commfuse rank 1] ...``): at ``info`` one line
+per new decision (once per call signature, or once per fused site), at
+``debug`` what each decision was made on as well. ``warning``, ``error``,
+``off`` (or ``0``, ``false``, ``no``) and unset add no handler.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 
-__all__ = ["LEVELS", "configure", "once"]
+__all__ = ["LEVELS", "WORDS", "configure", "once"]
 
-#: ``COMMFUSE_LOG`` values, and the level each lets through.
+#: ``COMMFUSE_LOG`` values that add a handler, and the level each lets through.
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO}
+#: Every word ``COMMFUSE_LOG`` takes: :data:`LEVELS`, and those that add no handler.
+WORDS = (*LEVELS, "warning", "error", "off", "0", "false", "no")
 
 log = logging.getLogger("commfuse")
 _said: set = set()
@@ -42,10 +44,9 @@ class _Rank(logging.Filter):
 
 
 def configure(value: str | None = None) -> bool:
-    """Set up the ``commfuse`` logger from ``value`` (default: ``COMMFUSE_LOG``); whether a handler was added.
-    Called by ``import commfuse``; idempotent."""
-    text = (os.environ.get("COMMFUSE_LOG", "") if value is None else value).strip().lower()
-    level = LEVELS.get(text)
+    """Set up the ``commfuse`` logger for ``value``, a word of :data:`LEVELS` (others, and None, add no
+    handler); whether a handler was added. ``import commfuse`` calls it with ``COMMFUSE_LOG``; idempotent."""
+    level = LEVELS.get((value or "").strip().lower())
     if level is None:
         return False
     with _lock:

@@ -42,7 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from commfuse.cli import check_output_file, command, integer
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, first_line
 
 __all__ = ["MAX_FILE_MIB", "MAX_WORLD_SIZE", "Folder", "Group", "Unusable", "analyze", "check_dump", "load",
            "perfetto", "read", "render"]
@@ -266,7 +266,7 @@ def _load_one(path: Path, max_bytes: int) -> dict | Unusable | None:
         if not ours:
             return None
         what = "empty" if not raw.strip() else ("cut short (truncated)" if _cut(text) else "not JSON")
-        return Unusable(name, f"{what}: {str(e).splitlines()[0][:120]}", group, rank, job)
+        return Unusable(name, f"{what}: {first_line(e, 120)}", group, rank, job)
     if not isinstance(data, dict) or (data.get("format") != FORMAT and not _NAMED.match(name)
                                       and not str(data.get("format", "")).startswith("commfuse-flight-recorder")):
         return None  # not a dump: some other JSON file in the folder
@@ -696,8 +696,7 @@ class Group:
                 continue
             e = d.get("error")
             if e:
-                message = (e.get("message") or "").strip().splitlines()
-                first = message[0] if message else ""
+                first = first_line(e.get("message") or "", None)
                 out.append(f"  rank {r} ({d.get('reason')}): {e.get('type')}: "
                            + (first if len(first) <= 400 else first[:397] + "..."))
             else:

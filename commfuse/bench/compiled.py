@@ -49,6 +49,7 @@ from commfuse.bench.shared import (
     run_info,
 )
 from commfuse.bench.workloads import compare, make
+from commfuse.errors import first_line
 
 #: The two kinds of step timed side by side.
 KINDS = ("eager", "compiled")
@@ -61,11 +62,6 @@ def units(config: BenchConfig) -> int:
         algs = [a for a in config.algorithms if applies(w, a)]
         total += len(algs) * (2 + len(KINDS) * (config.warmup + config.repeats)) + 1
     return total
-
-
-def _first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
 
 
 def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progress: bool) -> dict:
@@ -119,7 +115,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                     good, worst = compare(got, ref)
                     why = ""
                 except Exception as e:  # noqa: BLE001 - reported in the table; a graph break fails every rank alike
-                    good, worst, why = False, float("inf"), _first_line(e)
+                    good, worst, why = False, float("inf"), first_line(e, 300, named=True)
                 ok.append(1.0 if good else 0.0)
                 err.append(worst)
                 failed.append(why)

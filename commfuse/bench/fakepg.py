@@ -55,7 +55,7 @@ import torch
 
 from commfuse.bench.config import BenchConfig
 from commfuse.bench.report import aligned
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, first_line
 
 #: The op each bare workload runs.
 OPS = {"ag_matmul": "all_gather_matmul", "matmul_rs": "matmul_reduce_scatter"}
@@ -376,8 +376,7 @@ def _captured(fn, dev: torch.device, backend, plain: bool):
     except Exception as e:  # noqa: BLE001 - reported in the table, the other columns still measured
         with contextlib.suppress(Exception):  # the capture's own error is the one to report
             torch.cuda.synchronize(dev)
-        text = str(e).strip().splitlines()
-        return None, f"capture failed: {type(e).__name__}: {text[0] if text else ''}"[:300]
+        return None, f"capture failed: {first_line(e, None, named=True)}"[:300]
     return graph.replay, ""
 
 
@@ -411,8 +410,7 @@ def _compiled(name: str, inputs, config: BenchConfig, dev: torch.device) -> dict
                 torch.cuda.synchronize(dev)
             out[alg] = (call, time.perf_counter() - t0, "")
         except Exception as e:  # noqa: BLE001 - reported in the table
-            text = str(e).strip().splitlines()
-            out[alg] = (None, None, f"did not compile: {type(e).__name__}: {text[0] if text else ''}"[:300])
+            out[alg] = (None, None, f"did not compile: {first_line(e, None, named=True)}"[:300])
     return out
 
 

@@ -38,6 +38,7 @@ import time
 from collections.abc import Sequence
 
 from commfuse.errors import CommfuseError, CommfuseValueError
+from commfuse.runtime.env import text as env_text
 
 #: Set in the re-executed benchmark: the rate its namespace's loopback is shaped to.
 ENV = "COMMFUSE_BENCH_NETNS_RATE"
@@ -93,7 +94,7 @@ def inside() -> str | None:
     process is in the private namespace ``reexec`` made for it: see
     :func:`not_inside_because`.
     """
-    rate = os.environ.get(ENV) or None
+    rate = env_text(ENV)
     if rate is None or not_inside_because() is not None:
         return None
     return rate
@@ -107,10 +108,10 @@ def not_inside_because() -> str | None:
     the outer benchmark); that parent is in the namespace :data:`PARENT_ENV`
     recorded; and this process is in a different one.
     """
-    if not os.environ.get(ENV):
+    if not env_text(ENV):
         return f"{ENV} is not set"
     ppid = os.getppid()
-    starter = os.environ.get(PID_ENV, "")
+    starter = env_text(PID_ENV, "")
     if starter != str(ppid):
         return (f"its parent process ({ppid}) is not the benchmark that set {ENV} "
                 f"({PID_ENV}={starter or 'unset'}): the variables were inherited or copied")
@@ -121,7 +122,7 @@ def not_inside_because() -> str | None:
         return str(e)
     if own == parents:
         return f"it is in its parent's network namespace ({own})"
-    recorded = os.environ.get(PARENT_ENV, "")
+    recorded = env_text(PARENT_ENV, "")
     if parents != recorded:
         return (f"its parent is in network namespace {parents}, not the one the benchmark recorded "
                 f"({PARENT_ENV}={recorded or 'unset'})")
@@ -162,11 +163,11 @@ def reexec(argv: list[str], rate: str, module: str = "commfuse.bench") -> int:
     """
     parse_rate(rate)
     _require_tools()
-    if os.environ.get(ENV) and os.environ.get(PID_ENV) == str(os.getppid()):
+    if env_text(ENV) and env_text(PID_ENV) == str(os.getppid()):
         # our parent re-executed us, yet the namespaces do not agree: another unshare would only recurse
         raise LinkRateError(
             f"this benchmark was re-executed in a private network namespace by its parent, but cannot confirm "
-            f"it: {not_inside_because() or f'it runs at {os.environ.get(ENV)}, not {rate}'}. Refusing to start "
+            f"it: {not_inside_because() or f'it runs at {env_text(ENV)}, not {rate}'}. Refusing to start "
             "another; run without --link-rate (plain loopback)."
         )
     env = dict(os.environ, **{ENV: rate, PARENT_ENV: _namespace(), PID_ENV: str(os.getpid())})

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from commfuse.bench.config import RING_ATTENTION_ROWS, BenchConfig
 from commfuse.bench.shared import fingerprint_exchange, gather_objects, peak_per_row, timed_rounds
 from commfuse.bench.workloads import RingAttentionRows, compare
+from commfuse.errors import first_line
 from commfuse.runtime import measure
 
 #: the measure modes a row on commfuse's ops is timed in besides the normal run: its compute alone, its transfers
@@ -80,7 +81,7 @@ def run_workload(workload: RingAttentionRows, config: BenchConfig, dev: torch.de
                 sync()
                 why = ""
             except Exception as e:  # noqa: BLE001 - reported in the table; every rank fails alike
-                why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+                why = first_line(e, 200, named=True)
             for theirs in gather_objects(why, n, dev):
                 if theirs:
                     unmeasured.setdefault(row, {}).setdefault(mode, theirs)

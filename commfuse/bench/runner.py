@@ -29,7 +29,7 @@ from commfuse.bench.config import WORKLOADS, BenchConfig, applies
 from commfuse.bench.progress import Progress
 from commfuse.bench.shared import fingerprint_exchange, gather_objects, load_average, run_info
 from commfuse.bench.workloads import compare, make
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, first_line
 from commfuse.runtime import measure, record_events
 
 MODES = ("normal", "compute_only", "comm_only")
@@ -180,7 +180,7 @@ def run_rank(rank: int, world_size: int, config: BenchConfig, device: str, progr
                 why.append("")
             except Exception as e:  # noqa: BLE001 - reported in the table; every rank fails alike
                 usable.append(False)
-                why.append(f"{type(e).__name__}: {e}".splitlines()[0][:200])
+                why.append(first_line(e, 200, named=True))
         agreed = torch.tensor([1.0 if u else 0.0 for u in usable], dtype=torch.float64)
         if dev.type != "cpu":
             agreed = agreed.to(dev)

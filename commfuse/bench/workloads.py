@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from commfuse.bench.config import WORKLOADS, BenchConfig
-from commfuse.errors import CommfuseValueError
+from commfuse.errors import CommfuseValueError, first_line
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -598,7 +598,7 @@ class RingAttentionRows(Workload):
                 F.scaled_dot_product_attention(q, k, v, is_causal=True)
             why = ""
         except Exception as e:  # noqa: BLE001 - reported in the table, the exact error
-            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            why = first_line(e, 300, named=True)
         finally:
             # torch 2.9's context manager leaves SDPA wrapped when its body raised: every later SDPA (the
             # reference's) would go through the context-parallel dispatcher

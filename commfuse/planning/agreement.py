@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from commfuse import backends
-from commfuse.errors import MismatchError, PeerFailedError
+from commfuse.errors import MismatchError, PeerFailedError, first_line
 from commfuse.planning import pipelined
 from commfuse.planning.calls import resolve_call
-from commfuse.runtime.groups import first_line, register_format
+from commfuse.runtime.groups import register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 

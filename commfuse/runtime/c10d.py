@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -56,10 +55,12 @@ from commfuse.errors import (
     CommunicationError,
     GroupDeadError,
     PeerFailedError,
+    first_line,
 )
 from commfuse.runtime.board import RECOVER, Stall, board_of, declare_dead, heard
 from commfuse.runtime.compiled import describe_stall, stall_position
 from commfuse.runtime.drain import account, drain_call
+from commfuse.runtime.env import flag
 from commfuse.runtime.groups import (
     DEFAULT_TIMEOUT_S,
     MIN_TIMEOUT_S,
@@ -281,7 +282,7 @@ class _Handle:
         told = _board_cause(state, backend.rank, f"waiting in {what}", call)
         if told is None:
             told = CommunicationError(
-                f"rank {backend.rank} failed in {what}: the transport gave up ({_first_line(error)[:200]}), and no "
+                f"rank {backend.rank} failed in {what}: the transport gave up ({first_line(error, 200) or type(error).__name__}), and no "
                 f"rank noted why on the board: a peer died or closed its connections. The group is dead on this "
                 f"rank: {RECOVER}")
             declare_dead(state, told, backend.poison)
@@ -335,11 +336,6 @@ def _board_cause(state, rank: int, where: str, call: tuple = (None, None)) -> Co
             f"({failed.get('label')})" + (f" in step {step}" if step is not None else "")
             + f": {failed.get('exc')}: {failed.get('message')}; the group is dead: {RECOVER}"), None)
     return None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _StreamHandle(_Handle):
@@ -559,7 +555,7 @@ class C10dBackend:
         self._held: Posting | None = None  # a stream-ordered backend's post in progress, for the watchdog
         #: a group whose transfers complete at once (torch's ``fake`` group): waits need no waiter
         self._instant = _backend_of(self.group) == "fake"
-        if os.environ.get("COMMFUSE_PAIRWISE_ALL_TO_ALL", "").strip() not in ("", "0"):
+        if flag("COMMFUSE_PAIRWISE_ALL_TO_ALL", False):
             group_state(self).lacking.setdefault(Collective.ALL_TO_ALL, "COMMFUSE_PAIRWISE_ALL_TO_ALL is set")
 
     def begin_call(self, seq: int | None, plan=None) -> None:
@@ -769,7 +765,7 @@ class C10dBackend:
                 if not lacks_all_to_all(e):
                     raise
                 # the refusal comes before anything is sent, on every rank alike: the group is as it was
-                why = lacking[kind] = f"torch {torch.__version__} refused it: {str(e).splitlines()[0]}"
+                why = lacking[kind] = f"torch {torch.__version__} refused it: {first_line(e, None)}"
                 return self._pairwise(kind, inputs, outputs, why)
         return self._handle([work], list(outputs), (inputs, outputs), f"the whole {kind.value}")
 

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from commfuse.errors import CommfuseTimeoutError, GroupDeadError
+from commfuse.errors import CommfuseTimeoutError, GroupDeadError, first_line
 from commfuse.runtime.board import RECOVER, board_of, declare_dead, heard
 
 __all__ = ["account", "drain_call"]
@@ -150,5 +150,5 @@ def drain_call(state, group, lane: int, seq: int, mine: dict, timeout: float, wh
     except Exception as e:  # noqa: BLE001 - a transfer that cannot complete: the group ends here
         raise declare_dead(state, GroupDeadError(
             f"rank {me}: {who}: a transfer of call #{seq} could not be completed while draining it "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the group is dead: {RECOVER}"),
+            f"({first_line(e, None, named=True)}); the group is dead: {RECOVER}"),
             None) from e

@@ -1,20 +1,94 @@
-"""Numbers that commfuse reads from the environment: one place that parses them and refuses, by name, a value
-that is not a number or is out of range (``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``, ``COMMFUSE_STRAGGLER_MS``,
-``COMMFUSE_STRAGGLER_SHARE``)."""
+"""What commfuse reads from the environment: the one module that reads a ``COMMFUSE_*`` variable, with one
+grammar for each kind of value, each refusing by name (the variable, the value and what it takes) a value it
+does not take.
+
+- :func:`flag`: a switch. Unset or empty: the default; ``1``, ``true``, ``yes``, ``on``: on; ``0``,
+  ``false``, ``no``, ``off``: off (stripped, in any case); anything else is refused.
+- :func:`choice`: one of a variable's words (``COMMFUSE_CHECK``, ``COMMFUSE_LOG``, ``COMMFUSE_LAUNCH_START``).
+- :func:`number`: a number in a range (``COMMFUSE_TIMEOUT_S``, ``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``...).
+- :func:`size`: a number of bytes, with a binary unit or without (``COMMFUSE_PLAN_BYTES``).
+- :func:`text`: a path or a name, taken as it is but stripped (``COMMFUSE_TRACE_DIR``, ``COMMFUSE_PROFILE``).
+
+Unset and empty mean the same, the default, except where a reader says what an empty value means
+(``COMMFUSE_PROFILE``). It imports nothing but :mod:`commfuse.errors`, so ``import commfuse`` reads
+``COMMFUSE_LOG`` through it without importing torch.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 
 from commfuse.errors import CommfuseValueError
 
-__all__ = ["number", "size"]
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "choice", "flag", "number", "size", "text"]
+
+#: The words :func:`flag` reads as on and as off (after stripping and lower-casing).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+_FLAG = {**dict.fromkeys(TRUE_WORDS, True), **dict.fromkeys(FALSE_WORDS, False)}
+_environ = os.environ
+
+
+def _words(words: Iterable[str]) -> str:
+    """``'a', 'b' or 'c'``."""
+    quoted = [repr(w) for w in words]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def flag(name: str, default: bool) -> bool:
+    """The switch ``name``: ``default`` when it is unset or empty, True for one of :data:`TRUE_WORDS`, False
+    for one of :data:`FALSE_WORDS` (stripped, in any case). Anything else raises :class:`CommfuseValueError`
+    naming the variable, the value and the words it takes."""
+    raw = _environ.get(name)
+    if not raw:
+        return default
+    value = _FLAG.get(raw.strip().lower())
+    if value is None:
+        if not raw.strip():
+            return default
+        raise CommfuseValueError(
+            f"{name}={raw!r} is not a switch: give {_words(TRUE_WORDS)} for on, {_words(FALSE_WORDS)} for off "
+            f"(in any case), or leave it unset or empty for its default ({'on' if default else 'off'})")
+    return value
+
+
+def choice(name: str, default, choices: Mapping[str, object] | Iterable[str]):
+    """The word ``name`` takes, as the value ``choices`` gives it (a mapping from each word, lower case, to its
+    value; a sequence of words stands for each word to itself); ``default`` when it is unset or empty. The
+    value is stripped and lower-cased first. Anything else raises :class:`CommfuseValueError` naming the
+    variable, the value and the words it takes."""
+    raw = _environ.get(name)
+    if not raw:
+        return default
+    word = raw.strip().lower()
+    if not word:
+        return default
+    table = choices if isinstance(choices, Mapping) else {w: w for w in choices}
+    try:
+        return table[word]
+    except KeyError:
+        raise CommfuseValueError(
+            f"{name}={raw!r} is not a value it takes: give {_words(table)} (in any case), or leave it unset or "
+            "empty for its default") from None
+
+
+def text(name: str, default=None, *, empty=None):
+    """The variable ``name`` as text, stripped (a folder, a file or a name): ``default`` when it is unset;
+    ``empty`` when it is empty or blank (``default`` unless given: ``COMMFUSE_PROFILE`` gives ``"off"``)."""
+    raw = _environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip()
+    if value:
+        return value
+    return default if empty is None else empty
 
 
 def number(name: str, default, low, high, *, kind=float, unit: str = "seconds"):
     """The variable ``name`` as a ``kind`` (float or int) from ``low`` to ``high``; ``default`` when it is unset
     or empty. Anything else raises :class:`CommfuseValueError` naming the variable, the value and the range."""
-    text = os.environ.get(name, "").strip()
+    text = _environ.get(name, "").strip()
     if not text:
         return default
     try:
@@ -34,7 +108,7 @@ def size(name: str, default: int, low: int, high: int) -> int:
     """The variable ``name`` (``COMMFUSE_PLAN_BYTES``) as a number of bytes from ``low`` to ``high``: an integer, or a number followed by
     ``KiB``, ``MiB``, ``GiB`` or ``TiB`` (``512MiB``, ``1.5GiB``); ``default`` when it is unset or empty.
     Anything else raises :class:`CommfuseValueError` naming the variable, the value and the forms it takes."""
-    text = os.environ.get(name, "").strip()
+    text = _environ.get(name, "").strip()
     if not text:
         return default
     number = text.rstrip("BbIiKkMmGgTt ")

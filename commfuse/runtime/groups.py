@@ -34,7 +34,6 @@ here too.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import zlib
@@ -48,8 +47,10 @@ from commfuse.errors import (
     CommfuseValueError,
     CommunicationError,
     MismatchError,
+    first_line,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
+from commfuse.runtime.env import FALSE_WORDS, TRUE_WORDS, choice, number
 from commfuse.schedule import Algorithm, Collective, SliceId, Transfer
 
 #: Default bound on every wait, in seconds, when neither ``timeout=`` nor
@@ -84,21 +85,13 @@ ALGORITHMS = list(Algorithm)
 
 def resolve_timeout(timeout: float | None) -> float:
     """``timeout`` if given, else ``COMMFUSE_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`; checked."""
-    source = "timeout"
     if timeout is None:
-        env = os.environ.get("COMMFUSE_TIMEOUT_S")
-        if not env:
-            return DEFAULT_TIMEOUT_S
-        source = "COMMFUSE_TIMEOUT_S"
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise CommfuseValueError(f"COMMFUSE_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+        return number("COMMFUSE_TIMEOUT_S", DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise CommfuseValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
+        raise CommfuseValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not math.isfinite(timeout) or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:
         raise CommfuseValueError(
-            f"{source}={timeout!r} is out of range: give seconds between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g}; "
+            f"timeout={timeout!r} is out of range: give seconds between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g}; "
             "commfuse never waits without a bound"
         )
     return float(timeout)
@@ -117,19 +110,19 @@ def capture_probe(device) -> Callable[[], bool] | None:
 
 #: ``check`` modes: no check; once per call signature (and after a failure); on every call.
 CHECK_MODES = ("off", "once", "always")
+#: ``COMMFUSE_CHECK``'s words and the mode each gives: the modes, and a switch's words (off; on is once).
+CHECK_WORDS = {**{m: m for m in CHECK_MODES}, **dict.fromkeys(FALSE_WORDS, "off"), **dict.fromkeys(TRUE_WORDS, "once")}
 
 
 def check_mode(check: bool | str | None) -> str:
     """The fingerprint check mode: ``check`` if given (True = "once"), else ``COMMFUSE_CHECK``.
 
-    ``COMMFUSE_CHECK``: ``0``/``off``/``false``/``no`` turn it off, ``always``
-    checks every call, anything else (default) checks once per signature.
+    ``COMMFUSE_CHECK`` (:data:`CHECK_WORDS`): ``off`` (or ``0``, ``false``, ``no``) turns it off, ``always``
+    checks every call, ``once`` (or ``1``, ``true``, ``yes``, ``on``; the default) checks once per signature;
+    any other word is refused by name.
     """
     if check is None:
-        env = os.environ.get("COMMFUSE_CHECK", "1").strip().lower()
-        if env in ("0", "false", "no", "off"):
-            return "off"
-        return "always" if env == "always" else "once"
+        return choice("COMMFUSE_CHECK", "once", CHECK_WORDS)
     if check is True:
         return "once"
     if check is False:
@@ -352,11 +345,6 @@ def left_call(state: GroupState, seq: int, label: str, step, error: BaseExceptio
         name, code = which or state.lane
         board.log("fail", seq=seq, lane=code, thread=name, label=label, step=step, exc=type(error).__name__,
                   message=first_line(error), continuing=False, serves=serves)
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return (text.splitlines()[0] if text else "")[:500]
 
 
 # -- the fingerprint check ---------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from commfuse.errors import (
     ConcurrentUseError,
     GroupDeadError,
     PeerFailedError,
+    first_line,
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
 from commfuse.runtime.checkpointing import TOP_HOOKS as _top_hooks
@@ -78,7 +79,6 @@ from commfuse.runtime.groups import (
     SEQUENCE_WRAP,
     GroupState,
     check_fingerprint,
-    first_line,
     group_state,
     left_call,
     resolve_timeout,

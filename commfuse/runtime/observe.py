@@ -9,12 +9,12 @@ these switches once per call, not per step.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 
 from commfuse.errors import CommfuseValueError
+from commfuse.runtime.env import flag
 
 
 MODES = ("compute_only", "comm_only", "outside_only")
@@ -109,7 +109,7 @@ NULL_SCOPE = contextlib.nullcontext()
 
 def trace_enabled() -> bool:
     """Whether ``COMMFUSE_TRACE`` asks for the per-rank step log on stderr."""
-    return os.environ.get("COMMFUSE_TRACE", "").strip() not in ("", "0")
+    return flag("COMMFUSE_TRACE", False)
 
 
 def profiler_on() -> bool:

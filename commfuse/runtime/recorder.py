@@ -71,7 +71,8 @@ import threading
 import time
 import weakref
 
-from commfuse.runtime.env import number
+from commfuse.errors import first_line
+from commfuse.runtime.env import flag, number, text
 
 __all__ = ["DEFAULT_SIZE", "DEVICE", "FORMAT", "Call", "DeviceStamps", "Recorder", "device_timing", "device_waits",
            "dump_all", "failed", "group_name", "install_signal_handlers", "job_identity", "recorder_for", "recorders",
@@ -105,12 +106,12 @@ DEVICE = "device"
 def device_timing() -> bool:
     """Whether ``COMMFUSE_DEVICE_TIMING`` asks for device timing events on stream-ordered backends (off by
     default: each step then records two events, a few microseconds of host time on a GPU)."""
-    return os.environ.get("COMMFUSE_DEVICE_TIMING", "").strip().lower() in ("1", "true", "yes", "on")
+    return flag("COMMFUSE_DEVICE_TIMING", False)
 
 
 def trace_dir() -> str:
     """Where dumps go: ``COMMFUSE_TRACE_DIR``, else ``./commfuse-traces``."""
-    return os.environ.get("COMMFUSE_TRACE_DIR", "").strip() or DEFAULT_DIR
+    return text("COMMFUSE_TRACE_DIR", DEFAULT_DIR)
 
 
 class Call:
@@ -506,8 +507,7 @@ def failed(call: Call | tuple | None, state, error: BaseException) -> None:
     ``MismatchError``, an interruption), the group's recorder is dumped. An error of the caller's own compute
     that was settled (its peers told, the call completed) is recorded, not dumped."""
     rec = state.recorder
-    text = str(error).strip()
-    what = f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    what = first_line(error, 300, named=True)
     if type(call) is tuple:
         if rec:
             _, seq, lane, _, start = call
@@ -541,7 +541,7 @@ def install_signal_handlers() -> None:
     that dumps and then lets the default action happen (the signal is sent again with the default handler
     back in place). A program's own handler is left alone (it may call ``commfuse.metrics.dump_trace()``).
     ``COMMFUSE_TRACE_SIGNALS=0`` installs none."""
-    if os.environ.get("COMMFUSE_TRACE_SIGNALS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not flag("COMMFUSE_TRACE_SIGNALS", True):
         return
     if threading.current_thread() is not threading.main_thread():
         return

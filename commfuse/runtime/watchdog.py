@@ -40,7 +40,8 @@ aborted as on a timeout, and a held post waits for the process group's own
 timeout.
 
 Per step the cost on the host is one ``time.monotonic()`` and one deque
-append. The poll interval is ``COMMFUSE_WATCHDOG_POLL_S`` (default 0.05 s).
+append. The poll interval is ``COMMFUSE_WATCHDOG_POLL_S`` (default 0.05 s, from
+0.001 to 60).
 
 Device-graph capture: a poll asks the device about works, and a query from
 this thread while another thread captures a CUDA graph in the default
@@ -64,14 +65,17 @@ import time
 import weakref
 from collections.abc import Callable
 
-from commfuse.errors import CommfuseTimeoutError, CommunicationError
+from commfuse.errors import CommfuseTimeoutError, CommunicationError, first_line
 from commfuse.runtime.board import grace
+from commfuse.runtime.env import flag, number
 from commfuse.runtime.recorder import dump_all
 
 __all__ = ["EXIT_CODE", "Posting", "Watchdog", "watchdog"]
 
 #: The exit code of a process the watchdog ends because its host was held inside a post past the deadline.
 EXIT_CODE = 75
+#: How often the watchdog polls, in seconds, unless ``COMMFUSE_WATCHDOG_POLL_S`` (0.001 to 60) says otherwise.
+POLL_S = 0.05
 #: How long :meth:`Watchdog.paused` waits for a poll in progress to end, in seconds.
 DRAIN_S = 2.0
 
@@ -93,14 +97,14 @@ class Watchdog:
     """Polls registered works against their deadlines in one daemon thread."""
 
     def __init__(self, poll_s: float | None = None) -> None:
-        self.poll_s = poll_s if poll_s is not None else float(os.environ.get("COMMFUSE_WATCHDOG_POLL_S", "0.05"))
+        self.poll_s = poll_s if poll_s is not None else number("COMMFUSE_WATCHDOG_POLL_S", POLL_S, 0.001, 60)
         self.grace = grace()
         self.pending: collections.deque = collections.deque()
         self.fired: list[CommfuseTimeoutError] = []
         self.postings: weakref.WeakSet = weakref.WeakSet()
         #: called with the error before the watchdog ends a process whose host is held in a post
         self.on_fatal: list[Callable[[BaseException], None]] = []
-        self.exit = os.environ.get("COMMFUSE_WATCHDOG_EXIT", "1") not in ("0", "false", "no", "off")
+        self.exit = flag("COMMFUSE_WATCHDOG_EXIT", True)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()  # held by a poll in progress
@@ -255,7 +259,7 @@ class Watchdog:
             if describe is None:  # the board told of a peer's failure: the named error itself
                 error = failed
             else:
-                error = CommunicationError(describe(f"{type(failed).__name__}: {_first_line(failed)}"))
+                error = CommunicationError(describe(first_line(failed, None, named=True)))
             self._report(error, on_expiry)
             self._end(error)
         self.pending.extendleft(reversed(keep))
@@ -289,11 +293,6 @@ class Watchdog:
         print(f"commfuse watchdog: ending the process (exit code {EXIT_CODE}); COMMFUSE_WATCHDOG_EXIT=0 keeps "
               "it", file=sys.stderr, flush=True)
         os._exit(EXIT_CODE)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
 
 
 _WATCHDOG: Watchdog | None = None

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 
 from commfuse.errors import CommfuseValueError
+from commfuse.runtime.env import text as env_text
 from commfuse.schedule import Collective
 from commfuse.sim._engine import Phase, simulate_phases
 from commfuse.sim._model import class_resources, collective_time, kernel_time, transfer_time
@@ -110,7 +111,8 @@ def choose(collective: str | Collective, world_size: int, *, slice_bytes: float,
 
 # -- which profile applies ----------------------------------------------------
 
-_OFF = ("", "0", "off", "none", "no")
+#: ``COMMFUSE_PROFILE``'s words for no profile (an empty value is one).
+_OFF = ("0", "off", "none", "no", "false")
 
 
 @functools.lru_cache(maxsize=64)
@@ -162,17 +164,17 @@ def _installed_path(name: str, key: tuple) -> str:
 
 def profile_for(backend=None) -> Profile | None:
     """The profile ``auto`` uses for ``backend``, or None when none applies (see the module docstring)."""
-    env = os.environ.get("COMMFUSE_PROFILE")
+    env = env_text("COMMFUSE_PROFILE", empty="off")
     if env is not None:
-        if env.strip().lower() in _OFF:
+        if env.lower() in _OFF:
             return None
-        return _load(env.strip(), f"COMMFUSE_PROFILE={env!r}")
+        return _load(env, f"COMMFUSE_PROFILE={env!r}")
     if backend is None:
         return None
     name = getattr(backend, "name", None)
     if isinstance(name, str) and name:
-        env = os.environ
-        installed = _installed_path(name, (env.get("COMMFUSE_PROFILE_DIR"), env.get("XDG_CONFIG_HOME"), env.get("HOME")))
+        where = (env_text("COMMFUSE_PROFILE_DIR"), os.environ.get("XDG_CONFIG_HOME"), os.environ.get("HOME"))
+        installed = _installed_path(name, where)
         if os.path.isfile(installed):
             return _load(installed, f"the profile installed for backend {name!r}")
     device = _device_name(getattr(backend, "device", None))

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from commfuse.errors import CommfuseValueError
+from commfuse.runtime.env import text as env_text
 
 try:  # Python 3.11+
     import tomllib
@@ -412,7 +413,7 @@ def shipped() -> list[str]:
 
 def user_dir() -> Path:
     """Where ``calibrate --install`` puts profiles: ``$COMMFUSE_PROFILE_DIR``, else ``~/.config/commfuse/profiles``."""
-    env = os.environ.get("COMMFUSE_PROFILE_DIR")
+    env = env_text("COMMFUSE_PROFILE_DIR")
     if env:
         return Path(env)
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
