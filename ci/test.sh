@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (ci/setup.sh), check the import layers (lint-imports, .importlinter; the vendor packages are found
 # from their folders), run the whole test suite, then the plain install (commfuse
-# with torch alone, no extras: ci/test_plain_install.sh), the conformance suite
+# with torch alone, no extras, on the newest torch pip installs: ci/test_plain_install.sh), the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models
 # under torch's and commfuse's tensor-parallel plans, against each model in one process), the JAX stage in its

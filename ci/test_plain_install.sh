@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The plain install: what README's "Use it in your model" tells a user to run, with nothing else around it.
-# A fresh virtual environment gets torch==2.13.0 (CPU; a bare torch requirement could pull a multi-GB CUDA
-# build) and then commfuse from this checkout with NO extras, and the commands that need no extra must work:
+# A fresh virtual environment gets the newest torch pip installs here (COMMFUSE_PLAIN_TORCH, default 2.14.1:
+# a CUDA build that runs on the CPU, about two minutes to install, so this stage is also the suites' check on
+# the newest torch; the main suite runs on README's torch==2.13.0 and the floor stage on 2.9.0) and then
+# commfuse from this checkout with NO extras, and the commands that need no extra must work:
 # --help, simulate and its subcommands, schedule show, backends, the ops and layers on 2 gloo ranks, the
 # bench (which needs no numpy), the README's example under torchrun. The parts that need an extra must refuse
 # before any work and say how to install it: conformance (pytest, the 'test' extra) and bench --plot
@@ -20,7 +22,7 @@ cp -r pyproject.toml README.md LICENSE commfuse "$tmp/src/"
 "$python" -m venv "$tmp/venv"
 py="$tmp/venv/bin/python"
 bin="$tmp/venv/bin"
-"$py" -m pip install --quiet "torch==2.13.0"
+"$py" -m pip install --quiet "torch==${COMMFUSE_PLAIN_TORCH:-2.14.1}"
 "$py" -m pip install --quiet "$tmp/src"
 cd "$tmp"  # run where the checkout is not importable: the installed commfuse only
 
