@@ -47,10 +47,8 @@ _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 _AUTOGRAD_LANE = ("autograd", zlib.crc32(b"autograd") & 0xFFFF)
 
 
-
 #: each thread's lane, made on its first call (a thread-local: one attribute read per call)
 _LANES = threading.local()
-
 
 
 def lane() -> tuple[str, int]:
@@ -72,11 +70,10 @@ def lane() -> tuple[str, int]:
         return found
 
 
-
 class Ticket:
     """A call's number, taken before any of the caller's code runs (a producer's first partial, a policy),
     and the group held for it: ``with enter_call(backend, label) as ticket: ...; execute(..., ticket=ticket)``.
-    An exception before :func:`execute` takes the ticket over is announced on the board as this rank
+    An exception before ``walks.execute`` takes the ticket over is announced on the board as this rank
     leaving call #seq without taking part (its peers, waiting on it, declare the group dead and say why), and
     the group's next call is checked."""
 
@@ -100,9 +97,7 @@ class Ticket:
         return False
 
 
-
 _get_ident = threading.get_ident
-
 
 
 #: whether torch.distributed's map of live groups (``_world.pg_map``, a property) is its module's ``_pg_map``:
@@ -111,13 +106,11 @@ _get_ident = threading.get_ident
 _PG_MAP_GLOBAL = _c10d is not None and getattr(_c10d, "_pg_map", None) is _c10d._world.pg_map
 
 
-
 def _number(state: GroupState, code: int) -> int:
     """The next call number of lane ``code`` on ``state``'s group, taken."""
     seq = state.seqs.get(code, 0)
     state.seqs[code] = seq + 1
     return seq
-
 
 
 def take_group(state: GroupState, label: str) -> int:
@@ -141,12 +134,10 @@ def take_group(state: GroupState, label: str) -> int:
     return seq
 
 
-
 def give_group(state: GroupState) -> None:
     """Give back the group :func:`take_group` took."""
     state.busy = None
     state.lock.release()
-
 
 
 def take_plan_group(plan: Plan, state: GroupState) -> int:
@@ -160,18 +151,15 @@ def take_plan_group(plan: Plan, state: GroupState) -> int:
     return seq
 
 
-
 def give_plan_group(plan: Plan, state: GroupState) -> None:
     plan.capturing = False
     plan.used = True  # the planning table's second chance: this plan ran since the table last looked
     give_group(state)
 
 
-
 def enter_call(backend, label: str) -> Ticket:
     """A :class:`Ticket` for one call of ``label`` on ``backend``'s group."""
     return Ticket(group_state(backend), label)
-
 
 
 def announce_left(state: GroupState, label: str, error: BaseException) -> None:
@@ -183,12 +171,10 @@ def announce_left(state: GroupState, label: str, error: BaseException) -> None:
     left_call(state, _number(state, which[1]), label, None, error, which)
 
 
-
 def autograd_lane() -> tuple[str, int]:
     """The lane of the calls autograd's backward makes (see :func:`lane`), for code that counts or leaves
     them from outside the backward."""
     return _AUTOGRAD_LANE
-
 
 
 def leave_calls(state: GroupState, label: str, error: BaseException, count: int, which=None) -> bool:
@@ -221,7 +207,6 @@ def leave_calls(state: GroupState, label: str, error: BaseException, count: int,
     return False
 
 
-
 def _servable(state: GroupState) -> bool:
     """Whether a call this rank leaves on the group can be drained: a gloo group with a board."""
     group = state.group
@@ -233,7 +218,6 @@ def _servable(state: GroupState) -> bool:
         return False
 
 
-
 def add_note(error: BaseException, text: str) -> None:
     add = getattr(error, "add_note", None)  # Python 3.11+
     if add is not None:
@@ -241,7 +225,6 @@ def add_note(error: BaseException, text: str) -> None:
             add(text)
         except Exception:  # noqa: BLE001
             pass
-
 
 
 class op_calls:
@@ -283,7 +266,6 @@ class op_calls:
         return self.planned
 
 
-
 class counted_calls(op_calls):
     """:class:`op_calls` for an op whose number of calls is learned rather than known: the first run of
     ``key`` that succeeds records how many calls it made, and a later run of ``key`` that an exception
@@ -310,12 +292,10 @@ class counted_calls(op_calls):
         return learned.get(self.key, 0)
 
 
-
 def refuse_dead(state: GroupState, label: str) -> None:
     """Raise, naming ``label``, what a call on a group commfuse declared dead raises (nothing if it is not)."""
     if state.error is not None:
         raise _dead_again(label, state)
-
 
 
 def _dead_again(label: str, state: GroupState) -> BaseException:
@@ -329,7 +309,6 @@ def _dead_again(label: str, state: GroupState) -> BaseException:
         return error
 
 
-
 def _destroyed(label: str, state: GroupState) -> GroupDeadError:
     return GroupDeadError(
         f"rank {state.rank}: {label} on {state.name}: the process group was destroyed "
@@ -337,7 +316,6 @@ def _destroyed(label: str, state: GroupState) -> GroupDeadError:
         "follow the default group in place now; a module or a call given the old group object must be given "
         "the new one"
     )
-
 
 
 def _refused(label: str, state: GroupState) -> ConcurrentUseError:
@@ -348,7 +326,6 @@ def _refused(label: str, state: GroupState) -> ConcurrentUseError:
     if state.rank is not None and state.world_size > 1:
         announce_left(state, label, error)
     return error
-
 
 
 def _busy_label(label: str, state: GroupState) -> ConcurrentUseError:

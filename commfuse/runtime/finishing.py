@@ -54,7 +54,6 @@ def after_failure(plan: Plan, state: GroupState, seq: int, error: BaseException,
         getattr(plan.backend, "poison", None))
 
 
-
 def _settled(error: BaseException, state: GroupState, seq: int) -> BaseException:
     """Mark ``error`` as one this rank settled for call #seq (see :func:`after_failure`)."""
     try:
@@ -64,14 +63,13 @@ def _settled(error: BaseException, state: GroupState, seq: int) -> BaseException
     return error
 
 
-
 # -- a failure on one rank: told, and the call's transfers completed ---------------------------------------------
 
 
 def compute_failed(plan: Plan, seq: int, index: int, error: BaseException, finish, st: CompiledStep | None = None,
                     pending=None, land=None) -> BaseException:
     """This rank's compute (or code of the caller's) failed in step ``index`` of call #seq. First the step's
-    posted transfers are waited for and what arrived is landed (``pending``, as :func:`wait_all` takes
+    posted transfers are waited for and what arrived is landed (``pending``, as ``steps.wait_all`` takes
     them). Then, when the group has a board: note the failure there (op, step, exception), acknowledge it,
     complete the call's remaining transfers with ``finish(index + 1)``, which sends only to peers that know
     (so none of them computes on what this rank sends from now on), and return ``error`` to raise, marked
@@ -105,7 +103,6 @@ def compute_failed(plan: Plan, seq: int, index: int, error: BaseException, finis
     return _settled(error, state, seq)
 
 
-
 def told(plan: Plan, seq: int, index: int, finish) -> BaseException:
     """A stalled wait of this rank read on the board that call #seq failed on a peer (``state.told``): stop
     computing, complete the call's remaining transfers from step ``index + 1`` with ``finish``, and return
@@ -120,7 +117,6 @@ def told(plan: Plan, seq: int, index: int, finish) -> BaseException:
         + f": {note.get('exc')}: {note.get('message')}. This rank stopped computing after step {index} and "
         "completed the call's transfers, so the group stays usable; its result for this call is discarded")
     return _settled(error, state, seq)
-
 
 
 def gate(plan: Plan, seq: int, peers) -> None:
@@ -145,12 +141,10 @@ def gate(plan: Plan, seq: int, peers) -> None:
         waiting = [q for q in waiting if not board.knows(code, seq, q)]
 
 
-
 def step_peers(plan: Plan, st: CompiledStep) -> list[int]:
     if st.collectives:
         return [q for q in range(plan.schedule.world_size) if q != plan.rank]
     return sorted({t.peer for t, _ in st.sends})
-
 
 
 def _ghost_compute(program: Program, slots) -> None:
@@ -159,7 +153,6 @@ def _ghost_compute(program: Program, slots) -> None:
     ``skip``); a consuming program needs nothing (what it sends is what it received)."""
     if slots and program.collective in (Collective.REDUCE_SCATTER, Collective.PRODUCE_ALL_TO_ALL):
         program.skip(slots)
-
 
 
 def finisher(plan: Plan, program: Program, seq: int, failed_step: CompiledStep | None):
@@ -185,9 +178,8 @@ def finisher(plan: Plan, program: Program, seq: int, failed_step: CompiledStep |
     return finish
 
 
-
 def ring_finisher(plan: Plan, seq: int, walk: tuple, held: list, pool, inbox: list | None, failed: int | None):
-    """:func:`finisher` for :func:`execute_one_by_one`'s walk: a reduce-scatter's partials that were not made
+    """:func:`finisher` for ``walks.execute_one_by_one``'s walk: a reduce-scatter's partials that were not made
     are buffers of their shape (``failed``: the step whose compute raised)."""
 
     def finish(start: int) -> None:

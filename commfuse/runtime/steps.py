@@ -43,10 +43,8 @@ class _Done:
         return self.outputs
 
 
-
 def done_post(sends, recvs):
     return _Done(x for _, x in recvs)
-
 
 
 class _SkippedEmpty:
@@ -67,7 +65,6 @@ class _SkippedEmpty:
         return [next(got) if b.numel() else b for b in self.buffers]
 
 
-
 def skipping_empty(post: Callable) -> Callable:
     """``post`` without the messages of no elements (``Program.sparse``): zero-row exchanges cost no transfer."""
 
@@ -84,15 +81,12 @@ def skipping_empty(post: Callable) -> Callable:
     return post_nonempty
 
 
-
 def done_collective(kind, inputs, outputs):
     return _Done(outputs)
 
 
-
 def done_into(kind, input, output):
     return _Done([output])
-
 
 
 def post_step(plan: Plan, st: CompiledStep, program: Program, post, run_collective, run_into=None,
@@ -114,7 +108,6 @@ def post_step(plan: Plan, st: CompiledStep, program: Program, post, run_collecti
     return pending
 
 
-
 def _learn(sizes: dict, index: int, sent, received) -> None:
     """Add what a step sends and receives (tensors, or lists of them) to ``sizes[index]``, in bytes."""
     def nbytes(items) -> int:
@@ -124,7 +117,6 @@ def _learn(sizes: dict, index: int, sent, received) -> None:
 
     before = sizes.get(index, (0, 0))
     sizes[index] = (before[0] + nbytes(sent), before[1] + nbytes(received))
-
 
 
 def _post_collectives(plan: Plan, st: CompiledStep, program: Program, run_collective, pending: list,
@@ -146,7 +138,6 @@ def _post_collectives(plan: Plan, st: CompiledStep, program: Program, run_collec
             raise posting_error(plan, st, call, e) from e
 
 
-
 def wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> None:
     if FILLERS and pending:
         run_filler(pending[0][0])
@@ -163,7 +154,6 @@ def wait_all(plan: Plan, st: CompiledStep, pending, land, timeout: float) -> Non
             finish(got)
 
 
-
 def land_ring(plan: Plan, st: CompiledStep, handle, recvs, landing: list) -> None:
     """Wait for a ring step's transfers and put what arrived in ``landing``, by slot."""
     if FILLERS:
@@ -176,13 +166,11 @@ def land_ring(plan: Plan, st: CompiledStep, handle, recvs, landing: list) -> Non
         landing[s] = tensor
 
 
-
 #: Work another strand handed this thread (``commfuse.strands``): a stage, or a deferred weight gradient. An op
 #: that has posted a step's transfers runs it before waiting for them, so that it computes while they travel.
 #: Each entry is a callable that takes no argument and raises nothing (the strand keeps its own error). Empty:
 #: one truth test per wait.
 FILLERS: list = []
-
 
 
 def run_filler(handle=None) -> None:
@@ -196,7 +184,6 @@ def run_filler(handle=None) -> None:
             FILLERS.pop()()
 
 
-
 def _drain(pending, timeout: float) -> None:
     """Wait (bounded, errors ignored) for transfers already posted, so that the transport can reuse its
     connections: gloo gives up on a pair whose posted transfer is never waited on."""
@@ -205,7 +192,6 @@ def _drain(pending, timeout: float) -> None:
             handle.wait(timeout)
         except BaseException:  # noqa: BLE001 - the original error is what the caller sees
             pass
-
 
 
 def observe_step(plan: Plan, st: CompiledStep, events: list | None, t0: float, t1: float, t2: float,

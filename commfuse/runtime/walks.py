@@ -93,7 +93,7 @@ from commfuse.schedule import Collective
 
 def execute(plan: Plan, program: Program, *, events: list | None = None, ticket: Ticket | None = None) -> None:
     """Run one call of ``plan`` with ``program``'s data on ``plan.backend`` (``ticket``: the call's number,
-    taken already by :func:`enter_call`)."""
+    taken already by ``admission.enter_call``)."""
     state = plan.state
     if ticket is None:
         seq = take_plan_group(plan, state)
@@ -153,7 +153,6 @@ def execute(plan: Plan, program: Program, *, events: list | None = None, ticket:
             plan.used = True
 
 
-
 def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
     """Why a call that must check its fingerprint cannot be captured in a device graph, and what to do."""
     if plan.check == "always":
@@ -169,7 +168,6 @@ def _capture_refusal(plan: Plan, state: GroupState) -> CommfuseValueError:
         "before capturing (warm-up: commfuse.graphs.capture does it), with the default check mode, not "
         "COMMFUSE_CHECK=always"
     )
-
 
 
 def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | None, events: list | None,
@@ -254,7 +252,6 @@ def _walk(plan: Plan, program: Program, seq: int, observed: bool, mode: str | No
             observe_step(plan, st, events, t0, t1, t2, t3, clock())
 
 
-
 def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
     """One call of a whole-collective plan (``plan.whole``, vanilla) straight into ``output``: the
     collective over single tensors (``collective_into``) and its wait, with :func:`execute`'s rules (one op
@@ -306,7 +303,6 @@ def execute_into(plan: Plan, input, output: torch.Tensor) -> None:
         give_plan_group(plan, state)
 
 
-
 def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch.Tensor, record=None) -> None:
     try:
         handle = plan.backend.collective_into(call.collective, input, output)
@@ -326,7 +322,6 @@ def _into(plan: Plan, st: CompiledStep, call, input: torch.Tensor, output: torch
         stamp(_clock_ns())
 
 
-
 def may_skip_program(plan: Plan) -> bool:
     """Whether the next call of ``plan`` may be walked without a program (:func:`execute_into`,
     :func:`execute_one_by_one`): the plan is ``settled`` (its signature known, and agreed or never checked,
@@ -337,7 +332,6 @@ def may_skip_program(plan: Plan) -> bool:
     if not plan.settled or observers[0] or torch.autograd.profiler._is_profiler_enabled:
         return False
     return not (plan.checks and plan.state.dirty)
-
 
 
 class RingStep(NamedTuple):
@@ -386,7 +380,6 @@ def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
     return tuple(walk)
 
 
-
 class _NoFree(dict):
     """The free lists a captured call sees: always empty, and what it gives back is dropped (see
     ``programs.BufferPool``: a captured call's buffers come from, and go back to, the graph's memory pool)."""
@@ -395,9 +388,7 @@ class _NoFree(dict):
         return []
 
 
-
 _NO_FREE = _NoFree()
-
 
 
 def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, pool,
@@ -501,7 +492,6 @@ def execute_one_by_one(plan: Plan, walk: tuple, held: list, on_slice: Callable, 
         raise
     finally:
         give_plan_group(plan, state)
-
 
 
 # torch.compile's eager fallback runs these as plain Python (see commfuse.runtime.eager)
