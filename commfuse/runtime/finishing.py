@@ -24,7 +24,7 @@ from commfuse.runtime.admission import add_note
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
 from commfuse.runtime.compiled import CompiledStep, Plan, Program, posting_error
 from commfuse.runtime.groups import GroupState, first_line, left_call
-from commfuse.runtime.steps import land_ring, post_step, skipping_empty, wait_all
+from commfuse.runtime.steps import RingStep, land_ring, post_step, skipping_empty, wait_all
 from commfuse.schedule import Collective
 
 
@@ -186,7 +186,7 @@ def ring_finisher(plan: Plan, seq: int, walk: tuple, held: list, pool, inbox: li
         post, get = plan.backend.post, pool.get
         landing = held if inbox is None else inbox
         if failed is not None and inbox is not None:
-            for s, _, _, k in walk[failed].compute:  # the partials the failed step did not make
+            for s, _, _, k in RingStep(*walk[failed]).compute:  # the partials the failed step did not make
                 if held[s] is None:
                     held[s] = get(k)
         for st, pair, sends, recvs, compute, accumulate, release in walk[start:]:

@@ -26,7 +26,7 @@ The real walks are that loop in three forms, kept side by side here:
   per call inside the same loop.
 - :func:`execute_one_by_one`: the loop above with no program, for a ring plan
   that computes at most one slot per step (``plan.one_by_one``: ring,
-  ring:m). Its steps are resolved once into :class:`RingStep` records
+  ring:m). Its steps are resolved once into ``steps.RingStep`` records
   (:func:`ring_walk`) and receive buffers come from the pool's free lists
   directly: per step one ``post``, the caller's compute and one ``wait``.
 - :func:`execute_into`: a whole-collective plan, straight into one tensor.
@@ -57,7 +57,6 @@ from __future__ import annotations
 import time
 from time import perf_counter_ns as _clock_ns
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -80,6 +79,7 @@ from commfuse.runtime.recorder import stamper
 from commfuse.runtime import sites as _sites
 from commfuse.runtime.steps import (
     FILLERS,
+    RingStep,
     done_collective,
     done_into,
     done_post,
@@ -334,33 +334,9 @@ def may_skip_program(plan: Plan) -> bool:
     return not (plan.checks and plan.state.dirty)
 
 
-class RingStep(NamedTuple):
-    """One step of a ring walk (:func:`ring_walk`), with what it reads resolved once.
-
-    - ``st``: the compiled step (for its index, and its transfers after a failure);
-    - ``pair``: a step of exactly one send and one receive (every ring step) as ``(send's Transfer, its
-      slot, receive's Transfer, the receive buffer's pool key)``, posted with no comprehension; else None;
-    - ``sends``: ``(Transfer, slot)`` pairs of any other step with point-to-point transfers, else None;
-    - ``recvs``: ``(Transfer, slot, key)``, ``key`` the receive buffer's pool key (for a ``pair`` too);
-    - ``compute``: ``(slot, start, size, key)`` of each slice the step computes, in order (one in a ring
-      step; two where ``ring:m`` computes a slice beside the one that arrived, or the two halves of
-      ``bidirectional``), or None;
-    - ``accumulate``, ``release``: ``(slot, key)`` pairs (``release`` less this rank's ``own`` slots).
-
-    :func:`execute_one_by_one` unpacks it by position, as a tuple."""
-
-    st: CompiledStep
-    pair: tuple | None
-    sends: tuple | None
-    recvs: tuple
-    compute: tuple | None
-    accumulate: tuple
-    release: tuple
-
-
 def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) -> tuple:
-    """``plan``'s steps as :func:`execute_one_by_one` walks them: one :class:`RingStep` per step. Plans with
-    ``one_by_one`` only."""
+    """``plan``'s steps as :func:`execute_one_by_one` walks them: one ``steps.RingStep`` per step, kept as a
+    plain tuple. Plans with ``one_by_one`` only."""
     walk = []
     for st in plan.steps:
         compute = tuple((s, start[s], size[s], key[s]) for s in st.compute) or None
@@ -368,7 +344,7 @@ def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
         if sends is not None and len(sends) == 1 and len(st.recvs) == 1:
             (t, s), (r, q) = sends[0], st.recvs[0]
             sends, pair = None, (t, s, r, key[q])
-        walk.append(RingStep(
+        walk.append(tuple(RingStep(
             st=st,
             pair=pair,
             sends=sends,
@@ -376,7 +352,7 @@ def ring_walk(plan: Plan, start: list, size: list, key: list, own: frozenset) ->
             compute=compute,
             accumulate=tuple((s, key[s]) for s in st.accumulate),
             release=tuple((s, key[s]) for s in st.release if s not in own),
-        ))
+        )))
     return tuple(walk)
 
 
