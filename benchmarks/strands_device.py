@@ -68,7 +68,7 @@ import torch.distributed as dist
 from commfuse import strands
 from commfuse.models.moe_stages import REPLICATED, moe_ep_params, moe_ep_stages
 from commfuse.models.stages import llama_tp_params, llama_tp_stages
-from commfuse.runtime import loop
+from commfuse.runtime import steps as runtime_steps
 
 # made-up forward figures (compute, comm) in seconds for the searched plan: the stages without transfers
 # (attention core; MoE's attention, router and shared experts) are long enough to be handed to a wait
@@ -214,7 +214,7 @@ class _Worst:
 
 
 class _Fillers:
-    """Counts the work ``commfuse.runtime.loop.run_filler`` runs inside the ops' waits: per wait handed work,
+    """Counts the work ``commfuse.runtime.runtime_steps.run_filler`` runs inside the ops' waits: per wait handed work,
     how many pieces it ran. ``inside``: whether the host is in such a wait now."""
 
     def __init__(self) -> None:
@@ -222,21 +222,21 @@ class _Fillers:
         self.inside = False
 
     def __enter__(self) -> "_Fillers":
-        real = self.real = loop.run_filler
+        real = self.real = runtime_steps.run_filler
 
         def counted(handle=None):
-            before, self.inside = len(loop.FILLERS), True
+            before, self.inside = len(runtime_steps.FILLERS), True
             try:
                 real(handle)
             finally:
                 self.inside = False
-                self.per_wait.append(before - len(loop.FILLERS))
+                self.per_wait.append(before - len(runtime_steps.FILLERS))
 
-        loop.run_filler = counted
+        runtime_steps.run_filler = counted
         return self
 
     def __exit__(self, *exc) -> None:
-        loop.run_filler = self.real
+        runtime_steps.run_filler = self.real
 
     def figures(self) -> str:
         most = max(self.per_wait, default=0)
@@ -288,8 +288,8 @@ def _against_sequential(ctx: Context, ours: dict, theirs: dict, stages_ours: lis
         for name in ours:
             worst.close("param", f"parameter {name} after {steps} steps", ours[name], theirs[name], AFTER_ADAMW)
     problems = worst.problems
-    if loop.FILLERS:
-        problems.append(f"work left over for later ops: {len(loop.FILLERS)} pieces")
+    if runtime_steps.FILLERS:
+        problems.append(f"work left over for later ops: {len(runtime_steps.FILLERS)} pieces")
     if fills_expected and not fills.per_wait:
         problems.append("no work ran inside any wait")
     return problems, f"{worst.figures()}; {fills.figures()}"

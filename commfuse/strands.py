@@ -179,7 +179,7 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     ``loss.backward()`` would leave them. ``group``: the process group the stages' commfuse ops run on, whose
     ranks must agree on the order (checked once per call; default the world, nothing without a process group).
 
-    While one stage's op waits for its transfers, work that needs no transfer runs (``commfuse.runtime.loop
+    While one stage's op waits for its transfers, work that needs no transfer runs (``commfuse.runtime.steps
     .FILLERS``), so that it computes while they travel:
 
     - a stage without transfers that the plan puts beside one with transfers (by their figures);
@@ -199,7 +199,7 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
     stream-ordered group) the group is declared dead on every rank and the next call is refused by name
     (docs/strands.md). The weight gradients of a failed call are incomplete."""
     from commfuse import autograd
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
 
     batches = list(micro_batches)
 
@@ -226,7 +226,7 @@ def run(stages: Sequence[Stage], micro_batches: Sequence, loss_fn: Callable, *, 
             runner._tell_peers(e)
             raise
     finally:
-        loop.FILLERS.clear()
+        steps.FILLERS.clear()
         if defer_weight_grads:
             autograd.WGRAD_SINK.clear()
     return [loss.detach() for loss in runner.losses]
@@ -241,7 +241,7 @@ def forward(stages: Sequence[Stage], micro_batches: Sequence, *, plan: str = "au
     micro-batch's last-stage outputs (a tensor where the stage returns one). Runs under the caller's grad mode
     (``torch.no_grad()`` or ``torch.inference_mode()`` for inference). A stage failing on one rank stops every
     rank by name, as in :func:`run`."""
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
 
     batches = list(micro_batches)
 
@@ -255,7 +255,7 @@ def forward(stages: Sequence[Stage], micro_batches: Sequence, *, plan: str = "au
         with strands_running():
             runner.walk()
     finally:
-        loop.FILLERS.clear()
+        steps.FILLERS.clear()
     return [out[0] if len(out) == 1 else out for out in runner.outputs]
 
 
@@ -275,15 +275,16 @@ def _start(decide: Callable[[], list], group, who: str) -> tuple[list, object]:
     and the group the stages' calls are counted on."""
     from commfuse import autograd
     from commfuse.planning.agreement import agree
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
+    from commfuse.runtime.admission import refuse_dead
     from commfuse.runtime.groups import state_of_group
 
     on = _group(group)
     if on is not None:  # before the order's check, which a dead group would leave waiting
-        loop.refuse_dead(state_of_group(on), f"commfuse.strands.{who}")
+        refuse_dead(state_of_group(on), f"commfuse.strands.{who}")
 
     def checked():
-        if loop.FILLERS or autograd.WGRAD_SINK:
+        if steps.FILLERS or autograd.WGRAD_SINK:
             raise CommfuseValueError(f"commfuse.strands.{who} cannot run inside another strands call (work is "
                                      "already handed to the ops' waits)")
         return decide()
@@ -404,16 +405,16 @@ class _Runner:
 
     def defer(self, work: Callable) -> None:
         """``commfuse.autograd.WGRAD_SINK``: a weight gradient, run in a later wait (below any stage handed in)."""
-        from commfuse.runtime import loop
+        from commfuse.runtime import steps
 
-        loop.FILLERS.insert(0, self._captured(work))
+        steps.FILLERS.insert(0, self._captured(work))
 
     def flush(self) -> None:
         """Run the deferred weight gradients no wait took."""
-        from commfuse.runtime import loop
+        from commfuse.runtime import steps
 
-        while loop.FILLERS:
-            loop.FILLERS.pop()()
+        while steps.FILLERS:
+            steps.FILLERS.pop()()
         self._raise_failed()
 
     def _raise_failed(self) -> None:
@@ -470,7 +471,7 @@ class _Runner:
     def _counted(self, entry: tuple) -> None:
         """Run ``entry``, its calls on the group counted (``counted_calls``: a rank that leaves it early
         announces the calls it did not make, once a run of the same stage has taught it how many there are)."""
-        from commfuse.runtime.loop import autograd_lane, counted_calls
+        from commfuse.runtime.admission import autograd_lane, counted_calls
 
         kind, i, k = entry
         label = (f"commfuse.strands: the {'forward' if kind == 'F' else 'backward'} of stage "
@@ -486,16 +487,16 @@ class _Runner:
         """Run ``sender`` (a stage with transfers) with ``filler`` (one without) handed to its first wait; the
         filler runs after the sender when no op took it. The filler's error is raised after the sender is
         done, so the sender's op completes on every rank whatever the filler did."""
-        from commfuse.runtime import loop
+        from commfuse.runtime import steps
 
         ran: list = []
         fill = self._captured(lambda: (ran.append(True), self.step(filler)))
-        loop.FILLERS.append(fill)
+        steps.FILLERS.append(fill)
         try:
             self._counted(sender)
         finally:
-            if not ran and fill in loop.FILLERS:
-                loop.FILLERS.remove(fill)
+            if not ran and fill in steps.FILLERS:
+                steps.FILLERS.remove(fill)
         if not ran and not self.failed:
             self.step(filler)
         self.ran += 1
@@ -515,7 +516,7 @@ class _Runner:
         deferred weight gradient failed at the end) one call is announced: the peers hear of it at their
         next call. Where a guess was wrong, the group's next call is checked and names the ranks whose
         numbers differ; nothing hangs."""
-        from commfuse.runtime.loop import autograd_lane, counted_calls, leave_calls
+        from commfuse.runtime.admission import autograd_lane, counted_calls, leave_calls
 
         calls = self.calls
         if calls is None or calls.state is None:
@@ -571,12 +572,13 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
     from dataclasses import replace
 
     from commfuse.planning.agreement import agree, share
-    from commfuse.runtime import loop, measure, record_events
+    from commfuse.runtime import measure, record_events
+    from commfuse.runtime.admission import refuse_dead
     from commfuse.runtime.groups import state_of_group
 
     on = _group(group)
     if on is not None:
-        loop.refuse_dead(state_of_group(on), "commfuse.strands.profile")
+        refuse_dead(state_of_group(on), "commfuse.strands.profile")
     what, label, device = "commfuse.strands.profile", "strands.profile", _device(on)
     so = "no rank goes on profiling (the group is usable)"
 
@@ -597,7 +599,7 @@ def profile(stages: Sequence[Stage], inputs, *, group=None, repeats: int = 3) ->
         """``stage.fn(*args)``, its calls counted; an ``Exception`` is kept for the next meeting, the calls
         the peers wait in left (the first run of a stage, before any call: its first call, as :func:`run`
         guesses)."""
-        from commfuse.runtime.loop import counted_calls, leave_calls
+        from commfuse.runtime.admission import counted_calls, leave_calls
 
         calls = counted_calls(on, f"{what}: stage {stage.name!r}", ("commfuse.strands.profile", stage.name,
                                                                  getattr(stage.fn, "__qualname__", "")))

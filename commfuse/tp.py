@@ -106,7 +106,7 @@ from commfuse.runtime import sites
 from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.planning.agreement import agree_carried, agree_shared, carry, forget_carried
 from commfuse.runtime.groups import check_mode, state_of_group
-from commfuse.runtime.loop import counted_calls, leave_calls
+from commfuse.runtime.admission import counted_calls, leave_calls
 from commfuse.schedule import Collective, site_algorithm
 
 #: a number per module a style was applied to, for the key under which ``counted_calls`` learns how many calls

@@ -58,7 +58,7 @@ def _ranks(n: int, ranks: Sequence[int] | None) -> list[int]:
 
 
 def _step_events(prediction: Prediction, rank: int) -> list[dict]:
-    """Rank ``rank``'s steps as the executor's event dicts (``runtime.loop.execute(events=...)``)."""
+    """Rank ``rank``'s steps as the executor's event dicts (``runtime.walks.execute(events=...)``)."""
     tl = prediction.timeline
     if tl is None or not tl.records:
         raise CommfuseValueError(f"the prediction of {prediction.algorithm} kept no timeline: predict with record=True")

@@ -3,7 +3,7 @@
 The ranks record one iteration per algorithm inside
 :func:`commfuse.runtime.record_events`, whose per-step dicts carry
 ``time.perf_counter`` spans ``post``, ``compute`` and ``wait`` (see
-``commfuse.runtime.loop.execute``); the runner makes them relative to a
+``commfuse.runtime.walks.execute``); the runner makes them relative to a
 barrier every rank leaves at the same moment. From a step:
 
 - a *compute* span ``compute[0] .. compute[1]`` when the step computes;

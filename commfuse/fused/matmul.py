@@ -38,14 +38,9 @@ from commfuse.planning.pipelined import (
 )
 from commfuse.runtime import sites
 from commfuse.runtime.groups import group_state, state_of_group
-from commfuse.runtime.programs import dtype_code, sum_dtype
-from commfuse.runtime.loop import (
-    announce_left,
-    execute_one_by_one,
-    held_slots,
-    may_skip_program,
-    ring_walk,
-)
+from commfuse.runtime.programs import dtype_code, held_slots, sum_dtype
+from commfuse.runtime.admission import announce_left
+from commfuse.runtime.walks import execute_one_by_one, may_skip_program, ring_walk
 from commfuse.schedule import Collective, parse_algorithm, split_sizes
 
 __all__ = [
@@ -276,7 +271,7 @@ def _handed_whole(be, op: str, arguments: Callable):
 
 def _ring_rows(planned, out_shape, otherwise: Callable):
     """``(a, b) -> all_gather(a) @ b`` for a ring along dim 0, one weight, no gradient: once the signature
-    is agreed (``loop.may_skip_program``), the output is made up front and each arriving slice's GEMM writes
+    is agreed (``walks.may_skip_program``), the output is made up front and each arriving slice's GEMM writes
     its rows, walked with no program; before that (and while something observes the call), ``otherwise``."""
     plan, layout, pool = planned.plan, planned.layout, planned.pool
     walk = layout.walk

@@ -64,7 +64,7 @@ from commfuse import log
 from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommfuseWarning
 from commfuse.fused import attention as fused_attention
 from commfuse.planning.pipelined import layer_config
-from commfuse.runtime.loop import op_calls
+from commfuse.runtime.admission import op_calls
 
 #: torchtitan releases CI runs this integration with.
 TESTED = ("0.3.0",)

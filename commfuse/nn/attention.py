@@ -73,7 +73,7 @@ from commfuse.planning import pipelined
 from commfuse.planning.agreement import agree_carried, agree_shared, carries, carry, forget_carried
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
-from commfuse.runtime.loop import op_calls
+from commfuse.runtime.admission import op_calls
 from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective
 

@@ -84,7 +84,7 @@ from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
 from commfuse.runtime.groups import register_format
-from commfuse.runtime.loop import op_calls
+from commfuse.runtime.admission import op_calls
 from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective, site_algorithm
 

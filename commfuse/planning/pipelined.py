@@ -48,12 +48,11 @@ import torch
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning.calls import Call, resolve_call
 from commfuse.runtime.compiled import Compiled, Plan
-from commfuse.runtime.loop import (
-    enter_call,
+from commfuse.runtime.admission import enter_call
+from commfuse.runtime.walks import (
     execute,
     execute_into,
     execute_one_by_one,
-    held_slots,
     may_skip_program,
     ring_walk,
 )
@@ -69,6 +68,7 @@ from commfuse.runtime.programs import (
     ScatterLayout,
     config_values,
     dtype_code,
+    held_slots,
     register_described,
     shape_text,
 )
@@ -412,7 +412,7 @@ def run_scatter_whole(planned: SignaturePlan, whole) -> torch.Tensor:
     """This rank's summed shard of ``whole`` (every rank's partial, the whole tensor's shape), reduce-scattered
     along dim 0 straight into the result (see :func:`scatters_whole`). ``whole`` may be a function making it,
     called once the call has its number (so that a failure in it is told to the peers, see
-    ``loop.execute_into``). ``whole`` is in the layout's sum dtype: :func:`scatter_runners` gives the form
+    ``walks.execute_into``). ``whole`` is in the layout's sum dtype: :func:`scatter_runners` gives the form
     that takes any plan's partials."""
     plan, layout, pool = planned.plan, planned.layout, planned.pool
     out = pool.get(layout.key[layout.own[0]])
@@ -650,7 +650,7 @@ def produce_reduce_scatter_core(call: Call, producer: Callable[[int], torch.Tens
         return _produce_slices(call, producer, dim, slices, label, inplace)
     rank, n = call.be.rank, call.be.world_size
     # the call's number first: a producer that raises on its first partial (which fixes the call's layout)
-    # leaves this call on every peer's board, never an unnumbered gap (loop.Ticket)
+    # leaves this call on every peer's board, never an unnumbered gap (admission.Ticket)
     with enter_call(call.be, label) as ticket:
         early = dict(early or {})
         if not early:
@@ -832,7 +832,7 @@ def produce_all_to_all_core(call: Call, producer: Callable[[int], torch.Tensor],
     rank, n = call.be.rank, call.be.world_size
     first_dest = (rank + 1) % n
     # the call's number first: a producer that raises on the block it makes first (which fixes the call's
-    # layout) leaves this call on every peer's board, never an unnumbered gap (loop.Ticket)
+    # layout) leaves this call on every peer's board, never an unnumbered gap (admission.Ticket)
     with enter_call(call.be, label) as ticket:
         if like is not None and recv_sizes is not None and send_sizes is not None:
             made, first = {}, like

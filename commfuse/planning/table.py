@@ -23,7 +23,7 @@ No entry holds any other tensor: a call's inputs, outputs and gathered copies be
 **Eviction.** Past the bound, entries are evicted least recently used first, by second chance (a clock):
 the oldest entry that was not used since the table last looked is evicted, one that was goes to the back.
 "Used" costs a repeated call nothing it did not do before but one store: a plan's ``used`` flag, set as its
-call gives the group back (``runtime.loop``); an entry found with :func:`find` or :func:`lookup` (the
+call gives the group back (``runtime.admission``); an entry found with :func:`find` or :func:`lookup` (the
 planning paths, the layers, the backward passes) is marked on the next sweep. An op's runnable entry
 lives as long as the plans it runs (it goes with them); a backend entry (one per group) is neither counted
 nor evicted. An entry bigger than the whole bound is not kept (its call still runs, planned anew each time,

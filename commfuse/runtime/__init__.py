@@ -1,6 +1,7 @@
 """The runtime: the Backend protocol, the c10d backend, group state and call numbering (``groups``), the
-compiled plan (``compiled``), what observes a call (``observe``) and the one loop that walks a rank's steps
-(``loop``), with the programs that hold a call's data (``programs``), and the flight recorder that keeps
+compiled plan (``compiled``), what observes a call (``observe``) and the walks of a rank's steps
+(``walks``: a call admitted by ``admission``, built of ``steps``, finished after a failure by ``finishing``),
+with the programs that hold a call's data (``programs``), and the flight recorder that keeps
 each group's last calls (``recorder``). It executes what the planning layer
 (``commfuse.planning``) hands it and imports nothing above itself.
 
@@ -16,7 +17,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "Backend", "Handle", "Plan", "Program", "execute
 #: Each public name and the module that holds it.
 _HOMES = {
     "Backend": "protocol", "Handle": "protocol", "Plan": "compiled", "Program": "compiled",
-    "DEFAULT_TIMEOUT_S": "groups", "execute": "loop", "measure": "observe", "record_events": "observe",
+    "DEFAULT_TIMEOUT_S": "groups", "execute": "walks", "measure": "observe", "record_events": "observe",
 }
 
 

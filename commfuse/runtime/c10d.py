@@ -352,7 +352,7 @@ class _StreamHandle(_Handle):
 
     def done(self) -> bool:
         """Always: the host never waits on a stream-ordered step, so work handed to its wait
-        (``commfuse.runtime.loop.FILLERS``) is queued one item per step, between the step's own kernels."""
+        (``commfuse.runtime.steps.FILLERS``) is queued one item per step, between the step's own kernels."""
         return True
 
     def __init__(self, works, outputs, inflight, backend: "C10dBackend", what: str | None) -> None:

@@ -7,7 +7,7 @@ rank), after which a step costs a few attribute reads, one ``post`` and one
 ``wait``. A :class:`Plan` adds what one call signature fixes (the op, the
 timeout, the check mode, whether its compute overlaps) and what its first call
 learns (its fingerprint's digest). What the data *is* lives in a
-:class:`Program` (one per kind of op, see ``programs``); ``runtime.loop`` walks
+:class:`Program` (one per kind of op, see ``programs``); ``runtime.walks`` walks
 the steps.
 
 Here too: how a step, and a stall in it, is named in an error.

@@ -8,7 +8,7 @@ connection of the group, and a receive left posted would swallow a later message
 that left *serves* the call instead, without its inputs:
 
 1. It notes on the board that it left call #seq and serves it (``fail`` with ``serves``), as
-   :func:`commfuse.runtime.loop.announce_left` notes any call a rank leaves.
+   :func:`commfuse.runtime.admission.announce_left` notes any call a rank leaves.
 2. Each peer stalls in the call, reads the note, and publishes what it posted in the call
    (``drain/<lane>/<seq>/<rank>`` in the group's store): per (direction, peer, tag) how many messages so far,
    and the messages of its last posted step with their sizes. The rank that left publishes nothing posted.

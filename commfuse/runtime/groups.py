@@ -25,8 +25,7 @@ Rules every call follows, whatever the backend (see ``docs/reliability.md``):
 :class:`GroupState` holds a group's numbers, lock and board; taking the group
 for a call, numbering it by lane and announcing a call that left early
 (``take_group``, ``lane``, ``Ticket``, ``announce_left``, ``op_calls``) are
-in ``commfuse.runtime.loop``, so that a ring call's walk leaves that module
-only for the backend. The timeouts every wait is bounded by
+in ``commfuse.runtime.admission``. The timeouts every wait is bounded by
 (:func:`resolve_timeout`) and the tag layout of a call's messages are defined
 here too.
 """
@@ -201,7 +200,7 @@ def _group_name(group) -> str:
 def state_of_group(group) -> GroupState:
     """The :class:`GroupState` of a process group (or of a backend object that has no group). A group
     torch.distributed destroyed gets a state that is not kept and counts no incarnation: no call can take it
-    (``loop.take_group`` refuses it), and a rank that asked for one must not number the name's later groups
+    (``admission.take_group`` refuses it), and a rank that asked for one must not number the name's later groups
     apart from its peers'."""
     found = _STATES.get(group)
     if found is None:
@@ -266,7 +265,7 @@ def known_groups() -> list:
 def forget_group(group) -> bool:
     """Drop the state of ``group``, a process group torch.distributed destroyed, unless a call on it is in
     flight (False: then nothing is dropped, and a later sweep tries again). A call that takes the group
-    after this finds it destroyed (``loop.take_group`` refuses it by name), so no call runs on a state that
+    after this finds it destroyed (``admission.take_group`` refuses it by name), so no call runs on a state that
     was dropped. The group's name keeps its count of incarnations (:data:`_INCARNATIONS`): a group made
     again under the name, on the same store, gets a board of its own."""
     with _STATES_LOCK:

@@ -2,7 +2,7 @@
 
 While nothing observes (no :func:`measure` or :func:`record_events` scope
 open in any thread, no profiler, no ``COMMFUSE_TRACE``), a call reads one
-counter and one flag and takes the loop's plain walk; ``runtime.loop`` reads
+counter and one flag and takes the loop's plain walk; ``runtime.walks`` reads
 these switches once per call, not per step.
 """
 

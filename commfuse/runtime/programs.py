@@ -1,4 +1,4 @@
-"""Programs: the data side of the loop (``runtime.loop``), one class per collective, and the receive
+"""Programs: the data side of the walks (``runtime.walks``), one class per collective, and the receive
 buffers' pool (:class:`BufferPool`).
 
 Each comes in two halves. A *layout* (``GatherLayout``, ``ScatterLayout``,
@@ -26,13 +26,12 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError, Communication
 from commfuse.runtime.protocol import Uneven
 from commfuse.runtime.compiled import Compiled, Program
 from commfuse.runtime.groups import capture_probe, register_format
-from commfuse.runtime.loop import held_slots
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
     "AllToAllLayout", "AllToAllProgram", "BufferPool", "GatherLayout", "ProduceAllToAllProgram", "GatherProgram", "ScatterLayout", "ReduceScatterProgram",
-    "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "key_bytes",
-    "offsets", "register_described", "rounded", "split_sizes", "sum_dtype", "sum_zeros",
+    "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "held_slots",
+    "key_bytes", "offsets", "register_described", "rounded", "split_sizes", "sum_dtype", "sum_zeros",
 ]
 
 _DTYPES = [
@@ -110,7 +109,7 @@ class BufferPool:
     def __init__(self, backend) -> None:
         self.backend = backend
         #: free buffers by key, for the claimed keys only; any other key reads as an empty list that is not
-        #: kept (``loop.execute_one_by_one`` takes and gives back buffers through these lists without a call).
+        #: kept (``walks.execute_one_by_one`` takes and gives back buffers through these lists without a call).
         #: Keys are added and removed, never their lists emptied in place: a call in flight on another thread
         #: keeps the list it took
         self.free: dict[tuple, list[torch.Tensor]] = _FreeLists()
@@ -292,6 +291,19 @@ class GatherLayout(_SlotLayout):
         super().__init__(compiled, shard_sizes, dim, shape, dtype)
         sizes = [self.size[s] for s in self.own]
         self.cuts = offsets(sizes)[1:]  # where tensor_split cuts this rank's shard
+
+
+def held_slots(layout, shard: torch.Tensor) -> list:
+    """A gather's tensors by slot at the start of a call: this rank's shard (cut into its slices), nothing
+    else yet."""
+    held: list = [None] * len(layout.size)
+    own = layout.own
+    if len(own) == 1:
+        held[own[0]] = shard if shard.is_contiguous() else shard.contiguous()
+    else:
+        for s, p in zip(own, torch.tensor_split(shard, layout.cuts, dim=layout.dim)):
+            held[s] = p.contiguous()
+    return held
 
 
 class _Base(Program):

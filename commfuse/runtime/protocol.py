@@ -1,4 +1,4 @@
-"""The Backend protocol: what the step loop (``commfuse.runtime.loop``) asks of a transport.
+"""The Backend protocol: what the step loop (``commfuse.runtime.walks``) asks of a transport.
 
 A backend moves tensors; it never decides what to move. The loop gives it
 one step's transfers at a time and later asks for what arrived. The protocol

@@ -5,7 +5,7 @@ It keeps the last :data:`DEFAULT_SIZE` (``COMMFUSE_RECORDER``) calls in a
 bounded deque, whose records are reused or replaced in place, so the
 recorder never grows, however long the job runs.
 
-What the step loop (``runtime.loop``) writes, per call: the plan (op, algorithm
+What the step loop (``runtime.walks``) writes, per call: the plan (op, algorithm
 and signature digest are read from it only when a dump is written), the
 call number and thread lane, the site (``runtime.sites``) and the start
 (``time.perf_counter_ns``). The recorder's entries are a ``deque`` bounded at

@@ -391,7 +391,7 @@ def watchdog_reads_the_board(rank, n):
     from commfuse.runtime.c10d import _StreamHandle
     from commfuse.runtime.compiled import Plan
     from commfuse.runtime.groups import group_state
-    from commfuse.runtime.loop import announce_left, lane
+    from commfuse.runtime.admission import announce_left, lane
     from commfuse.schedule import build
     from commfuse.runtime.watchdog import Watchdog
     from commfuse.schedule import SliceId, Transfer

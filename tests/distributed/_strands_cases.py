@@ -93,23 +93,23 @@ def against_sequential(ours: dict, theirs: dict, stages_ours: list, stages_their
     gives a step's micro-batches); losses and gradients compared each step, parameters after, into
     ``problems``. ``after_backward(params)`` runs on both before each optimizer step. Returns, for each wait
     that was handed work, how many pieces it ran."""
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
 
     opt_o, opt_t = torch.optim.AdamW(ours.values(), lr=1e-2), torch.optim.AdamW(theirs.values(), lr=1e-2)
-    real, fills = loop.run_filler, []
+    real, fills = steps.run_filler, []
 
     def counted(handle=None):  # work without transfers run inside another stage's op, while its transfers travel
-        before = len(loop.FILLERS)
+        before = len(steps.FILLERS)
         real(handle)
-        fills.append(before - len(loop.FILLERS))
+        fills.append(before - len(steps.FILLERS))
 
     for step in range(3):
         batches = batches_of(step)
-        loop.run_filler = counted
+        steps.run_filler = counted
         try:
             losses = strands.run(stages_ours, batches, loss_fn, plan=plan)
         finally:
-            loop.run_filler = real
+            steps.run_filler = real
         want = []
         for x, t in batches:  # the reference: the stages as one function, one micro-batch after the other
             h = (x,)
@@ -144,7 +144,7 @@ def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm
     schedule = strands.order(stages_ours, micro_batches=count, plan=plan)
     if plan != "sequential" and count > 1 and [k for k, _, _ in schedule[: 2 * len(stages_ours)]].count("B") == 0:
         problems.append(f"the order never interleaves a backward with the next forward: {schedule}")
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
 
     fills = against_sequential(ours, theirs, stages_ours, stages_theirs, lambda step: _batches(rank, n, count, step),
                                _loss, plan, problems)
@@ -156,8 +156,8 @@ def strands_match_sequential(rank: int, n: int, plan: str, count: int, algorithm
         problems.append(f"the sequential plan ran {taken} pieces of work inside waits")
     if plan != "sequential" and taken < 3 * (count - 1) + 3:
         problems.append(f"only {taken} pieces of work ran inside waits over 3 steps of {count} micro-batches")
-    if loop.FILLERS:
-        problems.append(f"work left over for later ops: {loop.FILLERS}")
+    if steps.FILLERS:
+        problems.append(f"work left over for later ops: {steps.FILLERS}")
     return problems
 
 
@@ -258,21 +258,21 @@ def forwards_against_sequential(stages: list, inputs: list, plan: str, problems:
     """``strands.forward(stages, inputs)`` under ``torch.no_grad()`` against the stages as one function, one
     micro-batch after the other: every micro-batch's output equal, none missing; returns how many stages ran
     inside another's wait."""
-    from commfuse.runtime import loop
+    from commfuse.runtime import steps
 
-    real, fills = loop.run_filler, []
+    real, fills = steps.run_filler, []
 
     def counted(handle=None):
-        before = len(loop.FILLERS)
+        before = len(steps.FILLERS)
         real(handle)
-        fills.append(before - len(loop.FILLERS))
+        fills.append(before - len(steps.FILLERS))
 
     with torch.no_grad():
-        loop.run_filler = counted
+        steps.run_filler = counted
         try:
             got = strands.forward(stages, inputs, plan=plan)
         finally:
-            loop.run_filler = real
+            steps.run_filler = real
         for i, x in enumerate(inputs):
             h = (x,)
             for stage in stages:
@@ -291,8 +291,8 @@ def forwards_against_sequential(stages: list, inputs: list, plan: str, problems:
                        problems)
     if len(got) != len(inputs):
         problems.append(f"{label}{len(got)} outputs for {len(inputs)} micro-batches")
-    if loop.FILLERS:
-        problems.append(f"{label}work left over for later ops: {loop.FILLERS}")
+    if steps.FILLERS:
+        problems.append(f"{label}work left over for later ops: {steps.FILLERS}")
     return sum(fills)
 
 

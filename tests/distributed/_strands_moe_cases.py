@@ -13,7 +13,7 @@ from _strands_cases import _close, against_sequential  # the stages-against-sequ
 from commfuse import strands
 from commfuse.models.moe_stages import MOE_STAGES, REPLICATED, moe_ep_params, moe_ep_stages
 from commfuse.nn import moe
-from commfuse.runtime import loop
+from commfuse.runtime import steps
 
 HIDDEN, FFN, HEADS, TOPK, SEQ, BATCH = 32, 32, 4, 2, 16, 2
 
@@ -63,9 +63,9 @@ def _match(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str
     # searched: attention, router, router, attention (no transfers) each beside a stage with transfers, per pair
     # of micro-batches; without figures nothing is known to be free of transfers, nothing is filled
     expected = 3 * 4 * (count - 1) if plan == "searched" else 0
-    if len(fills) != expected or loop.FILLERS:
+    if len(fills) != expected or steps.FILLERS:
         problems.append(f"{plan}: {len(fills)} stages filled another's transfers, expected {expected}; "
-                        f"left over: {loop.FILLERS}")
+                        f"left over: {steps.FILLERS}")
     return problems
 
 

@@ -20,7 +20,7 @@ from commfuse.graphs import Captured, capture, check_capturable, closure_leaves,
 from commfuse.plugins import Capabilities
 from commfuse.runtime.compiled import Plan
 from commfuse.runtime.groups import capture_probe
-from commfuse.runtime.loop import execute
+from commfuse.runtime.walks import execute
 from commfuse.runtime.programs import BufferPool
 from commfuse.runtime.watchdog import Watchdog
 from commfuse.schedule import build
