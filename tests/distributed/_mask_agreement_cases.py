@@ -22,7 +22,7 @@ from commfuse.fused import ring_attention as ring_module
 from commfuse.runtime.groups import group_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ring_attention_cases import reference  # noqa: E402
+from _ring_attention_cases import mesh_2d, reference  # noqa: E402
 from _tp_cases import _run  # noqa: E402
 
 TOL = dict(rtol=1e-4, atol=1e-5)  # float32, summed in another order
@@ -78,6 +78,24 @@ def _ids(lengths) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
+def cu(rows) -> torch.Tensor:
+    """Cumulative document lengths over the flattened batch, from each row's lengths."""
+    ends = [0]
+    for row in rows:
+        for length in row:
+            ends.append(ends[-1] + length)
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+def _two_masks(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A boolean (s, s) mask in which every query sees itself, and a copy that differs in one place."""
+    allowed = torch.rand(s, s, generator=torch.Generator().manual_seed(3)) < 0.6
+    allowed |= torch.eye(s, dtype=torch.bool)
+    differs = allowed.clone()
+    differs[0, 1] = not bool(differs[0, 1])
+    return allowed, differs
+
+
 def _whole(linears, x, allowed, causal):
     """The unsharded attention of x (b, s, hidden) through the layer's four projections, ``allowed`` (b or 1,
     1, s, s) boolean."""
@@ -122,13 +140,6 @@ def parallel_attention(rank: int, n: int, check: str = "") -> dict:
         healthy(dict(document_ids=same), (same[:, None] == same[None, :])[None, None], "after document_ids")
 
     def cu_seqlens():
-        def cu(rows):
-            ends = [0]
-            for row in rows:
-                for length in row:
-                    ends.append(ends[-1] + length)
-            return torch.tensor(ends, dtype=torch.int32)
-
         mine_cu = cu([halves, other if last else halves])
         _mismatch(results, "cu-seqlens", lambda: layer(mine, cu_seqlens=mine_cu), *names, "cu_seqlens")
         same = _ids(halves)
@@ -136,11 +147,7 @@ def parallel_attention(rank: int, n: int, check: str = "") -> dict:
                 "after cu_seqlens")
 
     def boolean():
-        g = torch.Generator().manual_seed(3)
-        allowed = torch.rand(s, s, generator=g) < 0.6
-        allowed |= torch.eye(s, dtype=torch.bool)
-        differs = allowed.clone()
-        differs[0, 1] = not bool(differs[0, 1])
+        allowed, differs = _two_masks(s)
         _mismatch(results, "boolean", lambda: layer(mine, attn_mask=differs if last else allowed), *names,
                   "attn_mask", "bool [", " attend")
         healthy(dict(attn_mask=allowed), allowed[None, None], "after attn_mask")
@@ -197,23 +204,12 @@ def attention_parallel(rank: int, n: int, check: str = "") -> dict:
         healthy(dict(document_ids=same), allowed, "after document_ids")
 
     def cu_seqlens():
-        def cu(rows):
-            ends = [0]
-            for row in rows:
-                for length in row:
-                    ends.append(ends[-1] + length)
-            return torch.tensor(ends, dtype=torch.int32)
-
         _mismatch(results, "tp-cu-seqlens", lambda: block(mine, cu_seqlens=cu([halves, other if last else halves])),
                   *names, "cu_seqlens")
         healthy(dict(cu_seqlens=cu([halves, halves])), allowed, "after cu_seqlens")
 
     def boolean():
-        g = torch.Generator().manual_seed(3)
-        dense = torch.rand(s, s, generator=g) < 0.6
-        dense |= torch.eye(s, dtype=torch.bool)
-        differs = dense.clone()
-        differs[0, 1] = not bool(differs[0, 1])
+        dense, differs = _two_masks(s)
         _mismatch(results, "tp-boolean", lambda: block(mine, attn_mask=differs if last else dense), *names,
                   "attn_mask")
         healthy(dict(attn_mask=dense), dense[None, None], "after attn_mask")
@@ -346,17 +342,11 @@ def two_dimensional(rank: int, n: int, algorithm: str = "ring") -> dict:
     """cp x ulysses of 2 x 2 (n = 4): the ranks of Ulysses index 1 pass other document_lengths than those of
     index 0. Each cp group agrees within itself, so only the Ulysses groups' comparison can see it: MismatchError
     on every rank naming the Ulysses group and both values; then equal lengths match the unsharded attention."""
-    import torch.distributed as dist
-
     from commfuse.fused.ring_attention import ulysses_positions
 
     torch.set_num_threads(1)
     results: dict = {}
-    cp_size, u_size = 2, n // 2
-    u_groups = [dist.new_group(list(range(c * u_size, (c + 1) * u_size))) for c in range(cp_size)]
-    cp_groups = [dist.new_group(list(range(u, n, u_size))) for u in range(u_size)]
-    cp_rank, u_rank = divmod(rank, u_size)
-    cp_group, u_group = cp_groups[u_rank], u_groups[cp_rank]
+    cp_size, u_size, cp_rank, u_rank, cp_group, u_group = mesh_2d(rank, n)
     g = torch.Generator().manual_seed(5)
     s = 4 * n
     q, k, v = (torch.randn(1, s, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))

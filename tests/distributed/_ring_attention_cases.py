@@ -246,22 +246,28 @@ def error_growth(rank: int, n: int) -> dict:
     return errors
 
 
+def mesh_2d(rank: int, n: int):
+    """A cp x ulysses mesh of 2 x n/2: (cp size, ulysses size, this rank's cp rank and ulysses rank, its cp group,
+    its Ulysses group). rank = cp_rank * u_size + u_rank: the Ulysses groups are consecutive ranks, the cp
+    groups strided. Every rank makes every group, in one order."""
+    import torch.distributed as dist
+
+    cp_size, u_size = 2, n // 2
+    u_groups = [dist.new_group(list(range(c * u_size, (c + 1) * u_size))) for c in range(cp_size)]
+    cp_groups = [dist.new_group(list(range(u, n, u_size))) for u in range(u_size)]
+    cp_rank, u_rank = divmod(rank, u_size)
+    return cp_size, u_size, cp_rank, u_rank, cp_groups[u_rank], u_groups[cp_rank]
+
+
 def two_dimensional(rank: int, n: int) -> dict:
     """The 2-D form on a cp x ulysses mesh of 2 x 2 (n = 4): ring attention over the cp axis with Ulysses
     inside, forward and dq/dk/dv against the float64 unsharded attention; and RingAttention with a Ulysses
     group against the unsharded layer (input and weight gradients too)."""
-    import torch.distributed as dist
-
     from commfuse.fused.ring_attention import ulysses_positions
 
     torch.set_num_threads(1)
     results: dict = {}
-    cp_size, u_size = 2, n // 2
-    # rank = cp_rank * u_size + u_rank: the Ulysses groups are consecutive ranks, the cp groups strided
-    u_groups = [dist.new_group(list(range(c * u_size, (c + 1) * u_size))) for c in range(cp_size)]
-    cp_groups = [dist.new_group(list(range(u, n, u_size))) for u in range(u_size)]
-    cp_rank, u_rank = divmod(rank, u_size)
-    cp_group, u_group = cp_groups[u_rank], u_groups[cp_rank]
+    cp_size, u_size, cp_rank, u_rank, cp_group, u_group = mesh_2d(rank, n)
 
     def mine(t, seq):
         return t[:, ulysses_positions(seq, cp_rank, cp_size, u_rank, u_size, layout)]
