@@ -104,7 +104,7 @@ from commfuse.nn._blocks import (
 from commfuse.nn._common import as_dtensor, config, replicated, replicated_linear
 from commfuse.runtime import sites
 from commfuse.runtime.checkpointing import as_custom_op
-from commfuse.planning.agreement import agree_carried, agree_shared, carry, forget_carried
+from commfuse.planning.agreement import agree_around, agree_shared
 from commfuse.runtime.groups import check_mode, state_of_group
 from commfuse.runtime.admission import counted_calls, leave_calls
 from commfuse.schedule import Collective, site_algorithm
@@ -1557,18 +1557,12 @@ class AttentionParallel(_AttentionStyle):
             call = fused_attention.reduce_scatter_call(self.algorithm, batch=b, rows=s // n, hidden=w.shape[0],
                                                        dtype=ops.autocast_dtype(q) or q.dtype,
                                                        group=mesh.get_group(), device=q.device)
-            riding = compared is not None and carry(call, compared[1])
-            if compared is not None and not riding:
-                agree_shared(mesh.get_group(), *compared, label="AttentionParallel.mask", device=q.device)
-            try:
-                z = fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask,
-                                                             config=options, **scores)
-            except BaseException:
-                if riding:
-                    forget_carried(call.be)
-                raise
-            if riding:
-                agree_carried(call.be, mesh.get_group(), *compared, label="AttentionParallel.mask", device=q.device)
+            def run():
+                return fused_attention.attention_reduce_scatter(call, q, k, v, w, causal=causal, mask=mask,
+                                                                config=options, **scores)
+
+            z = run() if compared is None else agree_around(call, mesh.get_group(), *compared, run,
+                                                             label="AttentionParallel.mask", device=q.device)
             out = self._scattered(mesh, z, want, wo.bias)
         else:
             if compared is not None:

@@ -43,7 +43,7 @@ from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
-from commfuse.planning.agreement import agree_carried, agree_shared, carry, digest, forget_carried, shown
+from commfuse.planning.agreement import agree_around, digest, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
@@ -621,19 +621,13 @@ def _ulysses_in(call, ulysses_group, q, k, v, document_lengths):
         except Exception:  # noqa: BLE001 - lengths of no known form: compared as written, refused by the ring
             text = repr(document_lengths)
             shared = (digest(text.encode()), lambda: [("document_lengths", shown(text))])
-    riding = shared is not None and carry(call, shared[0])
-    if shared is not None and not riding:
-        agree_shared(ulysses_group, what, *shared, label="ring_attention.ulysses.documents", device=q.device)
-    try:
-        out = tuple(_UlyssesExchange.apply(call, True, t) for t in (q, k, v))
-    except BaseException:
-        if riding:
-            forget_carried(call.be)
-        raise
-    if riding:
-        agree_carried(call.be, ulysses_group, what, *shared, label="ring_attention.ulysses.documents",
-                      device=q.device)
-    return out
+    def run():
+        return tuple(_UlyssesExchange.apply(call, True, t) for t in (q, k, v))
+
+    if shared is None:
+        return run()
+    return agree_around(call, ulysses_group, what, *shared, run, label="ring_attention.ulysses.documents",
+                        device=q.device)
 
 
 def _ulysses_call(q, k, ulysses_group, timeout):
@@ -675,17 +669,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
     # the ranks' document lengths compared on every call: their digest rides the K/V ring's own transfers
     # where the transport can carry it (gloo), and no rank returns a result computed with lengths that differ;
     # elsewhere one exchange of digests of its own, before any block is computed
-    what, be = "ring_attention's document_lengths", ring.gather.be
-    if not carry(ring.gather, ring.shared[0]):
-        agree_shared(group, what, *ring.shared, label="ring_attention.documents", device=q.device)
-        return _RingAttention.apply(ring, q, k, v)
-    try:
-        out = _RingAttention.apply(ring, q, k, v)
-    except BaseException:
-        forget_carried(be)
-        raise
-    agree_carried(be, group, what, *ring.shared, label="ring_attention.documents", device=q.device)
-    return out
+    return agree_around(ring.gather, group, "ring_attention's document_lengths", *ring.shared,
+                        lambda: _RingAttention.apply(ring, q, k, v), label="ring_attention.documents",
+                        device=q.device)
 
 
 def ring_attention_reference(qs: Sequence[torch.Tensor], ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], *,

@@ -70,7 +70,7 @@ from commfuse.nn._common import (
 )
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
-from commfuse.planning.agreement import agree_carried, agree_shared, carries, carry, forget_carried
+from commfuse.planning.agreement import agree_around, agree_shared, carries
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.admission import op_calls
@@ -178,28 +178,21 @@ class ParallelAttention(nn.Module):
             dtype=ops.autocast_dtype(x) or x.dtype,  # under autocast the partials are in its dtype
             group=self.group, backend=self.backend, device=x.device)
         # the mask the ranks compare on this call (fused_attention.shared_mask: names, types, devices): its
-        # digest rides the projections' gather where the transport can carry it (gloo), else one exchange of
-        # digests more before any projection; a rank whose mask is refused leaves every call: its peers,
+        # digest rides the attention's reduce-scatter where the transport can carry it (gloo), else one exchange
+        # of digests more before any projection; a rank whose mask is refused leaves every call: its peers,
         # waiting, are told why
         shared = None if given is None or call is None else fused_attention.shared_mask(given, call.check)
         if shared is None:
             with op_calls(call.be if call is not None else None, "ParallelAttention.forward", 2):
                 return self._run(x, self._mask(given, b, rows_here * n), call)
-        what, label = "ParallelAttention's mask", "ParallelAttention.mask"
         riding = carries(call)  # the same on every rank: the digest rides the attention's reduce-scatter
         with op_calls(call.be, "ParallelAttention.forward", 2 if riding else 3):
             mask = self._mask(given, b, rows_here * n)
-            digest, described = fused_attention.mask_shared(*shared)
+            compared = ("ParallelAttention's mask", *fused_attention.mask_shared(*shared))
             if not riding:
-                agree_shared(self.group, what, digest, described, label=label, device=x.device)
+                agree_shared(self.group, *compared, label="ParallelAttention.mask", device=x.device)
                 return self._run(x, mask, call)
-            try:
-                out = self._run(x, mask, call, digest)
-            except BaseException:
-                forget_carried(call.be)
-                raise
-            agree_carried(call.be, self.group, what, digest, described, label=label, device=x.device)
-            return out
+            return self._run(x, mask, call, compared)
 
     def _mask(self, given: dict | None, batch: int, seq: int) -> AttentionMask | None:
         if given is None:
@@ -207,9 +200,10 @@ class ParallelAttention(nn.Module):
         return resolve_mask("ParallelAttention", given, batch=batch, seq=seq, heads=self.num_heads // self.world_size,
                             world_size=self.world_size, rank=self.rank)
 
-    def _run(self, x: torch.Tensor, mask: AttentionMask | None, call, digest: int | None = None) -> torch.Tensor:
-        """The layer's two calls: the projections' gather, then the attention's reduce-scatter, which carries
-        ``digest`` (the ranks' masks compared: :func:`commfuse.planning.agreement.carry`) where given."""
+    def _run(self, x: torch.Tensor, mask: AttentionMask | None, call, compared: tuple | None = None) -> torch.Tensor:
+        """The layer's two calls: the projections' gather, then the attention's reduce-scatter, whose transfers
+        carry the ranks' masks' digest where ``compared`` (``(what, digest, described)``) is given
+        (:func:`commfuse.planning.agreement.agree_around`)."""
         b = x.shape[0]
         config = self._config(mask)
         q, k, v = ops.all_gather_matmul(x, [local(self.wq).t(), local(self.wk).t(), local(self.wv).t()],
@@ -229,10 +223,12 @@ class ParallelAttention(nn.Module):
             out = library.attention_reduce_scatter(q, k, v, local(self.wo), causal=causal, group=self.group,
                                                    algorithm=self.algorithm, mask=mask)
         else:
-            if digest is not None:
-                carry(call, digest)
-            out = fused_attention.attention_reduce_scatter(call, q, k, v, local(self.wo), causal=causal, mask=mask,
-                                                           config=config)
+            def run():
+                return fused_attention.attention_reduce_scatter(call, q, k, v, local(self.wo), causal=causal,
+                                                                mask=mask, config=config)
+
+            out = run() if compared is None else agree_around(call, self.group, *compared, run,
+                                                               label="ParallelAttention.mask", device=x.device)
         return out + replicated(local(self.bo), self.group).to(out.dtype) if self.bo is not None else out
 
     @classmethod

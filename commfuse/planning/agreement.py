@@ -26,7 +26,7 @@ lengths, a layer's mask): one exchange of 8-byte digests on every call, and :fun
 readable values only where the digests differ. Where the call's own transfers can carry the digest
 (:func:`carry`, ``commfuse.runtime.rider``: gloo, a ring), there is no exchange of its own: the call that
 carried it says whether the ranks agree (:func:`agree_carried`), and only where they do not is anything
-exchanged.
+exchanged. :func:`agree_around` runs an op's calls with either, whichever its first call allows.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from commfuse.runtime.groups import register_format
 from commfuse.runtime.observe import unmeasured
 from commfuse.schedule import Collective
 
-__all__ = ["agree", "agree_carried", "agree_shared", "carries", "carry", "digest", "forget_carried", "share", "shown"]
+__all__ = ["agree", "agree_around", "agree_carried", "agree_shared", "carries", "carry", "digest", "forget_carried",
+           "share", "shown"]
 
 T = TypeVar("T")
 
@@ -194,6 +195,25 @@ def agree_carried(be, group, what: str, digest: int, described: Callable[[], lis
         raise MismatchError(f"{what}: the call's transfers carried digests that differ on some rank, so {so}, "
                             "though an exchange of the digests afterwards found them equal: a peer passed "
                             "inputs that changed during the call")
+
+
+def agree_around(call, group, what: str, digest: int, described: Callable[[], list[tuple[str, object]]],
+                 run: Callable[[], T], *, label: str, device=None) -> T:
+    """``run()``, whose first call is ``call``, with the ranks' per-call inputs ``what`` compared: ``digest``
+    rides that call's transfers where it can (:func:`carry`) and :func:`agree_carried` judges after it; else
+    :func:`agree_shared` compares before ``run()``. Where they differ every rank raises
+    :class:`MismatchError` and no rank returns ``run()``'s result; a ``run()`` that raises leaves no digest
+    behind for the next call to carry."""
+    if not carry(call, digest):
+        agree_shared(group, what, digest, described, label=label, device=device)
+        return run()
+    try:
+        out = run()
+    except BaseException:
+        forget_carried(call.be)
+        raise
+    agree_carried(call.be, group, what, digest, described, label=label, device=device)
+    return out
 
 
 def forget_carried(be) -> bool | None:
