@@ -1,37 +1,25 @@
 """Tier (b) in the torchtitan environment, real gloo ranks: ``commfuse.nn.MoE`` with each DeepSeek-style routing
 option (route_scale, a router bias, the expert bias and its update, node-limited routing, shared experts, all at
 once) equals torchtitan 0.3's own MoE module with the same weights, run unparallelized on every rank as the
-reference, with skewed routing: outputs and gradients within fp32 tolerance (``_moe_cases``)."""
+reference, with skewed routing: outputs and gradients within fp32 tolerance (``_moe_routing_cases``)."""
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from commfuse.launch import launch
+sys.path.insert(0, str(Path(__file__).parent))
+import _moe_routing_cases  # noqa: E402
 
-_CASES = "commfuse_torchtitan_moe_cases"
-
-
-def _cases():
-    """This folder's ``_moe_cases.py``, under a name of its own: tests/distributed has a ``_moe_cases`` too,
-    which a session that collects both would hand out under the bare name."""
-    module = sys.modules.get(_CASES)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(_CASES, Path(__file__).with_name("_moe_cases.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_CASES] = module
-        spec.loader.exec_module(module)
-    return module
+from commfuse.launch import launch  # noqa: E402
 
 
 def _on_rank(rank: int, n: int, algorithms: list[str]) -> dict[str, list[str]]:
     # what launch runs: a function of this module, which the ranks import by its name
-    return _cases().routing_matches_torchtitan(rank, n, algorithms)
+    return _moe_routing_cases.routing_matches_torchtitan(rank, n, algorithms)
 
 
 @functools.cache
@@ -41,7 +29,7 @@ def _results(n: int) -> list[dict[str, list[str]]]:
 
 
 @pytest.mark.parametrize("n", (2, 4))
-@pytest.mark.parametrize("option_set", list(_cases().OPTION_SETS))
+@pytest.mark.parametrize("option_set", list(_moe_routing_cases.OPTION_SETS))
 def test_moe_routing_equals_torchtitans(n, option_set):
     results = _results(n)
     problems = {rank: res[option_set] for rank, res in enumerate(results) if res[option_set]}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _user_cases as cases  # noqa: E402
+import _user_run_cases as cases  # noqa: E402
 
 from commfuse.launch import launch  # noqa: E402
 

@@ -105,7 +105,7 @@ def test_attend_soft_caps_and_slides_as_the_math_says(softcap, window):
 
 
 def _refusals() -> dict:
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_style_refusal_cases.py"))],
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_block_style_checks_cases.py"))],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
