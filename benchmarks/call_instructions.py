@@ -16,6 +16,9 @@ statement (``--statement``).
     python benchmarks/call_instructions.py [--ops ag_consume a2a_consume produce_rs ring_attention ag_ring rs_ring]
         [--world-size 2] [--calls 300] [--dtype float32] [--statement 'type(x) is not Tensor']
 
+``walk_program`` and ``walk_one_by_one``: ``host_overhead.py --walks``' two rows, one ring all-gather signature
+walked with a program (``runtime.walks.execute``) and without (``execute_one_by_one``).
+
 ``--dtype`` (float32, bfloat16 or float16) is the ops' tensors' dtype: a
 reduce-scatter of half partials sums them in float32 (``programs.sum_dtype``),
 which costs a cast per partial and one on the result.
@@ -34,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 
-OPS = ("ag_consume", "a2a_consume", "produce_rs", "ring_attention", "ring_attention_docs", "ag_ring", "rs_ring")
+OPS = ("ag_consume", "a2a_consume", "produce_rs", "ring_attention", "ring_attention_docs", "ag_ring", "rs_ring",
+       "walk_program", "walk_one_by_one")
 
 
 def _calls(op: str, n: int, dtype: str = "float32"):
@@ -56,6 +60,11 @@ def _calls(op: str, n: int, dtype: str = "float32"):
     def partial(dest, x, w):
         return torch.matmul(x[dest * m:(dest + 1) * m], w)
 
+    if op.startswith("walk_"):  # host_overhead.py --walks' rows (its folder is the script's, on sys.path)
+        from host_overhead import walk_pair
+
+        rows = walk_pair(a, w, torch.empty(n * m, f, dtype=dt), m, n)
+        return rows["walk with a program" if op == "walk_program" else "walk without a program"]
     return {
         "ag_consume": lambda: cf.all_gather_consume(a, gemm, algorithm="ring", check=False),
         "a2a_consume": lambda: cf.all_to_all_consume(chunks, gemm, algorithm="ring", check=False),

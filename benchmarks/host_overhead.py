@@ -33,6 +33,14 @@ heads, 4 positions a rank; and with two documents, ``document_lengths``).
 They have no floor row of their own; they are for comparing one tree's
 per-call cost with another's.
 
+``--walks``: the one-loop question (issue 46, item 8). One ring all-gather signature, planned once, each slice's
+consumer one matmul into the output's rows, walked two ways in the same rounds: ``walk with a program``
+(``runtime.walks.execute``, the loop a call with gradients, a first call and an observed call take: a
+``GatherProgram`` holds the call's data and the loop calls its methods per step) and ``walk without a program``
+(``execute_one_by_one``, the repeated no-gradient ring call: steps resolved once into records, buffers from the
+pool's free lists). Their difference is what folding the two loops into the program's would cost every
+repeated ring call.
+
 ``--recorder``: the flight recorder's cost (``commfuse.runtime.recorder``).
 The ring and vanilla rows run again on one more group of the same ranks,
 passed by name, whose recorder is as ``COMMFUSE_RECORDER`` says (on, 64
@@ -54,7 +62,7 @@ and torch's too; a reduce-scatter of half partials sums them in float32 (the
 floor and torch's rows do not).
 
     python benchmarks/host_overhead.py [--world-sizes 2 8] [--rounds 15] [--calls 200] [--recorder]
-        [--pairs 200] [--pair-calls 100] [--consume] [--dtype float32]
+        [--pairs 200] [--pair-calls 100] [--consume] [--walks] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -149,8 +158,45 @@ def _paired(fn, plans, rec, pairs: int, calls: int) -> tuple[float, float, list[
     return statistics.median(on_us), statistics.median(off_us), diffs
 
 
+def walk_pair(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: int) -> dict:
+    """``--walks``' two rows: one ring all-gather signature of ``a`` (``m`` rows a rank), planned once, each
+    slice's consumer a matmul by ``w`` into its rows of ``out``, walked with a program and without. Checks
+    once, by profiling a call of each, that each takes the loop its row names."""
+    from commfuse.planning.pipelined import prepare_gather, resolve_call, run_gather
+    from commfuse.runtime import walks as _walks
+    from commfuse.schedule import Collective
+
+    call = resolve_call(Collective.ALL_GATHER, "ring", device=a.device, check=False,
+                        slice_bytes=a.numel() * a.element_size())
+    planned = prepare_gather(call, a.shape, a.dtype, 0, (m,) * n, "host_overhead.walks", [])
+
+    def into_rows(spans):
+        for start, size, t in spans:
+            torch.matmul(t, w, out=out[start:start + size])
+
+    def into_rows_one(start, size, t):
+        torch.matmul(t, w, out=out[start:start + size])
+
+    rows = {"walk with a program": lambda: run_gather(planned, a, into_rows),
+            # run_gather takes the walk without a program once the plan is settled
+            "walk without a program": lambda: run_gather(planned, a, into_rows, consume_one=into_rows_one)}
+    run_gather(planned, a, into_rows)  # the signature's first call: settles the plan
+    ran: list = []
+    for (row, fn), loop in zip(rows.items(), (_walks._walk, _walks.execute_one_by_one)):
+        sys.setprofile(lambda frame, event, _arg: event == "call" and ran.append(frame.f_code))
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        if loop.__code__ not in ran:
+            raise SystemExit(f"--walks: {row} did not run {loop.__name__}")
+        ran.clear()
+    return rows
+
+
 def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int = 200,
-            pair_calls: int = 100, consume: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+            pair_calls: int = 100, consume: bool = False, dtype: torch.dtype = torch.float32,
+            walks: bool = False) -> dict:
     import commfuse as cf
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -220,6 +266,8 @@ def measure(n: int, calls: int, rounds: int, recorder: bool = False, pairs: int 
             halves = [2 * n, 2 * n]
             candidates["cf ring attention, documents"] = lambda: cf.ring_attention(q, kv, kv, algorithm="ring",
                                                                                     document_lengths=halves)
+        if walks:
+            candidates.update(walk_pair(a, w, out, m, n))
         if recorder:
             # One more group, passed by name, whose plans run with their recorder and without it (_paired sets
             # it on the plans before each block), so on and off run the same plan objects, the same group, the
@@ -278,6 +326,8 @@ def main(argv=None) -> None:
     p.add_argument("--pair-calls", type=int, default=100, help="--recorder: calls per block")
     p.add_argument("--consume", action="store_true",
                    help="also time all_gather_consume, all_to_all_consume, produce_reduce_scatter, ring_attention")
+    p.add_argument("--walks", action="store_true",
+                   help="one ring signature walked with a program and without (issue 46, item 8)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -285,7 +335,7 @@ def main(argv=None) -> None:
           f"{args.dtype}")
     for n in args.world_sizes:
         r = measure(n, args.calls, args.rounds, args.recorder, args.pairs, args.pair_calls, args.consume,
-                    getattr(torch, args.dtype))
+                    getattr(torch, args.dtype), args.walks)
         print(f"\nworld size {n}")
         for name, value in r.items():
             if name.endswith("recorder extra"):
@@ -302,6 +352,10 @@ def main(argv=None) -> None:
         for what, extra, limit in (("ag vanilla over torch", ag_van, 20), ("rs vanilla over torch", rs_van, 20),
                                    ("ag auto over its pick", ag_auto, 5), ("rs auto over its pick", rs_auto, 5)):
             print(f"  {what:30s} {extra:+6.1f} us (target <= {limit} us) {'met' if extra <= limit else 'MISSED'}")
+        if args.walks:
+            with_, without = r["walk with a program"], r["walk without a program"]
+            print(f"  walk with a program / without  {with_ / without:5.2f}x  ({with_ - without:+.1f} us a call: what "
+                  "one loop over the program would add to a repeated ring call)")
         if args.recorder:
             for row in ("ag ring", "rs ring", "ag vanilla", "rs vanilla"):
                 diffs = r[f"{row} recorder extra"]

@@ -36,12 +36,19 @@ report() {  # each stage's time, at the end of the run whatever ended it
 trap report EXIT
 stage "set-up (ci/setup.sh)" bash ci/setup.sh
 [ "$status" = 0 ] || exit 1
+# The later stages' own environments (the torch floor's, JAX's, torchtitan's) are made while the main suite runs:
+# their downloads and installs wait on the network and the disk more than on the CPU. One after another (each
+# installs this tree editable, which writes its metadata into the tree). Each set-up script is idempotent, so
+# its stage runs it again, quickly, and a set-up that failed here fails there, in that stage's output; this
+# one's is in ci-artifacts/setup-<name>.log.
+mkdir -p ci-artifacts
+(for name in floor jax torchtitan; do bash "ci/setup_$name.sh" > "ci-artifacts/setup-$name.log" 2>&1 || true; done) &
+environments=$!
 venv="${COMMFUSE_VENV:-.venv}"
 stage "import layers (lint-imports)" env \
     PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
     "$venv/bin/lint-imports" --config .importlinter
 stage "main suite (pytest)" "$venv/bin/python" -m pytest "$@"
-mkdir -p ci-artifacts
 stage "plain install" bash ci/test_plain_install.sh
 conformance() {
     for n in 2 3 4; do
@@ -61,6 +68,7 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
 PY
 stage "vendor backends" bash ci/test_backends.sh
 stage "transformers" bash ci/test_transformers.sh
+wait "$environments"
 stage "JAX" bash ci/test_jax.sh
 stage "torchtitan" bash ci/test_torchtitan.sh
 stage "torch floor" bash ci/test_torch_floor.sh
