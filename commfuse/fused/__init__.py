@@ -7,11 +7,15 @@
 - :mod:`commfuse.fused.ring_attention`: ring attention (context parallelism), K/V consumed block by block
   from an all-gather ring and dK/dV produced into a reduce-scatter ring (``commfuse.ring_attention``,
   ``commfuse.nn.RingAttention``);
+- :mod:`commfuse.fused.ulysses`: Ulysses' head <-> sequence exchange, plain (ring attention's 2-D form) and
+  fused with the attention (``commfuse.nn.UlyssesAttention``, ``commfuse.nn.ulysses_attention``);
+- :mod:`commfuse.fused.moe`: the expert-parallel MoE block, its dispatch and combine fused with the experts'
+  GEMMs, forward and backward (``commfuse.nn.MoE``, ``commfuse.nn.moe.dispatch_experts`` / ``experts_combine``);
 - :mod:`commfuse.fused.sharded_linear`: the sharded (ZeRO-3 / FSDP) linear, its weight gathered and its
   gradients reduce-scattered in rings fused with the GEMMs (``commfuse.nn.ShardedLinear``,
   ``torch.ops.commfuse.sharded_linear``).
 
 This layer sits below the ``torch.library`` ops (``commfuse.library``) and the public functional API
 (``commfuse.ops``), and above autograd and planning: both front doors, eager and compiled, run the same
-code from here.
+code from here. Each block's autograd Functions sit beside it, in its module.
 """

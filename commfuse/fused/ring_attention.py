@@ -26,8 +26,9 @@ name                               what it is
 The 2-D form (``ulysses_group``: Ulysses inside, ring across, a cp x ulysses mesh): each rank holds 1/U of its
 cp rank's shard (in shard order); a pairwise all-to-all over the Ulysses group gives every rank the whole cp
 shard for Hq/U query heads and Hkv/U K/V heads, ring attention runs over the cp group on those heads, and a
-last all-to-all brings the output back to sequence shards (:class:`_UlyssesExchange`; the backward exchanges
-the gradients the other way).
+last all-to-all brings the output back to sequence shards (``commfuse.fused.ulysses``: ``to_heads`` and
+``to_sequence``, whose backwards exchange the gradients the other way). ``ulysses_positions`` lives there and
+is importable from here as well.
 """
 
 from __future__ import annotations
@@ -43,12 +44,11 @@ from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import check_tensor, plan_once
+from commfuse.fused.ulysses import exchange_call, heads_in, to_sequence, ulysses_positions
 from commfuse.planning.agreement import agree_around, digest, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import (
     all_gather_consume_core,
-    all_to_all_consume_core,
-    collect,
     configured,
     layer_config,
     StandIn,
@@ -563,87 +563,15 @@ def _shared_lengths(lengths) -> tuple[int, object]:
     return digest(rows), described
 
 
-class _UlyssesExchange(torch.autograd.Function):
-    """Ulysses' exchange, each way: ``to_heads`` takes this rank's rows of every head to every rank's rows of
-    this rank's heads; otherwise the inverse. The backward is the exchange the other way.
-
-    ======== ====================================================== ====================================
-    pass     computes (to_heads; the other way swaps the shapes)    communication (pairwise, U ranks)
-    ======== ====================================================== ====================================
-    forward  x (b, L, H, d) -> (b, U*L, H/U, d)                     head chunk t of x to rank t
-    backward g (b, U*L, H/U, d) -> (b, L, H, d)                     row chunk s of g back to rank s
-    ======== ====================================================== ====================================
-    """
-
-    @staticmethod
-    def forward(ctx, call, to_heads: bool, x: torch.Tensor):
-        ctx.call, ctx.to_heads = call, to_heads
-        return _to_heads(call, x) if to_heads else _to_sequence(call, x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return None, None, _to_sequence(ctx.call, g) if ctx.to_heads else _to_heads(ctx.call, g)
-
-
-def _to_heads(call, x: torch.Tensor) -> torch.Tensor:
-    u = call.world_size
-    chunks = [c.contiguous() for c in x.chunk(u, dim=2)]
-    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=1)
-
-
-def _to_sequence(call, x: torch.Tensor) -> torch.Tensor:
-    u = call.world_size
-    chunks = [c.contiguous() for c in x.chunk(u, dim=1)]
-    return torch.cat(all_to_all_consume_core(call, chunks, collect, 1, label="ring_attention.ulysses"), dim=2)
-
-
-def ulysses_positions(seq_len: int, cp_rank: int, cp_size: int, ulysses_rank: int, ulysses_size: int,
-                      layout: str = "contiguous", *, device=None) -> torch.Tensor:
-    """The global positions of the tokens a rank of the 2-D form holds: the ``ulysses_rank``-th of
-    ``ulysses_size`` equal pieces of cp rank ``cp_rank``'s shard (``commfuse.context.positions``)."""
-    pos = positions(seq_len, cp_rank, cp_size, layout, device=device)
-    if pos.numel() % ulysses_size:
-        raise CommfuseValueError(f"rank {ulysses_rank}: the cp shard of {pos.numel()} positions does not cut into "
-                                 f"{ulysses_size} equal pieces for the Ulysses group")
-    return pos.chunk(ulysses_size)[ulysses_rank]
-
-
-def _ulysses_in(call, ulysses_group, q, k, v, document_lengths):
-    """q, k and v through the Ulysses exchange into this rank's heads of the cp shard. The ranks of the Ulysses
-    group must pass the same ``document_lengths`` too (the cp ring compares only its own ranks'): their digest
-    rides the exchanges where the transport can carry it, else one exchange of digests first; where they
-    differ every rank of the Ulysses group raises ``MismatchError`` before the ring."""
-    what = "ring_attention's document_lengths (the Ulysses group)"
-    shared = None
-    if document_lengths is not None and call.check != "off":
-        try:
-            shared = _shared_lengths(document_lengths)
-        except Exception:  # noqa: BLE001 - lengths of no known form: compared as written, refused by the ring
-            text = repr(document_lengths)
-            shared = (digest(text.encode()), lambda: [("document_lengths", shown(text))])
-    def run():
-        return tuple(_UlyssesExchange.apply(call, True, t) for t in (q, k, v))
-
-    if shared is None:
-        return run()
-    return agree_around(call, ulysses_group, what, *shared, run, label="ring_attention.ulysses.documents",
-                        device=q.device)
-
-
-def _ulysses_call(q, k, ulysses_group, timeout):
-    """The Ulysses exchange's call (None: no Ulysses group, or one of size 1), K/V heads checked."""
-    if ulysses_group is None:
-        return None
-    call = resolve_call(Collective.ALL_TO_ALL, "auto", group=ulysses_group, device=q.device,
-                        slice_bytes=q.numel() // q.shape[2] * q.element_size(), timeout=timeout)
-    if call is None:
-        return None
-    u = call.world_size
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[2] % u:
-            raise CommfuseValueError(f"rank {call.rank}: {name} has {t.shape[2]} heads, not divisible by the Ulysses "
-                                     f"group's size {u}: every rank of it needs whole heads")
-    return call
+def _lengths_compared(document_lengths):
+    """The 2-D form's ``document_lengths`` as the Ulysses group compares them (``(digest, described)``, as
+    :func:`_shared_lengths` makes them); lengths of no known form are compared as written, and refused by the
+    ring."""
+    try:
+        return _shared_lengths(document_lengths)
+    except Exception:  # noqa: BLE001 - lengths of no known form: compared as written, refused by the ring
+        text = repr(document_lengths)
+        return digest(text.encode()), lambda: [("document_lengths", shown(text))]
 
 
 @atomic
@@ -655,13 +583,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 
     See ``commfuse.ring_attention`` (``commfuse.ops``) for the contract; this is the one implementation."""
     if ulysses_group is not None:
-        ulysses = plan_once(None, lambda: _ulysses_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
+        ulysses = plan_once(None, lambda: exchange_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
                             ulysses_group, None)
         if ulysses is not None:
-            q, k, v = _ulysses_in(ulysses, ulysses_group, q, k, v, document_lengths)
+            shared = None if document_lengths is None or ulysses.check == "off" else \
+                _lengths_compared(document_lengths)
+            q, k, v = heads_in(ulysses, ulysses_group, q, k, v, shared)
             out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                  algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
-            return _UlyssesExchange.apply(ulysses, False, out)
+            return to_sequence(ulysses, out, label="ring_attention.ulysses")
     ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
                                          timeout), "ring_attention", group, None)
     if ring.shared is None:

@@ -227,6 +227,21 @@ class ReplicatedGrad(torch.autograd.Function):
         return group_sum(g, ctx.group, label="replicated_grad"), None
 
 
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale`` (``commfuse.nn.MoE``'s replicated
+    parameters: their gradient averaged over its group, after :func:`replicated` summed it)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
 def replicated(t: torch.Tensor, group) -> torch.Tensor:
     _, n = world(group)
     if n == 1 or not torch.is_grad_enabled() or not t.requires_grad:

@@ -19,7 +19,9 @@ the whole sequence) is computed while the next chunk is in flight; the
 outputs go back in a last pairwise ring. Backward mirrors it: each arriving
 output-gradient chunk is back-propagated through its attention while the next
 travels. Un-overlapped: the K/V exchange (nothing to compute yet), the
-projections.
+projections. The exchanges and the attention fused with them, forward and
+backward, are ``commfuse.fused.ulysses``'s (with the plain exchange that ring
+attention's 2-D form runs); this module is the layer and its front door.
 
 Both support a causal mask and grouped-query attention (``num_kv_heads``).
 Their options that change what the ranks compute but not the shapes (the
@@ -34,9 +36,9 @@ import torch
 from torch import nn
 
 import commfuse.ops as ops
-from commfuse import backends
 from commfuse.errors import CommfuseValueError
 from commfuse.fused import attention as fused_attention
+from commfuse.fused import ulysses as fused_ulysses
 
 # the attention and its masks live in commfuse.fused.attention (one implementation for these layers, the tp
 # styles and the compiled op); their public names are re-exported here, where they have always been
@@ -71,10 +73,8 @@ from commfuse.nn._common import (
 from commfuse.nn.linear import _init_linear, _placement
 from commfuse.planning import pipelined
 from commfuse.planning.agreement import agree_around, agree_shared, carries
-from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.admission import op_calls
-from commfuse.runtime.programs import rounded, sum_zeros
 from commfuse.schedule import Collective
 
 
@@ -276,87 +276,11 @@ class ParallelAttention(nn.Module):
         return tuple(out)
 
 
-class _UlyssesAttention(torch.autograd.Function):
-    """Attention over the whole sequence for this rank's heads, from and back to sequence shards.
-
-    ======== ================================================= ===============================
-    pass     computes                                          communication (pairwise rings)
-    ======== ================================================= ===============================
-    forward  o_s = attend(q_s, K, V) per arriving query chunk  K,V to head owners; q chunks
-                                                               (overlapped); o_s back to s
-    backward dq_s, dK, dV += vjp(o_s) per arriving do chunk    do chunks (overlapped); dq_s,
-                                                               dK/dV rows back to their owners
-    ======== ================================================= ===============================
-
-    Shapes: q (b, L, H, d), k and v (b, L, Hkv, d) with L = s/N rows on this
-    rank and all heads; K, V (b, s, Hkv/N, d) all rows of this rank's heads;
-    output like q.
-    """
-
-    @staticmethod
-    def forward(ctx, call, causal: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        n = call.world_size
-        b, length, hq, d = q.shape
-        hq_l, hkv_l = hq // n, k.shape[2] // n
-        kv = torch.stack([k, v])  # (2, b, L, Hkv, d)
-        kv_chunks = [kv[:, :, :, t * hkv_l : (t + 1) * hkv_l].contiguous() for t in range(n)]
-        got = pipelined.all_to_all_consume_core(call, kv_chunks, pipelined.collect, 2, label="ulysses.kv")
-        kv_full = torch.cat(got, dim=2)  # (2, b, s, Hkv/N, d): rows in source order
-        kk, vv = kv_full[0], kv_full[1]
-        q_chunks = [q[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
-
-        def attend_chunk(q_s: torch.Tensor, s: int) -> torch.Tensor:
-            keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
-            return fused_attention.attend(q_s, kk[:, keys], vv[:, keys], causal=causal, q_offset=s * length)
-
-        # every arriving query chunk's attention runs while the next chunk is in flight
-        # (comm_only measurements: the attention's stand-in is an empty tensor of its shape, that of q_s)
-        arrived = pipelined.all_to_all_consume_core(
-            call, q_chunks, pipelined.StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
-                                        lambda q_s, s: (q_s, torch.empty_like(q_s))), 1, label="ulysses.q")
-        q_got = [a[0] for a in arrived]
-        back = pipelined.all_to_all_consume_core(call, [a[1] for a in arrived], pipelined.collect, 1, label="ulysses.out")
-        ctx.call, ctx.causal, ctx.length = call, causal, length
-        ctx.save_for_backward(torch.stack(q_got), kk, vv)
-        return torch.cat(back, dim=2)
-
-    @staticmethod
-    def backward(ctx, do: torch.Tensor):
-        q_all, kk, vv = ctx.saved_tensors
-        call, causal, length = ctx.call, ctx.causal, ctx.length
-        n = call.world_size
-        hq_l = do.shape[2] // n
-        # dK, dV sum one piece per arriving do chunk: in float32 for half inputs, rounded once (programs.sum_dtype)
-        dk, dv = sum_zeros(kk), sum_zeros(vv)
-
-        def back_chunk(do_s: torch.Tensor, s: int) -> torch.Tensor:
-            keys = slice(0, (s + 1) * length) if causal else slice(0, n * length)
-            with torch.enable_grad():
-                q_s = q_all[s].detach().requires_grad_()
-                k_s = kk[:, keys].detach().requires_grad_()
-                v_s = vv[:, keys].detach().requires_grad_()
-                o = fused_attention.attend(q_s, k_s, v_s, causal=causal, q_offset=s * length)
-                dq_s, dk_s, dv_s = torch.autograd.grad(o, (q_s, k_s, v_s), do_s)
-            dk[:, keys] += dk_s
-            dv[:, keys] += dv_s
-            return dq_s.contiguous()
-
-        do_chunks = [do[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
-        back = pipelined.StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
-        dq_chunks = pipelined.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
-        dq = torch.cat(pipelined.all_to_all_consume_core(call, dq_chunks, pipelined.collect, 1, label="ulysses.dq"), dim=2)
-        rows = [slice(s * length, (s + 1) * length) for s in range(n)]
-        dk, dv = rounded(dk, kk.dtype), rounded(dv, vv.dtype)
-        dkv_chunks = [torch.stack([dk[:, r], dv[:, r]]).contiguous() for r in rows]
-        dkv = torch.cat(pipelined.all_to_all_consume_core(call, dkv_chunks, pipelined.collect, 2, label="ulysses.dkv"), dim=3)
-        return None, None, dq, dkv[0], dkv[1]
-
-
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, group=None,
                       algorithm: str = "auto", timeout: float | None = None, backend=None) -> torch.Tensor:
     """Attention of sequence-sharded q (b, s/N, H, d), k, v (b, s/N, Hkv, d) over the whole sequence.
 
-    Differentiable; see :class:`UlyssesAttention` for the schedule. Returns
+    Differentiable; see ``commfuse.fused.ulysses`` (its ``_UlyssesAttention``) for the schedule. Returns
     (b, s/N, H, d). Not an op (it is built on the pairwise all-to-all's consumer
     form): under ``torch.compile`` it refuses, and a graph break runs it eagerly.
     ``causal`` joins the exchanges' fingerprint: every rank must pass the same.
@@ -374,17 +298,8 @@ def _ulysses(q, k, v, causal, group, algorithm, timeout, backend, config) -> tor
             "callables and cannot be part of a torch.compile graph: compile with fullgraph=False (torch.compile "
             "then runs it eagerly at a graph break); the layers that compile are listed in docs/compile.md"
         )
-    group = resolve_group(group)
-    be = backends.resolve(backend, group, q.device)
-    n = 1 if be is None else be.world_size
-    if n == 1:
-        return fused_attention.attend(q, k, v, causal=causal)
-    for name, t in (("q", q), ("k", k)):
-        if t.shape[2] % n:
-            raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
-    call = resolve_call("all_to_all", algorithm, group=group, backend=be, device=q.device,
-                        slice_bytes=q.numel() // n * q.element_size(), timeout=timeout)
-    return _UlyssesAttention.apply(pipelined.configured(call, config), causal, q, k, v)
+    return fused_ulysses.attention(q, k, v, causal=causal, group=resolve_group(group), algorithm=algorithm,
+                                   timeout=timeout, backend=backend, config=config)
 
 
 class UlyssesAttention(nn.Module):

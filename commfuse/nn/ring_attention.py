@@ -21,7 +21,7 @@ from torch import nn
 import commfuse.ops as ops
 from commfuse.context import check_layout, positions, rope
 from commfuse.errors import CommfuseValueError
-from commfuse.fused.ring_attention import ulysses_positions
+from commfuse.fused.ulysses import ulysses_positions
 from commfuse.nn._common import algorithm_option, replicated_linear, resolve_group, site_forward, world
 from commfuse.schedule import Collective
 
@@ -36,7 +36,7 @@ class RingAttention(nn.Module):
     embedding). ``forward(x, document_lengths=None)``: document lengths over the whole sequence, one list for
     every batch row or one per row (a query sees its own document only). ``ulysses_group`` (the 2-D form:
     Ulysses inside, ring across ``group``): x is this rank's piece of its cp rank's shard
-    (``commfuse.fused.ring_attention.ulysses_positions``)."""
+    (``commfuse.fused.ulysses.ulysses_positions``)."""
 
     algorithm = algorithm_option(Collective.ALL_GATHER, Collective.REDUCE_SCATTER)
 

@@ -171,7 +171,7 @@ def consumer_raises(rank, n, algorithm, source):
 def expert_raises(rank, n, algorithm):
     """One MoE forward in which rank 1's expert GEMM raises on the second block it computes (mid-dispatch).
     Returns (the forward's outcome, the next forwards')."""
-    import commfuse.nn.moe as moe_module
+    import commfuse.fused.moe as moe_module  # where the experts' GEMMs run
     from commfuse.nn import MoE
 
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from _strands_cases import _close, against_sequential  # the stages-against-sequential loop, shared
 
 from commfuse import strands
+from commfuse.fused import moe as fused_moe
 from commfuse.models.moe_stages import MOE_STAGES, REPLICATED, moe_ep_params, moe_ep_stages
 from commfuse.nn import moe
 from commfuse.runtime import steps
@@ -134,7 +135,7 @@ def wrong_dispatch_backward_is_caught(rank: int, n: int, mutant: str) -> list[st
     """The reference comparison with the dispatch half's backward made wrong on purpose: ``dgrad`` (its input
     gradient 1% too large) or ``wgrad`` (``w13``'s gradient not divided by the world size): its problems."""
     torch.set_num_threads(1)
-    real = moe._DispatchExperts.backward
+    real = fused_moe._DispatchExperts.backward
 
     def wrong(ctx, dacts, dcounts):
         dxs, dw13, *rest = real(ctx, dacts, dcounts)
@@ -142,11 +143,11 @@ def wrong_dispatch_backward_is_caught(rank: int, n: int, mutant: str) -> list[st
             return (dxs * 1.01, dw13, *rest)
         return (dxs, dw13 * n, *rest)
 
-    moe._DispatchExperts.backward = staticmethod(wrong)
+    fused_moe._DispatchExperts.backward = staticmethod(wrong)
     try:
         return against_reference(rank, n, "ring", "alternate")
     finally:
-        moe._DispatchExperts.backward = staticmethod(real)
+        fused_moe._DispatchExperts.backward = staticmethod(real)
 
 
 def forward_only_matches_sequential(rank: int, n: int, plan: str, count: int, algorithm: str) -> list[str]:
