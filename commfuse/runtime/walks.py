@@ -36,20 +36,31 @@ signature, a check and an observed call take :func:`execute`. After a
 failure each walk hands the rest of its call to a finisher
 (``commfuse.runtime.finishing``), which walks the remaining steps without
 computing, so the peers' transfers still find their other end. The walks stay
-side by side, each written out whole, because the ring one is the hot path (a
-program's calls per slot would cost a repeated ring call most of its host
-time) and every change to the step order must be made in all of them at once.
+side by side, each written out whole, and every change to the step order must
+be made in all of them at once.
 
-Every walk takes its group first (``commfuse.runtime.admission``) and builds
-its steps from the primitives in ``commfuse.runtime.steps``.
+**Why not one loop.** Folding them into :func:`_walk` over its program would
+put a program's method calls on every step of the repeated ring call, the
+hot path. Measured on one ring all-gather signature walked both ways
+(``benchmarks/call_instructions.py --ops walk_program walk_one_by_one``, the
+fake group, instructions a call): 140,231 with a program against 103,093
+without at world size 2 (+36%), 606,841 against 455,593 at 8 (+33%); the
+whole repeated ``all_gather_matmul`` is 130,088 at 2. The other way round,
+:func:`execute_one_by_one`'s records cannot hold what only the program
+walk does: whole collectives, several slices computed in one step, a serial
+plan's wait before its compute, the first call's fingerprint check, and
+observation. So the three loops differ in what they take, not in the order
+of a step:
 
-**Capture after the check.** A call made while the current stream captures a
-device graph (``torch.cuda.graph``) is walked like any other, with its receive
-buffers kept apart from eager calls' (``programs.BufferPool``) and, on a
-stream-ordered backend, its steps kept from the watchdog. A call that would
-check its fingerprint (a signature's first call, the call after a failure,
-``COMMFUSE_CHECK=always``) is refused instead, by name: the check compares
-values on the host.
+================== =============== ========================= ================
+                   ``_walk``       ``execute_one_by_one``    ``execute_into``
+================== =============== ========================= ================
+plans              any             ``one_by_one`` rings      whole collective
+the call's data    a ``Program``   held slots, free list     one tensor
+per step           program methods one post, one wait        one collective
+first call, check, yes             no (``may_skip_program``) no
+observed call
+================== =============== ========================= ================
 """
 
 from __future__ import annotations
