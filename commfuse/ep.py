@@ -39,8 +39,8 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.nn import MoE, ShardedLinear
 from commfuse.planning.agreement import agree
 from commfuse.nn._common import local
-from commfuse.planning import pipelined
-from commfuse.runtime.groups import register_format
+from commfuse.planning.all_reduce import group_sum
+from commfuse.runtime.fingerprints import register_format
 
 __all__ = ["clip_grad_norm_", "ddp", "fully_shard", "total_norm"]
 
@@ -127,7 +127,7 @@ class _DataParallelGrads:
         if not self.sync:
             return
         grad = local(p.grad)
-        grad.copy_(pipelined.group_sum(grad, self.group, label="ep.grad").div_(self.n))
+        grad.copy_(group_sum(grad, self.group, label="ep.grad").div_(self.n))
 
 
 def _axes(mesh, dp_axis: str, ep_axis: str, where: str):

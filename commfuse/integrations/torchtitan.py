@@ -63,7 +63,7 @@ import commfuse.ops as ops
 from commfuse import log
 from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommfuseWarning
 from commfuse.fused import attention as fused_attention
-from commfuse.planning.pipelined import layer_config
+from commfuse.planning.derive import layer_config
 from commfuse.runtime.admission import op_calls
 
 #: torchtitan releases CI runs this integration with.

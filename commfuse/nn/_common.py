@@ -14,10 +14,12 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.runtime import sites
 from commfuse.planning.agreement import agree
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import all_gather_consume_core, collect, group_sum, layer_config
-from commfuse.runtime.programs import dtype_name
-from commfuse.runtime.programs import config_words  # noqa: F401 - the layers name their string options with it
-from commfuse.runtime.groups import register_format
+from commfuse.planning.all_reduce import group_sum
+from commfuse.planning.consumers import collect
+from commfuse.planning.derive import layer_config
+from commfuse.planning.gather import all_gather_consume_core
+from commfuse.runtime.fingerprints import dtype_name, register_format
+from commfuse.runtime.fingerprints import config_words  # noqa: F401 - the layers name their string options with it
 from commfuse.schedule import Collective, offsets, site_algorithm, split_sizes
 
 
@@ -70,7 +72,7 @@ def site_forward(forward):
 
 
 def config(layer: str, *more: tuple[str, object], **options) -> tuple:
-    """A layer's options for its ops' fingerprints (``pipelined.layer_config``): ``more``, ``(name, value)``
+    """A layer's options for its ops' fingerprints (``planning.derive.layer_config``): ``more``, ``(name, value)``
     pairs from the module that holds the layer (a ``ParallelMLP``'s activation), then the layer's own."""
     return layer_config(layer, **dict(more), **options)
 

@@ -44,7 +44,7 @@ from commfuse.nn._common import (
     world,
 )
 from commfuse.nn.linear import _init_linear
-from commfuse.planning import pipelined
+from commfuse.planning.derive import configured
 from commfuse.runtime.checkpointing import as_custom_op
 from commfuse.schedule import Collective
 
@@ -196,7 +196,7 @@ class ShardedLinear(nn.Module):
         # auto decides on one shard's bytes in the compute dtype (all shards are alike), the same on every rank
         call = sharded_linear.all_gather_call(self.algorithm, weight, compute or self.weight.dtype, group=self.group,
                                               backend=self.backend, device=x.device)
-        call = pipelined.configured(call, config("ShardedLinear", bias=self.bias is not None, reduce=self.reduce))
+        call = configured(call, config("ShardedLinear", bias=self.bias is not None, reduce=self.reduce))
         return sharded_linear.sharded_linear_fn(call, self, x, weight, bias)
 
     def _compiled(self, x: torch.Tensor) -> torch.Tensor:

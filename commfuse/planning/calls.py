@@ -3,7 +3,7 @@
 :func:`resolve_call` is the one public way for ops and layers to turn what a
 user passed (``group``, ``backend``, ``algorithm``, ``timeout``, ``check``)
 into a :class:`Call`, the resolved options the pipelined primitives
-(``commfuse.planning.pipelined``) run with. It is remembered per call
+(``commfuse.planning.gather``, ``scatter``, ``all_to_all``) run with. It is remembered per call
 signature, so a layer that resolves on every forward pays a dict look-up.
 
 ``auto`` decides from sizes that every rank knows (the largest shard of a

@@ -20,15 +20,8 @@ import zlib
 import torch
 
 from commfuse.errors import CommfuseError, CommfuseTimeoutError, CommunicationError
-from commfuse.runtime.groups import (
-    ALGORITHMS,
-    COLLECTIVES,
-    FINGERPRINT_MAGIC,
-    SEQUENCE_WRAP,
-    capture_probe,
-    format_code,
-    group_state,
-)
+from commfuse.runtime.fingerprints import ALGORITHMS, COLLECTIVES, FINGERPRINT_MAGIC, format_code
+from commfuse.runtime.groups import SEQUENCE_WRAP, capture_probe, group_state
 from commfuse.runtime.observe import trace_enabled
 from commfuse.runtime.recorder import DEVICE, device_timing, recorder_for
 from commfuse.schedule import Collective, Schedule, SliceId, Step

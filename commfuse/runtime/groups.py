@@ -27,7 +27,8 @@ for a call, numbering it by lane and announcing a call that left early
 (``take_group``, ``lane``, ``Ticket``, ``announce_left``, ``op_calls``) are
 in ``commfuse.runtime.admission``. The timeouts every wait is bounded by
 (:func:`resolve_timeout`) and the tag layout of a call's messages are defined
-here too.
+here too. How a fingerprint's integers read back in words (``describe_fingerprint``, ``register_format``
+and every op's describer) is ``commfuse.runtime.fingerprints``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +50,15 @@ from commfuse.errors import (
 )
 from commfuse.runtime.board import RECOVER, board_of, declare_dead
 from commfuse.runtime.env import FALSE_WORDS, TRUE_WORDS, choice, number
-from commfuse.schedule import Algorithm, Collective, SliceId, Transfer
+from commfuse.runtime.fingerprints import (  # noqa: F401 - the fingerprint's words live there; kept here for their callers
+    ALGORITHMS,
+    COLLECTIVES,
+    FINGERPRINT_MAGIC,
+    describe_fingerprint,
+    format_code,
+    register_format,
+)
+from commfuse.schedule import Collective, SliceId, Transfer
 
 #: Default bound on every wait, in seconds, when neither ``timeout=`` nor
 #: ``COMMFUSE_TIMEOUT_S`` says otherwise. A ring step that has not completed in
@@ -74,12 +82,6 @@ PAIRWISE_CHANNEL = 1_001
 #: (``commfuse.runtime.c10d``'s rider, ``commfuse.planning.agreement.carry``).
 RIDER_CHANNEL = 1_002
 FINGERPRINT_LEN = 48
-#: The first integer of every fingerprint: a row that does not start with it was not made by this version.
-FINGERPRINT_MAGIC = 0xC0F5
-
-#: The order that codes collectives and algorithms in a fingerprint.
-COLLECTIVES = list(Collective)
-ALGORITHMS = list(Algorithm)
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -284,39 +286,7 @@ def forget_group(group) -> bool:
     return True
 
 
-
-_FORMATS: dict[int, tuple[str, object]] = {}
-
-
-def format_code(label: str) -> int:
-    """A stable small integer for an op label (the same on every rank running this version)."""
-    return zlib.crc32(label.encode()) & 0xFFFFFF
-
-
-def register_format(label: str, describe) -> None:
-    """Say how ``describe(meta_values) -> str`` reads the fingerprint integers of op ``label``."""
-    _FORMATS[format_code(label)] = (label, describe)
-
-
-def describe_fingerprint(values: Sequence[int]) -> str:
-    """A fingerprint in words, decoded with the format of the op that made it."""
-    values = list(values)
-    if len(values) < 8 or values[0] != FINGERPRINT_MAGIC:
-        return f"an unrecognised fingerprint {values}"
-    seq, code, coll, alg, overlap, parts, chunks = values[1:8]
-    label, describe = _FORMATS.get(code, (f"op#{code}", None))
-    coll_t = COLLECTIVES[coll].value if 0 <= coll < len(COLLECTIVES) else f"collective#{coll}"
-    alg_t = ALGORITHMS[alg].value if 0 <= alg < len(ALGORITHMS) else f"algorithm#{alg}"
-    if not overlap:
-        alg_t = "serial"
-    text = f"call #{seq} {label} ({coll_t}, algorithm {alg_t}, parts={parts}, chunks={chunks})"
-    meta = values[8:]
-    if describe is not None:
-        try:
-            return text + ": " + describe(meta)
-        except Exception:  # noqa: BLE001 - a fingerprint that does not fit its format is shown raw
-            pass
-    return text + f": {meta}"
+# -- a fingerprint row's fixed length on the wire -------------------------------------------------------------
 
 
 def _pad_fingerprint(values: list[int], length: int = FINGERPRINT_LEN) -> list[int]:

@@ -16,16 +16,24 @@ caller's consumer may hold on to what it was given).
 
 from __future__ import annotations
 
-import struct
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
 
-from commfuse.errors import CommfuseTypeError, CommfuseValueError, CommunicationError
+from commfuse.errors import CommfuseValueError, CommunicationError
 from commfuse.runtime.protocol import Uneven
 from commfuse.runtime.compiled import Compiled, Program
-from commfuse.runtime.groups import capture_probe, register_format
+from commfuse.runtime.fingerprints import (  # noqa: F401 - the fingerprint's words live there; kept here for their callers
+    CONFIG_MARK,
+    config_values,
+    config_words,
+    describe_config,
+    dtype_code,
+    dtype_name,
+    register_described,
+    shape_text,
+)
+from commfuse.runtime.groups import capture_probe
 from commfuse.schedule import Collective, SliceId, offsets, split_sizes
 
 __all__ = [
@@ -33,16 +41,6 @@ __all__ = [
     "CONFIG_MARK", "config_values", "config_words", "describe_config", "dtype_code", "dtype_name", "held_slots",
     "key_bytes", "offsets", "register_described", "rounded", "split_sizes", "sum_dtype", "sum_zeros",
 ]
-
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
-
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partials of ``dtype`` are summed in across ranks: float32 for float16 and bfloat16 (as torch's
@@ -64,14 +62,6 @@ def sum_zeros(like: torch.Tensor) -> torch.Tensor:
 def rounded(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A sum kept in :func:`sum_dtype` (:func:`sum_zeros`), rounded once to ``dtype``: itself where they match."""
     return total if total.dtype is dtype else total.to(dtype)
-
-
-def dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else f"dtype#{code}"
-
-
-def shape_text(code: int, shape: Sequence[int]) -> str:
-    return f"{dtype_name(code)}{list(shape)}"
 
 
 class BufferPool:
@@ -779,118 +769,3 @@ class ProduceAllToAllProgram(_Blocks, _Base):
         for slots in layout.incoming:
             out.append(held[slots[0]] if len(slots) == 1 else torch.cat([held[s] for s in slots], dim=layout.dim))
         return out
-
-
-# -- how the fused ops' fingerprints read back (see groups.describe_fingerprint) ----------------------------------
-
-
-def _describe_shards(what: str):
-    def describe(v):
-        return f"{what} {shape_text(v[0], v[3 : 3 + v[2]])} cut along dim {v[1]}"
-
-    return describe
-
-
-# -- a layer's options in a fingerprint ----------------------------------------------------------------------------
-#
-# A layer's options that change what its ranks compute or send but not the shapes (a causal mask, a bias, how
-# many heads a width is cut into) travel at the end of its ops' fingerprints as ``[*values, count, code, MARK]``:
-# ``code`` names the layer and its options' names (registered by :func:`config_values` on every rank that builds
-# the same layer), so a mismatch reads back as ``ParallelAttention(causal=True, ...)`` on every rank.
-
-#: The last integer of a fingerprint that ends with a layer's options.
-CONFIG_MARK = 0x0C0F_C0F1
-_CONFIGS: dict[int, tuple[str, tuple[str, ...], str]] = {}
-_WORDS: dict[int, str] = {}  # a string option's value by its code (see config_words)
-
-
-def _bits(value: float) -> int:
-    """A float as the signed 64-bit integer of its IEEE bits (every rank compares the same bits)."""
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def _float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
-
-
-def config_words(*words: str) -> None:
-    """Say which strings a string option may take, so that a rank reads another rank's value back by name."""
-    for word in words:
-        _WORDS[zlib.crc32(word.encode())] = word
-
-
-def config_values(layer: str, options: Sequence[tuple[str, object]]) -> tuple[int, ...]:
-    """A layer's ``(name, value)`` options (bools, ints, floats, strings) as the integers that end its
-    fingerprints."""
-    names = tuple(name for name, _ in options)
-    kinds, values = "", []
-    for name, value in options:
-        if isinstance(value, bool):
-            kinds, value = kinds + "b", int(value)
-        elif isinstance(value, int):
-            kinds += "i"
-        elif isinstance(value, float):
-            kinds, value = kinds + "f", _bits(value)
-        elif isinstance(value, str):
-            config_words(value)
-            kinds, value = kinds + "s", zlib.crc32(value.encode())
-        else:
-            raise CommfuseTypeError(f"{layer}: option {name}={value!r} must be a bool, an int, a float or a string "
-                                    "to be compared across ranks")
-        values.append(value)
-    code = zlib.crc32(f"{layer}({','.join(names)}):{kinds}".encode()) & 0xFFFFFF
-    _CONFIGS[code] = (layer, names, kinds)
-    return (*values, len(values), code, CONFIG_MARK)
-
-
-def describe_config(values: Sequence[int]) -> tuple[list[int], str | None]:
-    """A fingerprint's op-specific integers split into (the op's own, the layer's options in words or None)."""
-    values = list(values)
-    if len(values) < 3 or values[-1] != CONFIG_MARK or not 0 <= values[-3] <= len(values) - 3:
-        return values, None
-    count, code = values[-3], values[-2]
-    own, options = values[: len(values) - 3 - count], values[len(values) - 3 - count : -3]
-    known = _CONFIGS.get(code)
-    if known is None or len(known[1]) != count:
-        return own, f"a layer's options {options} (a layer this rank did not build)"
-    layer, names, kinds = known
-    shown = [f"{name}={_shown(kind, v)}" for name, kind, v in zip(names, kinds, options)]
-    return own, f"{layer}({', '.join(shown)})"
-
-
-def _shown(kind: str, value: int) -> str:
-    if kind == "b":
-        return str(bool(value))
-    if kind == "f":
-        return repr(_float(value))
-    if kind == "s":
-        return repr(_WORDS.get(value, f"string#{value}"))
-    return str(value)
-
-
-def register_described(label: str, describe) -> None:
-    """:func:`~commfuse.runtime.groups.register_format` for an op whose fingerprints may end with a layer's
-    options (:func:`config_values`): ``describe`` reads the op's own integers, the options are added in words."""
-    def read(values):
-        own, options = describe_config(values)
-        text = describe(own)
-        return text if options is None else f"{text}; {options}"
-
-    register_format(label, read)
-
-
-for _label, _shards in (
-    ("all_gather_consume", "shards"), ("sharded_linear.forward", "weight shards"),
-    ("sharded_linear.bias", "bias shards"), ("sharded_linear.dgrad", "weight shards"),
-    ("produce_reduce_scatter", "partials"), ("produce_reduce_scatter.backward", "output gradient shards"),
-    ("replicated_grad.reduce", "pieces of a replicated parameter's gradient"),
-    ("replicated_grad.gather", "sums of a replicated parameter's gradient"),
-    ("attention_reduce_scatter.backward", "output gradient shards"),
-    ("sharded_linear.wgrad", "weight gradient partials"), ("sharded_linear.bgrad", "bias gradient partials"),
-    ("all_to_all_consume", "chunks"), ("all_to_all_consume.uneven", "chunks (-1: rows differ per peer)"),
-    ("produce_all_to_all", "blocks"),
-    ("ulysses.kv", "key/value chunks"), ("ulysses.q", "query chunks"),
-    ("ulysses.out", "output chunks"), ("ulysses.backward", "output gradient chunks"),
-    ("ulysses.dq", "query gradient chunks"), ("ulysses.dkv", "key/value gradient chunks"),
-):
-    register_described(_label, _describe_shards(_shards))

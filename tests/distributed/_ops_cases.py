@@ -512,14 +512,15 @@ __all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch
 def repeated_without_program(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
     through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (called by
-    the pipelined helpers, and by the all-gather matmul's one-weight ring in ``commfuse.fused.matmul``), and
+    the gather and scatter runners, and by the all-gather matmul's one-weight ring in ``commfuse.fused.matmul``), and
     stay right. Returns per op and algorithm: [calls without a program, every result right]."""
     import commfuse.fused.matmul as fused_matmul
-    import commfuse.planning.pipelined as pipelined
+    import commfuse.planning.gather as gather
+    import commfuse.planning.scatter as scatter
 
     walked = []
-    callers = (pipelined, fused_matmul)
-    real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one
+    runners, callers = (gather, scatter), (gather, scatter, fused_matmul)
+    real_into, real_one = gather.execute_into, gather.execute_one_by_one
 
     def into(plan, *args):
         walked.append(plan.label)
@@ -529,7 +530,8 @@ def repeated_without_program(rank, n):
         walked.append(plan.label)
         return real_one(plan, *args)
 
-    pipelined.execute_into = into
+    for module in runners:
+        module.execute_into = into
     for module in callers:
         module.execute_one_by_one = one_by_one
     out = {}
@@ -553,7 +555,8 @@ def repeated_without_program(rank, n):
                 right = right and torch.equal(got, want)
             out[f"{op} {alg} dim {dim}"] = [len(walked) - before, right]
     finally:
-        pipelined.execute_into = real_into
+        for module in runners:
+            module.execute_into = real_into
         for module in callers:
             module.execute_one_by_one = real_one
     return out

@@ -14,16 +14,23 @@ import pytest
 
 from commfuse.planning.calls import Call
 from commfuse.runtime.compiled import Compiled
-from commfuse.runtime.groups import describe_fingerprint, format_code
-from commfuse.planning.pipelined import _handed_over, capped, configured, layer_config
-from commfuse.runtime.programs import CONFIG_MARK, config_values, config_words, describe_config
+from commfuse.planning.consumers import handed_over
+from commfuse.planning.derive import capped, configured, layer_config
+from commfuse.runtime.fingerprints import (
+    CONFIG_MARK,
+    config_values,
+    config_words,
+    describe_config,
+    describe_fingerprint,
+    format_code,
+)
 from commfuse.schedule import SliceId, build, parse_algorithm
 
 
 def _copied(collective, n, rank, algorithm, inputs, overlap=True, **kw):
     compiled = Compiled(build(collective, n, algorithm=algorithm, **kw), rank)
     own = inputs(compiled)
-    return {compiled.slices[s] for s in _handed_over(compiled, own, overlap)}
+    return {compiled.slices[s] for s in handed_over(compiled, own, overlap)}
 
 
 def _own_shard(compiled):

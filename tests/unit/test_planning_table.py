@@ -46,15 +46,16 @@ def test_a_call_with_gradients_runs_the_forward_its_op_planned(monkeypatch, algo
     Function runs the forward its op planned instead of planning it again on every call."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from commfuse.planning import pipelined
+    from commfuse.planning import gather, scatter
 
     backends.release()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # transfers complete at once
     try:
         group = dist.group.WORLD
         planned: list[str] = []
-        real = pipelined._plan_for
-        monkeypatch.setattr(pipelined, "_plan_for", lambda key, make: planned.append(key[2]) or real(key, make))
+        real = gather.plan_for  # the one function, bound by name in both modules that plan these ops
+        for module in (gather, scatter):
+            monkeypatch.setattr(module, "plan_for", lambda key, make: planned.append(key[2]) or real(key, make))
         x = torch.randn(4, 8, requires_grad=True)
         w, w2 = torch.randn(8, 6, requires_grad=True), torch.randn(6, 8, requires_grad=True)
         seen = []
