@@ -33,7 +33,7 @@ heads, 4 positions a rank; and with two documents, ``document_lengths``).
 They have no floor row of their own; they are for comparing one tree's
 per-call cost with another's.
 
-``--walks``: the one-loop question (issue 46, item 8). One ring all-gather signature, planned once, each slice's
+``--walks``: whether the walks could be one loop. One ring all-gather signature, planned once, each slice's
 consumer one matmul into the output's rows, walked two ways in the same rounds: ``walk with a program``
 (``runtime.walks.execute``, the loop a call with gradients, a first call and an observed call take: a
 ``GatherProgram`` holds the call's data and the loop calls its methods per step) and ``walk without a program``
@@ -327,7 +327,7 @@ def main(argv=None) -> None:
     p.add_argument("--consume", action="store_true",
                    help="also time all_gather_consume, all_to_all_consume, produce_reduce_scatter, ring_attention")
     p.add_argument("--walks", action="store_true",
-                   help="one ring signature walked with a program and without (issue 46, item 8)")
+                   help="one ring signature walked with a program and without")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
