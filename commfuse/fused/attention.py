@@ -35,9 +35,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
+from commfuse.fused.produce_reduce_scatter import produce_reduce_scatter_fn
 from commfuse.planning.agreement import digest, shown
 from commfuse.planning.calls import resolve_call
 from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core

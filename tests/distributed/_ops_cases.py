@@ -512,13 +512,12 @@ __all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch
 def repeated_without_program(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
     through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (called by
-    the pipelined helpers, and by the all-gather matmul's one-weight ring in ``commfuse.fused.matmul``), and
-    stay right. Returns per op and algorithm: [calls without a program, every result right]."""
-    import commfuse.fused.matmul as fused_matmul
+    the pipelined helpers, which the all-gather matmul's one-weight ring in ``commfuse.fused.all_gather_matmul``
+    walks too), and stay right. Returns per op and algorithm: [calls without a program, every result right]."""
     import commfuse.planning.pipelined as pipelined
 
     walked = []
-    callers = (pipelined, fused_matmul)
+    callers = (pipelined,)
     real_into, real_one = pipelined.execute_into, pipelined.execute_one_by_one
 
     def into(plan, *args):
