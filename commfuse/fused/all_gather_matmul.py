@@ -32,6 +32,7 @@ from commfuse.planning.pipelined import (
     configured,
     gather_matmul_meta,
     gather_spans,
+    gather_walk,
     join,
     matmul_rows,
     prepare_gather,
@@ -192,6 +193,7 @@ def _ring_rows(planned, out_shape, otherwise: Callable):
     its rows, on the gather's walk with no program (``pipelined.run_gather_one_by_one``); before that (and
     while something observes the call), ``otherwise``."""
     plan = planned.plan
+    gather_walk(planned)  # made with the plan, not by the first call that walks it
 
     def ring_rows(a, b):
         if not may_skip_program(plan):

@@ -79,7 +79,7 @@ __all__ = [
     "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "group_sum", "all_to_all_consume_core", "capped",
     "collect", "compiled_for", "gather_matmul_meta",
     "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
-    "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
+    "gather_spans", "gather_walk", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
     "run_scatter_whole", "schedule_for",
     "scatter_runners", "scatter_spans", "scatters_whole", "write_rows",
@@ -334,6 +334,15 @@ def run_gather_one_by_one(planned: SignaturePlan, shard: torch.Tensor, on_slice)
     if walk is None:
         walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
     execute_one_by_one(plan, walk, held_slots(layout, shard), on_slice, planned.pool)
+
+
+def gather_walk(planned: SignaturePlan) -> tuple:
+    """The walk :func:`run_gather_one_by_one` takes on a ring plan from :func:`prepare_gather`, made now (at
+    planning, for a caller that walks the plan on every call) and kept on its layout."""
+    layout = planned.layout
+    if layout.walk is None:
+        layout.walk = ring_walk(planned.plan, layout.start, layout.size, layout.key, layout.own_set)
+    return layout.walk
 
 
 def gather_spans(call: Call, shard: torch.Tensor, dim: int, sizes: Sequence[int],
