@@ -77,9 +77,9 @@ from commfuse.schedule import AlgorithmSpec, Collective, Schedule, SliceId, buil
 
 __all__ = [
     "StandIn", "a2a_layout", "all_gather_consume_core", "all_reduce_core", "group_sum", "all_to_all_consume_core", "capped",
-    "collect", "compiled_for", "gather_matmul_meta",
+    "collect", "compiled_for", "gather_matmul_meta", "gather_walk",
     "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
-    "gather_spans", "gather_walk", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
+    "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
     "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
     "run_scatter_whole", "schedule_for",
     "scatter_runners", "scatter_spans", "scatters_whole", "write_rows",
