@@ -162,7 +162,8 @@ def walk_pair(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: in
     """``--walks``' two rows: one ring all-gather signature of ``a`` (``m`` rows a rank), planned once, each
     slice's consumer a matmul by ``w`` into its rows of ``out``, walked with a program and without. Checks
     once, by profiling a call of each, that each takes the loop its row names."""
-    from commfuse.planning.pipelined import prepare_gather, resolve_call, run_gather
+    from commfuse.planning.calls import resolve_call
+    from commfuse.planning.gather import prepare_gather, run_gather
     from commfuse.runtime import walks as _walks
     from commfuse.schedule import Collective
 

@@ -47,10 +47,12 @@ import torch
 from commfuse.errors import CommfuseValueError
 from commfuse.fused import attention as fused_attention
 from commfuse.fused import sharded_linear as sharded_linear_impl
-from commfuse.fused.matmul import plan_all_gather_matmul, plan_matmul_reduce_scatter, plan_once
+from commfuse.fused.all_gather_matmul import all_gather_matmul_backward, plan_all_gather_matmul
+from commfuse.fused.matmul import plan_once
+from commfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter_backward, plan_matmul_reduce_scatter
 from commfuse.planning import table
 from commfuse.planning.calls import C10D_WORLD
-from commfuse.planning.pipelined import layer_config
+from commfuse.planning.derive import layer_config
 
 __all__ = [
     "CHECKPOINT_RECOMPUTE", "CHECKPOINT_SAVE", "all_gather_matmul", "attention_reduce_scatter", "group_name",
@@ -132,8 +134,9 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
 
 
 # -- plans, remembered per signature -----------------------------------------
-# in the planning table, beside the eager ops' entries (``commfuse.fused.matmul``), under keys that say "op"
-# after the op's name and so never meet an eager call's key
+# in the planning table, beside the eager ops' entries (``commfuse.fused.all_gather_matmul``,
+# ``commfuse.fused.matmul_reduce_scatter``), under keys that say "op" after the op's name and so never meet an
+# eager call's key
 
 
 def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
@@ -142,9 +145,9 @@ def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
     run = table.get(key)
     if run is None:
         group = _group(name)
-        run = plan_once(key, lambda: plan_all_gather_matmul(a, list(bs), group, gd, algorithm, return_gathered,
-                                                            gathered_size, True, None, None, None),
-                        "all_gather_matmul", group, None)
+        run = plan_once(key, lambda: plan_all_gather_matmul(
+            a, list(bs), group=group, gather_dim=gd, algorithm=algorithm, return_gathered=return_gathered,
+            gathered_size=gathered_size, keep_gathered=True), "all_gather_matmul", group, None)
     return run
 
 
@@ -154,8 +157,9 @@ def _mmrs_run(a, b, name, sd, algorithm, reduce_op):
     run = table.get(key)
     if run is None:
         group = _group(name)
-        run = plan_once(key, lambda: plan_matmul_reduce_scatter(a, b, group, sd, reduce_op, algorithm, None, None,
-                                                                None), "matmul_reduce_scatter", group, None)
+        run = plan_once(key, lambda: plan_matmul_reduce_scatter(
+            a, b, group=group, scatter_dim=sd, reduce_op=reduce_op, algorithm=algorithm), "matmul_reduce_scatter",
+            group, None)
     return run
 
 
@@ -194,8 +198,6 @@ def _all_gather_matmul_backward(a: torch.Tensor, gathered: torch.Tensor, bs: lis
                                 douts: list[torch.Tensor | None], gather_dim: int, group_name: str, algorithm: str,
                                 gathered_size: int | None, need_a: bool,
                                 need_b: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    from commfuse.autograd import all_gather_matmul_backward
-
     run = _agmm_run(a, bs, group_name, gather_dim, algorithm, gathered_size, True)
     if run.call is None:  # world size 1: the gathered input is the input
         da, dbs = _local_agmm_backward(gathered, bs, douts, need_a, need_b)
@@ -234,8 +236,8 @@ def _agmm_setup(ctx, inputs, output):
 
 
 def _agmm_backward(ctx, _dgathered, douts):
-    # detached, as commfuse.autograd's backwards take them: torch.matmul folds a 3-D input by whether the
-    # weight wants a gradient, and the saved tensors of a recomputed region do not
+    # detached, as the blocks' backwards (commfuse.fused) take them: torch.matmul folds a 3-D input by whether
+    # the weight wants a gradient, and the saved tensors of a recomputed region do not
     a, gathered, *bs = (t.detach() for t in ctx.saved_tensors)
     gather_dim, group_name, algorithm, gathered_size = ctx.options
     need_a, need_b = ctx.needs_input_grad[0], list(ctx.needs_input_grad[1])  # a list input: one flag per tensor
@@ -292,8 +294,6 @@ def _(a, b, scatter_dim, group_name, algorithm, reduce_op):
 def _matmul_reduce_scatter_backward(a: torch.Tensor, b: torch.Tensor, dz: torch.Tensor, scatter_dim: int,
                                     group_name: str, algorithm: str, reduce_op: str, need_a: bool,
                                     need_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from commfuse.autograd import matmul_reduce_scatter_backward
-
     run = _mmrs_run(a, b, group_name, scatter_dim, algorithm, reduce_op)
     if run.call is None:
         da = dz @ b.t() if need_a else None
@@ -317,7 +317,7 @@ def _mmrs_setup(ctx, inputs, output):
 
 
 def _mmrs_backward(ctx, dz):
-    a, b = (t.detach() for t in ctx.saved_tensors)  # as commfuse.autograd's backwards take them
+    a, b = (t.detach() for t in ctx.saved_tensors)  # as the blocks' backwards take them
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     da, db = torch.ops.commfuse.matmul_reduce_scatter_backward(a, b, dz, *ctx.options, need_a, need_b)
     return (da if need_a else None), (db if need_b else None), None, None, None, None
@@ -572,7 +572,7 @@ def _replicated_grad(g: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``g`` over the group through commfuse (numbered with the group's other calls, bounded by
     its timeout, told to every rank), as the eager ``ReplicatedGrad`` sums it; not torch's functional
     all-reduce, which only the process group's own timeout bounds."""
-    from commfuse.planning.pipelined import group_sum
+    from commfuse.planning.all_reduce import group_sum
 
     with torch.no_grad():
         return group_sum(g, _group(group_name), label="replicated_grad")

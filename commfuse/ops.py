@@ -13,12 +13,12 @@ a wrong-sized message (which gloo answers by aborting the process); ``True``
 is that, ``"always"`` checks every call, ``False`` never. ``report``, a dict,
 receives the algorithm taken and why (what ran: a ``ring:m`` whose slices
 would be smaller than one row of the smallest shard is capped, see
-``commfuse.planning.pipelined.capped``). ``backend`` picks a backend by name or
+``commfuse.planning.derive.capped``). ``backend`` picks a backend by name or
 passes a Backend object; by default the one that fits the tensors' device.
 Without an initialised process group and with ``group=None`` the ops run as
 world size 1 (unless ``WORLD_SIZE`` > 1, which raises). ``config`` (the
 fused ops and ``produce_reduce_scatter``; layers pass it): a layer's options
-that every rank must share, from ``commfuse.planning.pipelined.layer_config``,
+that every rank must share, from ``commfuse.planning.derive.layer_config``,
 added to the call's fingerprint so that a rank whose layer differs is named
 on every rank (eager calls; under ``torch.compile`` the custom ops take none).
 
@@ -31,8 +31,9 @@ mixed dtypes are refused, as torch's matmul refuses them.
 This module is validation plus dispatch. The first call of a signature
 (shapes, dtypes, devices, group, dims, options) validates its arguments and
 resolves the call; later calls with the same signature skip straight to the
-ring (``commfuse.planning.pipelined``). Gradients go through
-``commfuse.autograd``.
+ring (``commfuse.planning.gather``, ``scatter``, ``all_to_all``). Gradients go
+through each block's autograd Function, beside it in ``commfuse.fused``
+(``commfuse.autograd`` re-exports their public names).
 """
 
 from __future__ import annotations
@@ -45,32 +46,19 @@ from typing import Any
 import torch
 
 from commfuse import backends
-from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import ring_attention as _ring
-from commfuse.fused.matmul import (
-    check_dim,
-    check_same,
-    check_tensor,
-    grad_wanted,
-    note_failed,
-    plan_all_gather_matmul,
-    plan_matmul_reduce_scatter,
-    plan_once,
-    report_taken,
-)
+from commfuse.fused.all_gather_matmul import plan_all_gather_matmul
+from commfuse.fused.matmul import check_dim, check_same, check_tensor, grad_wanted, note_failed, plan_once, report_taken
+from commfuse.fused.matmul_reduce_scatter import plan_matmul_reduce_scatter
+from commfuse.fused.produce_reduce_scatter import produce_reduce_scatter_fn
 from commfuse.planning import table
 from commfuse.planning.calls import C10D_WORLD, MIN_SLICE_BYTES, choose_algorithm, resolve_call
-from commfuse.planning.pipelined import (
-    StandIn,
-    all_gather_consume_core,
-    all_to_all_consume_core,
-    collect,
-    configured,
-    exchange_sizes,
-    produce_all_to_all_core,
-    produce_reduce_scatter_core,
-)
+from commfuse.planning.all_to_all import all_to_all_consume_core, exchange_sizes, produce_all_to_all_core
+from commfuse.planning.consumers import StandIn, collect
+from commfuse.planning.derive import configured
+from commfuse.planning.gather import all_gather_consume_core
+from commfuse.planning.scatter import produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import as_custom_op, aside_call, atomic, selective
 from commfuse.runtime.checkpointing import depth as _modes
 from commfuse.runtime import sites as _sites
@@ -264,10 +252,10 @@ def all_gather_matmul(
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
     if run is None:
-        run = plan_once(key, lambda: plan_all_gather_matmul(a_shard, b, group, gather_dim, algorithm,
-                                                            return_gathered, gathered_size, keep_gathered, timeout,
-                                                            check, backend, config),
-                        "all_gather_matmul", group, backend)
+        run = plan_once(key, lambda: plan_all_gather_matmul(
+            a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm, return_gathered=return_gathered,
+            gathered_size=gathered_size, keep_gathered=keep_gathered, timeout=timeout, check=check, backend=backend,
+            config=config), "all_gather_matmul", group, backend)
     if report is not None:
         report.update(run.report)
     direct = run.one_weight_no_grad
@@ -342,9 +330,9 @@ def matmul_reduce_scatter(
     except (AttributeError, TypeError):
         key, run = None, None
     if run is None:
-        run = plan_once(key, lambda: plan_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, algorithm,
-                                                                timeout, check, backend, config),
-                        "matmul_reduce_scatter", group, backend)
+        run = plan_once(key, lambda: plan_matmul_reduce_scatter(
+            a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op, algorithm=algorithm, timeout=timeout,
+            check=check, backend=backend, config=config), "matmul_reduce_scatter", group, backend)
     if report is not None:
         report.update(run.report)
     return run(a, b)

@@ -1,6 +1,15 @@
-"""The fused blocks, each implemented once: the fused matmul ops' per-signature plans
-(:mod:`commfuse.fused.matmul`) and the blocks the layers and styles are shells over:
+"""The fused blocks, each implemented once and whole in its module (planner, plan, forward, backward and
+autograd Function), and the blocks the layers and styles are shells over:
 
+- :mod:`commfuse.fused.all_gather_matmul`: the all-gather + GEMM (``commfuse.all_gather_matmul``,
+  ``torch.ops.commfuse.all_gather_matmul``), its per-signature plan and its backward (a GEMM +
+  reduce-scatter ring);
+- :mod:`commfuse.fused.matmul_reduce_scatter`: the GEMM + reduce-scatter (``commfuse.matmul_reduce_scatter``,
+  ``torch.ops.commfuse.matmul_reduce_scatter``), its plan and its backward (an all-gather + GEMM ring);
+- :mod:`commfuse.fused.matmul`: what those two share: the argument checks every op uses, ``plan_once``, a
+  backend's native kernel, the plan of an op a backend runs whole, deferred weight gradients;
+- :mod:`commfuse.fused.produce_reduce_scatter`: the autograd of ``commfuse.produce_reduce_scatter`` (whose op
+  is in ``commfuse.ops``), which the attention block runs too;
 - :mod:`commfuse.fused.attention`: query-split attention fused with the out-projection's reduce-scatter,
   its masks and the slice-size rule ``auto`` decides on (``commfuse.nn.ParallelAttention``,
   ``commfuse.tp.AttentionParallel``, ``torch.ops.commfuse.attention_reduce_scatter``);
@@ -16,6 +25,6 @@
   ``torch.ops.commfuse.sharded_linear``).
 
 This layer sits below the ``torch.library`` ops (``commfuse.library``) and the public functional API
-(``commfuse.ops``), and above autograd and planning: both front doors, eager and compiled, run the same
-code from here. Each block's autograd Functions sit beside it, in its module.
+(``commfuse.ops``), and above planning; ``commfuse.autograd`` re-exports the Functions' public names from
+here. Both front doors, eager and compiled, run the same code from here.
 """

@@ -35,12 +35,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from commfuse.autograd import produce_reduce_scatter_fn
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused.matmul import plan_once
+from commfuse.fused.produce_reduce_scatter import produce_reduce_scatter_fn
 from commfuse.planning.agreement import digest, shown
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import all_gather_consume_core, configured, produce_reduce_scatter_core
+from commfuse.planning.derive import configured
+from commfuse.planning.gather import all_gather_consume_core
+from commfuse.planning.scatter import produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words, sum_dtype
 from commfuse.schedule import Collective
@@ -420,7 +422,7 @@ def attention_reduce_scatter(call, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (:func:`reduce_scatter_call`; None: world size 1, the whole attention here): q (b, s, Hq, d), k and v
     (b, s, Hkv, d) this rank's heads over the whole sequence, ``wo`` (hidden, Hq * d) this rank's columns of
     the out-projection; returns (b, s / N, hidden), this rank's rows of the sum. ``config``: the options
-    every rank must share, for the ring's fingerprint (``pipelined.layer_config``). ``scale``: the scores'
+    every rank must share, for the ring's fingerprint (``planning.derive.layer_config``). ``scale``: the scores'
     factor (None: ``1 / sqrt(head_dim)``); ``softcap`` and ``window`` as :func:`attend` takes them.
 
     Differentiable with respect to q, k, v and wo when a gradient is wanted: each slice's graph is kept,

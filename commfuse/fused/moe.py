@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from commfuse import backends
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.planning import pipelined
+from commfuse.planning.all_to_all import all_to_all_consume_core, exchange_sizes, produce_all_to_all_core
+from commfuse.planning.consumers import StandIn
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.admission import op_calls
 from commfuse.runtime.eager import eager_only
@@ -273,7 +274,7 @@ class _Shared:
         if self.grads is None:
             self.grads = (torch.zeros_like(self.x), torch.zeros_like(self.w13), torch.zeros_like(self.w2))
 
-    def first(self, run, stand_in, consumer: pipelined.StandIn) -> pipelined.StandIn:
+    def first(self, run, stand_in, consumer: StandIn) -> StandIn:
         """``consumer`` (a by-slice one) that runs ``run`` (``stand_in`` in comm_only runs) before its first
         slice."""
         def consume(t, q, start):
@@ -284,7 +285,7 @@ class _Shared:
             stand_in()
             consumer.stand_in(t, q, start)
 
-        return pipelined.StandIn(consume, stand)
+        return StandIn(consume, stand)
 
 
 # The four exchanges of one call, each with its half of the local experts' work. :class:`_ExpertParallel` runs
@@ -298,7 +299,7 @@ def _sizes(call, send_counts: torch.Tensor, meta: list[int], label: str) -> tupl
     send_rows = send_counts.sum(dim=1).tolist()
     if call is None:
         return send_rows, send_counts.tolist()
-    return send_rows, pipelined.exchange_sizes(call, send_counts, label=label, meta=meta).tolist()
+    return send_rows, exchange_sizes(call, send_counts, label=label, meta=meta).tolist()
 
 
 def _up_dispatch(call, work: _Experts, xs: torch.Tensor, send_rows: list[int], shared: _Shared | None = None) -> None:
@@ -309,10 +310,10 @@ def _up_dispatch(call, work: _Experts, xs: torch.Tensor, send_rows: list[int], s
             shared.forward()
         work.up(xs, 0, 0)
         return
-    up = pipelined.StandIn(work.up, work.up_stand_in)
+    up = StandIn(work.up, work.up_stand_in)
     if shared is not None:
         up = shared.first(shared.forward, shared.forward_stand_in, up)
-    pipelined.all_to_all_consume_core(
+    all_to_all_consume_core(
         call, list(xs.split(send_rows)), up, 0, recv_sizes=work.rows, label="moe.dispatch", by_slice=True)
     if shared is not None:
         shared.forward()  # no slice came (nothing is run twice)
@@ -323,7 +324,7 @@ def _down_combine(call, work: _Experts, send_rows: list[int], like: torch.Tensor
     in the dispatched order, in ``like``'s dtype."""
     if call is None:
         return work.down(0, 0, work.rows[0])
-    ys = pipelined.produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=work.rows,
+    ys = produce_all_to_all_core(call, work.down, 0, recv_sizes=send_rows, send_sizes=work.rows,
                                            label="moe.combine", like=like.new_empty(0, work.w2.shape[-1]),
                                            by_slice=True)
     return torch.cat(ys) if len(ys) > 1 else ys[0]
@@ -343,10 +344,10 @@ def _down_backward_dispatch(call, work: _Experts, dys: torch.Tensor, send_rows: 
     def down_backward(dyq, q, start):
         work.down_backward(dyq, q, start, dw2)
 
-    down = pipelined.StandIn(down_backward, work.down_backward_stand_in)
+    down = StandIn(down_backward, work.down_backward_stand_in)
     if shared is not None:
         down = shared.first(shared.backward, shared.backward_stand_in, down)
-    pipelined.all_to_all_consume_core(
+    all_to_all_consume_core(
         call, list(dys.split(send_rows)), down, 0, recv_sizes=work.rows, label="moe.dispatch.backward",
         by_slice=True)
     if shared is not None:
@@ -363,7 +364,7 @@ def _up_backward_combine(call, work: _Experts, send_rows: list[int], dw13: torch
 
     if call is None:
         return up_backward(0, 0, work.rows[0])
-    dxs = pipelined.produce_all_to_all_core(call, up_backward, 0, recv_sizes=send_rows, send_sizes=work.rows,
+    dxs = produce_all_to_all_core(call, up_backward, 0, recv_sizes=send_rows, send_sizes=work.rows,
                                             label="moe.combine.backward", like=like.new_empty(0, work.w13.shape[1]),
                                             by_slice=True)
     return torch.cat(dxs) if len(dxs) > 1 else dxs[0]

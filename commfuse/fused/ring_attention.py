@@ -47,13 +47,10 @@ from commfuse.fused.matmul import check_tensor, plan_once
 from commfuse.fused.ulysses import exchange_call, heads_in, to_sequence, ulysses_positions
 from commfuse.planning.agreement import agree_around, digest, shown
 from commfuse.planning.calls import resolve_call
-from commfuse.planning.pipelined import (
-    all_gather_consume_core,
-    configured,
-    layer_config,
-    StandIn,
-    produce_reduce_scatter_core,
-)
+from commfuse.planning.consumers import StandIn
+from commfuse.planning.derive import configured, layer_config
+from commfuse.planning.gather import all_gather_consume_core
+from commfuse.planning.scatter import produce_reduce_scatter_core
 from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import config_words
 from commfuse.schedule import Collective

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from commfuse.planning import pipelined
+from commfuse.planning.consumers import collect
+from commfuse.planning.gather import all_gather_consume_core
+from commfuse.planning.scatter import produce_reduce_scatter_core
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.programs import rounded, sum_zeros
@@ -88,10 +90,10 @@ def sharded_linear_forward(call, x: torch.Tensor, weight: torch.Tensor, bias) ->
         y.narrow(-1, s * rows, rows).copy_(x @ w_s.t())
 
     # a mixed-precision layer gathers its shards already cast: half the bytes on the ring
-    pipelined.all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
+    all_gather_consume_core(call, weight.detach().to(compute), consume, 0, keep=False,
                                       label="sharded_linear.forward")
     if bias is not None:
-        y += torch.cat(pipelined.all_gather_consume_core(call, bias.detach().to(compute), pipelined.collect, 0,
+        y += torch.cat(all_gather_consume_core(call, bias.detach().to(compute), collect, 0,
                                                          label="sharded_linear.bias"))
     return y
 
@@ -105,7 +107,7 @@ def sharded_linear_dgrad(call, x: torch.Tensor, weight: torch.Tensor, dy: torch.
     def consume(w_s: torch.Tensor, s: int) -> None:
         dx.add_(dy.narrow(-1, s * rows, rows) @ w_s)
 
-    pipelined.all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
+    all_gather_consume_core(call, weight.detach().to(x.dtype), consume, 0, keep=False,
                                       label="sharded_linear.dgrad")
     return rounded(dx, x.dtype)
 
@@ -128,9 +130,9 @@ def _reduce_grads(call, weight, wgrad, bgrad, reduce: str):
     n = call.world_size
     dw = db = None
     if wgrad is not None:
-        dw = pipelined.produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
+        dw = produce_reduce_scatter_core(call, wgrad, 0, label="sharded_linear.wgrad", inplace=True)
     if bgrad is not None:
-        db = pipelined.produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
+        db = produce_reduce_scatter_core(call, bgrad, 0, label="sharded_linear.bgrad", inplace=True)
     if reduce == "avg":
         dw = dw / n if dw is not None else None
         db = db / n if db is not None else None

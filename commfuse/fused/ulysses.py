@@ -38,7 +38,9 @@ from commfuse import backends
 from commfuse.context import positions
 from commfuse.errors import CommfuseValueError
 from commfuse.fused import attention as fused_attention
-from commfuse.planning import pipelined
+from commfuse.planning.all_to_all import all_to_all_consume_core
+from commfuse.planning.consumers import StandIn, collect
+from commfuse.planning.derive import configured
 from commfuse.planning.agreement import agree_around
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.programs import rounded, sum_zeros
@@ -52,7 +54,7 @@ __all__ = ["attention", "exchange_call", "heads_in", "to_heads", "to_sequence", 
 
 def _exchanged(call, chunks: list[torch.Tensor], dim: int, join: int, label: str) -> torch.Tensor:
     """``chunks[t]`` to rank t (rows along ``dim``), what arrived joined along ``join`` in source order."""
-    return torch.cat(pipelined.all_to_all_consume_core(call, chunks, pipelined.collect, dim, label=label), dim=join)
+    return torch.cat(all_to_all_consume_core(call, chunks, collect, dim, label=label), dim=join)
 
 
 def _to_heads(call, x: torch.Tensor, label: str, seq: int = 1) -> torch.Tensor:
@@ -180,8 +182,8 @@ class _UlyssesAttention(torch.autograd.Function):
 
         # every arriving query chunk's attention runs while the next chunk is in flight
         # (comm_only measurements: the attention's stand-in is an empty tensor of its shape, that of q_s)
-        arrived = pipelined.all_to_all_consume_core(
-            call, q_chunks, pipelined.StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
+        arrived = all_to_all_consume_core(
+            call, q_chunks, StandIn(lambda q_s, s: (q_s, attend_chunk(q_s, s).contiguous()),
                                               lambda q_s, s: (q_s, torch.empty_like(q_s))), 1, label="ulysses.q")
         q_got = [a[0] for a in arrived]
         out = _exchanged(call, [a[1] for a in arrived], 1, 2, "ulysses.out")
@@ -211,8 +213,8 @@ class _UlyssesAttention(torch.autograd.Function):
             return dq_s.contiguous()
 
         do_chunks = [do[:, :, t * hq_l : (t + 1) * hq_l].contiguous() for t in range(n)]
-        back = pipelined.StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
-        dq_chunks = pipelined.all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
+        back = StandIn(back_chunk, lambda do_s, s: torch.empty_like(do_s))  # comm_only: dq_s is do_s-shaped
+        dq_chunks = all_to_all_consume_core(call, do_chunks, back, 1, label="ulysses.backward")
         dq = _exchanged(call, dq_chunks, 1, 2, "ulysses.dq")
         rows = [slice(s * length, (s + 1) * length) for s in range(n)]
         dk, dv = rounded(dk, kk.dtype), rounded(dv, vv.dtype)
@@ -235,4 +237,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             raise CommfuseValueError(f"{name} has {t.shape[2]} heads, not divisible by the world size {n}")
     call = resolve_call("all_to_all", algorithm, group=group, backend=be, device=q.device,
                         slice_bytes=q.numel() // n * q.element_size(), timeout=timeout)
-    return _UlyssesAttention.apply(pipelined.configured(call, config), causal, q, k, v)
+    return _UlyssesAttention.apply(configured(call, config), causal, q, k, v)

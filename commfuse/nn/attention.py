@@ -71,7 +71,7 @@ from commfuse.nn._common import (
     world,
 )
 from commfuse.nn.linear import _init_linear, _placement
-from commfuse.planning import pipelined
+from commfuse.planning.derive import layer_config
 from commfuse.planning.agreement import agree_around, agree_shared, carries
 from commfuse.runtime.checkpointing import as_custom_op, atomic
 from commfuse.runtime.admission import op_calls
@@ -138,8 +138,8 @@ class ParallelAttention(nn.Module):
         self.bo = as_param(bo, mesh, _placement("replicate"), (hidden_size,)) if bias else None
 
     def _config(self, mask: AttentionMask | None = None) -> tuple:
-        """The options every rank must share (see ``pipelined.layer_config``), the kind of mask included."""
-        return pipelined.layer_config("ParallelAttention", causal=bool(self.causal), num_heads=self.num_heads,
+        """The options every rank must share (see ``planning.derive.layer_config``), the kind of mask included."""
+        return layer_config("ParallelAttention", causal=bool(self.causal), num_heads=self.num_heads,
                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                       bias=self.bq is not None, mask="none" if mask is None else mask.kind)
 
@@ -286,7 +286,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     ``causal`` joins the exchanges' fingerprint: every rank must pass the same.
     """
     return _ulysses(q, k, v, causal, group, algorithm, timeout, backend,
-                    pipelined.layer_config("ulysses_attention", causal=bool(causal)))
+                    layer_config("ulysses_attention", causal=bool(causal)))
 
 
 @atomic
@@ -337,7 +337,7 @@ class UlyssesAttention(nn.Module):
         q = self._linear(self.q_proj, x).view(b, length, -1, d)
         k = self._linear(self.k_proj, x).view(b, length, -1, d)
         v = self._linear(self.v_proj, x).view(b, length, -1, d)
-        config = pipelined.layer_config("UlyssesAttention", causal=bool(self.causal), num_heads=self.num_heads,
+        config = layer_config("UlyssesAttention", causal=bool(self.causal), num_heads=self.num_heads,
                                         num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                                         bias=self.q_proj.bias is not None)
         o = _ulysses(q, k, v, self.causal, self.group, self.algorithm, None, self.backend, config)

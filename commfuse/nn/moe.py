@@ -96,7 +96,9 @@ from commfuse.nn._common import (
     site_forward,
     world,
 )
-from commfuse.planning import pipelined
+from commfuse.planning.all_reduce import group_sum
+from commfuse.planning.consumers import collect
+from commfuse.planning.gather import all_gather_consume_core
 from commfuse.planning.calls import resolve_call
 from commfuse.runtime.checkpointing import atomic
 from commfuse.runtime.eager import eager_only
@@ -817,7 +819,7 @@ class MoE(nn.Module):
             # interruptible like any call), not a raw collective bounded only by the group's own timeout
             mine = torch.tensor([rows], dtype=torch.int64, device=getattr(be, "device", None) or xt.device)
             counts = resolve_call(Collective.ALL_GATHER, "vanilla", group=self.group, backend=be, device=xt.device)
-            rows = max(int(t.item()) for t in pipelined.all_gather_consume_core(counts, mine, pipelined.collect, 0,
+            rows = max(int(t.item()) for t in all_gather_consume_core(counts, mine, collect, 0,
                                                                                label="moe.tokens"))
         slice_bytes = rows * self.topk // self.world_size * self.hidden_size * xt.element_size()
         # the experts take half blocks, so on two ranks auto may cut each block in two (the policy's rule)
@@ -847,7 +849,7 @@ def _float_bits(x: float) -> int:
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:
     """``t`` summed over ``group``: through commfuse (numbered, bounded by its timeout, told to every rank)."""
-    return pipelined.group_sum(t, group, label="moe.tokens_per_expert")
+    return group_sum(t, group, label="moe.tokens_per_expert")
 
 
 def _describe_sizes(v):

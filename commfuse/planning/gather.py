@@ -41,7 +41,8 @@ from commfuse.runtime.programs import BufferPool, GatherLayout, GatherProgram, h
 from commfuse.runtime.walks import execute, execute_into, execute_one_by_one, may_skip_program, ring_walk
 from commfuse.schedule import Collective
 
-__all__ = ["all_gather_consume_core", "gather_spans", "prepare_gather", "run_gather", "run_gather_one_by_one"]
+__all__ = ["all_gather_consume_core", "gather_spans", "gather_walk", "prepare_gather", "run_gather",
+           "run_gather_one_by_one"]
 
 
 def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
@@ -64,11 +65,19 @@ def run_gather_one_by_one(planned: SignaturePlan, shard: torch.Tensor, on_slice)
     """A call of a ring plan from :func:`prepare_gather` (``plan.one_by_one``; the caller has seen
     ``may_skip_program(plan)``), its steps walked with no program: ``on_slice(start, size, tensor)`` for
     each slice, this rank's first; it returns None."""
-    plan, layout = planned.plan, planned.layout
-    walk = layout.walk
-    if walk is None:
-        walk = layout.walk = ring_walk(plan, layout.start, layout.size, layout.key, layout.own_set)
-    execute_one_by_one(plan, walk, held_slots(layout, shard), on_slice, planned.pool)
+    layout = planned.layout
+    execute_one_by_one(planned.plan, layout.walk or gather_walk(planned), held_slots(layout, shard), on_slice,
+                       planned.pool)
+
+
+def gather_walk(planned: SignaturePlan) -> tuple:
+    """The walk :func:`run_gather_one_by_one` takes on a ring plan from :func:`prepare_gather`, made once and
+    kept on its layout; a caller that walks the plan on every call makes it at planning (so that the table's
+    estimate of an entry counts it)."""
+    layout = planned.layout
+    if layout.walk is None:
+        layout.walk = ring_walk(planned.plan, layout.start, layout.size, layout.key, layout.own_set)
+    return layout.walk
 
 
 def run_gather(planned: SignaturePlan, shard: torch.Tensor, consume, keep: bool = False,

@@ -35,6 +35,7 @@ from commfuse.planning.gather import (
     prepare_gather,
     run_gather,
     run_gather_one_by_one,
+    gather_walk,
 )
 from commfuse.planning.plans import SignaturePlan, compiled_for, schedule_for
 from commfuse.planning.scatter import (
@@ -55,7 +56,7 @@ __all__ = [
     "collect", "compiled_for", "gather_matmul_meta",
     "configured", "consecutive", "exchange_sizes", "layer_config", "produce_all_to_all_core",
     "gather_spans", "join", "matmul_rows", "prepare_gather", "prepare_scatter", "produce_reduce_scatter_core",
-    "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "run_scatter", "run_scatter_one_by_one",
+    "SignaturePlan", "rows_of", "run_gather", "run_gather_one_by_one", "gather_walk", "run_scatter", "run_scatter_one_by_one",
     "run_scatter_whole", "schedule_for",
     "scatter_runners", "scatter_spans", "scatters_whole", "write_rows",
 ]

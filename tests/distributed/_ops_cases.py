@@ -512,14 +512,14 @@ __all__ = ["CommfuseTimeoutError", "MismatchError", "edges", "matrix", "mismatch
 def repeated_without_program(rank, n):
     """Calls of one signature, again and again with new values: after the first (planned and checked
     through the program), vanilla calls take ``execute_into`` and rings ``execute_one_by_one`` (called by
-    the gather and scatter runners, and by the all-gather matmul's one-weight ring in ``commfuse.fused.matmul``), and
-    stay right. Returns per op and algorithm: [calls without a program, every result right]."""
-    import commfuse.fused.matmul as fused_matmul
+    the gather and scatter runners, whose gather walk the all-gather matmul's one-weight ring in
+    ``commfuse.fused.all_gather_matmul`` takes too), and stay right. Returns per op and algorithm: [calls without
+    a program, every result right]."""
     import commfuse.planning.gather as gather
     import commfuse.planning.scatter as scatter
 
     walked = []
-    runners, callers = (gather, scatter), (gather, scatter, fused_matmul)
+    runners = callers = (gather, scatter)
     real_into, real_one = gather.execute_into, gather.execute_one_by_one
 
     def into(plan, *args):

@@ -205,18 +205,18 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
     strands give sequential micro-batches' losses, gradients and parameters (``"after"``)."""
     import time
 
-    from commfuse import autograd
+    from commfuse.fused import matmul as fused_matmul  # where a deferred weight gradient is added
 
     torch.set_num_threads(1)
     name, kind = where
     p = {k: v.clone().requires_grad_() for k, v in _params(rank, n).items()}
     batches = _batches(rank, n, 2, 0)
-    real = autograd._add_grad
+    real = fused_matmul._add_grad
     if kind == "W" and rank == 1:
         def raising(weight, x, dy):
-            autograd._add_grad = real
+            fused_matmul._add_grad = real
             raise ZeroDivisionError("injected on rank 1 in a deferred weight gradient")
-        autograd._add_grad = raising
+        fused_matmul._add_grad = raising
     stages = _stages(p, "ring", plan == "searched", fail=None if kind == "W" else (1, name, kind))
     out = {}
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def one_rank_fails(rank: int, n: int, where: tuple, plan: str) -> dict:
     except Exception as e:  # noqa: BLE001 - reported by name
         out["outcome"] = (type(e).__name__, str(e), time.perf_counter() - t0)
     finally:
-        autograd._add_grad = real
+        fused_matmul._add_grad = real
     out["after"] = _after(rank, n, p, plan, all_reduce_first=True)
     return out
 
