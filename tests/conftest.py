@@ -1,10 +1,12 @@
 """Shared test settings: a bounded hypothesis profile so the suite stays quick on 2 cores."""
 
 import os
+import signal
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -45,3 +47,13 @@ def pytest_ignore_collect(collection_path, config):
         return None
     asked = [Path(arg.split("::")[0]).resolve() for arg in config.args]
     return not any(path == _TRANSFORMERS_STAGE or _TRANSFORMERS_STAGE in path.parents for path in asked)
+
+
+@pytest.fixture
+def sigint_handled():
+    """Python's own Ctrl-C handler for the test's duration, for tests that send SIGINT: a process started with
+    SIGINT ignored keeps it ignored (a shell's background job, a pytest-xdist worker), and so do the processes
+    it starts, so there the signal would reach no Python at all. Restored after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

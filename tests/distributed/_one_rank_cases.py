@@ -245,6 +245,9 @@ def interrupted(rank, n, after_s, peer_late_s):
     _agmm_check(rank, n, 1)
     a, b = _ints((4, 8), rank), _ints((8, 5), 2)
     if rank == 0:
+        # Python's own Ctrl-C handler: a rank whose launcher was started with SIGINT ignored (a shell's background
+        # job, a pytest-xdist worker) inherits it ignored, and the signal would reach no Python
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sent = []
 
         def interrupt():

@@ -90,6 +90,7 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks processes up in /proc")
 @pytest.mark.parametrize("start", ["spawn", "forkserver"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.usefixtures("sigint_handled")
 def test_launched_ranks_die_with_a_killed_parent(sig, start, tmp_path):
     """Either way ranks start (commfuse.launch.START_ENV): spawned, the ranks are the launcher's children;
     forked from a forkserver, its grandchildren, and the forkserver goes with them."""

@@ -144,6 +144,7 @@ def _send_when_ready(tmp_path, signum: int, *, code: str):
     return code_out, path, took
 
 
+@pytest.mark.usefixtures("sigint_handled")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_signals_reach_the_child(tmp_path, signum):
     code, path, took = _send_when_ready(tmp_path, signum, code=_RECORDER)

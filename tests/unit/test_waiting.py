@@ -47,6 +47,7 @@ def test_a_wait_past_its_timeout_names_what_it_waited_on_and_is_abandoned():
     assert context.abandoned and "TimeoutError" in context.abandoned[0]
 
 
+@pytest.mark.usefixtures("sigint_handled")
 def test_ctrl_c_reaches_python_while_the_transport_still_blocks():
     context = Context()
     sent = []
