@@ -294,7 +294,11 @@ def _whole_for(device) -> str | None:
         kind = _device_type(device)
     if kind == "cpu":
         return None
-    return table.find(("whole-for", kind), lambda: _whole_named(kind)) or None
+    key = ("whole-for", kind)
+    found = table.kept(key)
+    if found is None:
+        found = table.keep(key, _whole_named(kind))
+    return found or None
 
 
 def _whole_named(kind: str) -> str:

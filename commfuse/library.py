@@ -48,7 +48,7 @@ from commfuse.errors import CommfuseValueError
 from commfuse.fused import attention as fused_attention
 from commfuse.fused import sharded_linear as sharded_linear_impl
 from commfuse.fused.all_gather_matmul import all_gather_matmul_backward, plan_all_gather_matmul
-from commfuse.fused.matmul import plan_once
+from commfuse.fused.once import plan_once
 from commfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter_backward, plan_matmul_reduce_scatter
 from commfuse.planning import table
 from commfuse.planning.calls import C10D_WORLD
@@ -145,9 +145,9 @@ def _agmm_run(a, bs, name, gd, algorithm, gathered_size, return_gathered):
     run = table.get(key)
     if run is None:
         group = _group(name)
-        run = plan_once(key, lambda: plan_all_gather_matmul(
-            a, list(bs), group=group, gather_dim=gd, algorithm=algorithm, return_gathered=return_gathered,
-            gathered_size=gathered_size, keep_gathered=True), "all_gather_matmul", group, None)
+        run = plan_once(key, "all_gather_matmul", group, None, plan_all_gather_matmul,
+                        a, list(bs), group=group, gather_dim=gd, algorithm=algorithm, return_gathered=return_gathered,
+                        gathered_size=gathered_size, keep_gathered=True)
     return run
 
 
@@ -157,9 +157,8 @@ def _mmrs_run(a, b, name, sd, algorithm, reduce_op):
     run = table.get(key)
     if run is None:
         group = _group(name)
-        run = plan_once(key, lambda: plan_matmul_reduce_scatter(
-            a, b, group=group, scatter_dim=sd, reduce_op=reduce_op, algorithm=algorithm), "matmul_reduce_scatter",
-            group, None)
+        run = plan_once(key, "matmul_reduce_scatter", group, None, plan_matmul_reduce_scatter,
+                        a, b, group=group, scatter_dim=sd, reduce_op=reduce_op, algorithm=algorithm)
     return run
 
 

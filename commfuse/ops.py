@@ -49,7 +49,8 @@ from commfuse import backends
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.fused import ring_attention as _ring
 from commfuse.fused.all_gather_matmul import plan_all_gather_matmul
-from commfuse.fused.matmul import check_dim, check_same, check_tensor, grad_wanted, note_failed, plan_once, report_taken
+from commfuse.fused.matmul import check_dim, check_same, check_tensor, grad_wanted, report_taken
+from commfuse.fused.once import note_failed, plan_once
 from commfuse.fused.matmul_reduce_scatter import plan_matmul_reduce_scatter
 from commfuse.fused.produce_reduce_scatter import produce_reduce_scatter_fn
 from commfuse.planning import table
@@ -252,10 +253,10 @@ def all_gather_matmul(
     except (AttributeError, TypeError):  # not tensors, or unhashable options: the slow path names what is wrong
         key, run = None, None
     if run is None:
-        run = plan_once(key, lambda: plan_all_gather_matmul(
-            a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm, return_gathered=return_gathered,
-            gathered_size=gathered_size, keep_gathered=keep_gathered, timeout=timeout, check=check, backend=backend,
-            config=config), "all_gather_matmul", group, backend)
+        run = plan_once(key, "all_gather_matmul", group, backend, plan_all_gather_matmul,
+                        a_shard, b, group=group, gather_dim=gather_dim, algorithm=algorithm,
+                        return_gathered=return_gathered, gathered_size=gathered_size, keep_gathered=keep_gathered,
+                        timeout=timeout, check=check, backend=backend, config=config)
     if report is not None:
         report.update(run.report)
     direct = run.one_weight_no_grad
@@ -330,9 +331,9 @@ def matmul_reduce_scatter(
     except (AttributeError, TypeError):
         key, run = None, None
     if run is None:
-        run = plan_once(key, lambda: plan_matmul_reduce_scatter(
-            a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op, algorithm=algorithm, timeout=timeout,
-            check=check, backend=backend, config=config), "matmul_reduce_scatter", group, backend)
+        run = plan_once(key, "matmul_reduce_scatter", group, backend, plan_matmul_reduce_scatter,
+                        a, b, group=group, scatter_dim=scatter_dim, reduce_op=reduce_op, algorithm=algorithm,
+                        timeout=timeout, check=check, backend=backend, config=config)
     if report is not None:
         report.update(run.report)
     return run(a, b)

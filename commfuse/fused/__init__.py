@@ -6,8 +6,11 @@ autograd Function), and the blocks the layers and styles are shells over:
   reduce-scatter ring);
 - :mod:`commfuse.fused.matmul_reduce_scatter`: the GEMM + reduce-scatter (``commfuse.matmul_reduce_scatter``,
   ``torch.ops.commfuse.matmul_reduce_scatter``), its plan and its backward (an all-gather + GEMM ring);
-- :mod:`commfuse.fused.matmul`: what those two share: the argument checks every op uses, ``plan_once``, a
+- :mod:`commfuse.fused.matmul`: what those two share: the argument checks every op uses, a
   backend's native kernel, the plan of an op a backend runs whole, deferred weight gradients;
+- :mod:`commfuse.fused.once`: a signature planned once (``plan_once``: the op hands its planner and
+  arguments down, the plan is kept in the planning table, and a rank whose planning fails still numbers the
+  call, ``note_failed``);
 - :mod:`commfuse.fused.produce_reduce_scatter`: the autograd of ``commfuse.produce_reduce_scatter`` (whose op
   is in ``commfuse.ops``), which the attention block runs too;
 - :mod:`commfuse.fused.attention`: query-split attention fused with the out-projection's reduce-scatter,

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.fused.matmul import plan_once
+from commfuse.fused.once import plan_once
 from commfuse.fused.produce_reduce_scatter import produce_reduce_scatter_fn
 from commfuse.planning.agreement import digest, shown
 from commfuse.planning.calls import resolve_call
@@ -409,9 +409,9 @@ def reduce_scatter_call(algorithm: str, *, batch: int, rows: int, hidden: int, d
     """The reduce-scatter ring's call for the query-split attention (None at world size 1): ``algorithm``
     resolved, ``auto`` decided on :func:`partial_bytes`, the same on every rank."""
     # a rank whose options are refused still takes the call's number: its peers are told why (as every op does)
-    return plan_once(None, lambda: resolve_call(Collective.REDUCE_SCATTER, algorithm, group=group, backend=backend,
-                                                device=device, slice_bytes=partial_bytes(batch, rows, hidden, dtype)),
-                     "attention_reduce_scatter", group, backend)
+    return plan_once(None, "attention_reduce_scatter", group, backend, resolve_call,
+                     Collective.REDUCE_SCATTER, algorithm, group=group, backend=backend, device=device,
+                     slice_bytes=partial_bytes(batch, rows, hidden, dtype))
 
 
 @atomic

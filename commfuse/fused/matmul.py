@@ -1,5 +1,4 @@
-"""What the fused matmul blocks share: the argument checks every op uses, :func:`plan_once` (one signature
-planned once and kept in the planning table, ``commfuse.planning.table``), a backend's native kernel
+"""What the fused matmul blocks share: the argument checks every op uses, a backend's native kernel
 (:func:`native_kernel`), the plan of a signature a backend runs whole (:class:`HandedWholePlan`) and where
 weight gradients go while they are deferred (:data:`WGRAD_SINK`).
 
@@ -14,43 +13,20 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from commfuse import backends
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.planning import table
 from commfuse.planning.derive import capped
-from commfuse.runtime import sites
-from commfuse.runtime.admission import announce_left
-from commfuse.runtime.groups import group_state, state_of_group
 from commfuse.schedule import parse_algorithm
 
 __all__ = [
     "WGRAD_SINK", "HandedWholePlan", "add_deferred", "check_dim", "check_same", "check_tensor", "deferred_sink",
-    "flat_rows", "grad_wanted", "is_dtensor", "native_kernel", "note_failed", "plan_once", "report_taken",
+    "flat_rows", "grad_wanted", "is_dtensor", "native_kernel", "report_taken",
 ]
 
 log = logging.getLogger("commfuse")
-
-
-def plan_once(key, make: Callable[[], Any], label: str, group, backend):
-    """``make()`` (validate, resolve, plan one signature), kept in the planning table under ``key`` (None:
-    not kept), as long as the plans it runs (``plans``, a field of the fused matmul ops' plan classes) are
-    kept. A call whose planning fails still takes
-    its call number on the group (:func:`note_failed`)."""
-    try:
-        run = make()
-    except BaseException as e:
-        note_failed(group, backend, e, label)
-        raise
-    if key is None:
-        return run
-    run = table.remember(key, run, follows=getattr(run, "plans", ()))
-    sites.planned()  # every site watches its next forward: those that find this entry say what it takes
-    return run
 
 
 def check_tensor(name: str, value) -> torch.Tensor:
@@ -113,30 +89,6 @@ def report_taken(report: dict | None, call, rows: int, label: str) -> None:
     taken = capped(call, rows, label)
     if taken is not call:
         report.update(algorithm=taken.spec.shown, reason=taken.reason)
-
-
-def note_failed(group, backend, error: BaseException, label: str) -> None:
-    """A call failed on this rank before it reached the executor (its validation, its policy, a producer it
-    called first): it still takes its call number on the group, the failure goes on the group's board for
-    the peers that wait on this rank in that call (they say why, instead of waiting out the timeout), and
-    the group's next call is checked, so it cannot pair with the peers' copy of this call."""
-    try:
-        if backend is not None and not isinstance(backend, str):
-            state = group_state(backend)
-        else:
-            import torch.distributed as dist
-
-            if group is None and not (dist.is_available() and dist.is_initialized()):
-                return
-            pg = backends.process_group(group) if group is not None else dist.group.WORLD
-            if isinstance(pg, dist.ProcessGroup) and pg not in dist.distributed_c10d._world.pg_map:
-                return  # a destroyed group: nothing more to count on it
-            state = state_of_group(pg)
-            if state.rank is None and isinstance(pg, dist.ProcessGroup):
-                state.rank, state.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-    except Exception:  # noqa: BLE001 - the caller's own error is what matters
-        return
-    announce_left(state, label, error)
 
 
 def native_kernel(be, op: str, algorithm, taken: dict, **signature):

@@ -43,7 +43,8 @@ import torch
 from commfuse import backends
 from commfuse.context import check_layout, chunks_of, positions
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
-from commfuse.fused.matmul import check_tensor, plan_once
+from commfuse.fused.matmul import check_tensor
+from commfuse.fused.once import plan_once
 from commfuse.fused.ulysses import exchange_call, heads_in, to_sequence, ulysses_positions
 from commfuse.planning.agreement import agree_around, digest, shown
 from commfuse.planning.calls import resolve_call
@@ -580,8 +581,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 
     See ``commfuse.ring_attention`` (``commfuse.ops``) for the contract; this is the one implementation."""
     if ulysses_group is not None:
-        ulysses = plan_once(None, lambda: exchange_call(q, k, ulysses_group, timeout), "ring_attention.ulysses",
-                            ulysses_group, None)
+        ulysses = plan_once(None, "ring_attention.ulysses", ulysses_group, None, exchange_call,
+                            q, k, ulysses_group, timeout)
         if ulysses is not None:
             shared = None if document_lengths is None or ulysses.check == "off" else \
                 _lengths_compared(document_lengths)
@@ -589,8 +590,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
             out = ring_attention(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
                                  algorithm=algorithm, document_lengths=document_lengths, timeout=timeout)
             return to_sequence(ulysses, out, label="ring_attention.ulysses")
-    ring = plan_once(None, lambda: _plan(q, k, v, group, causal, scale, layout, algorithm, document_lengths,
-                                         timeout), "ring_attention", group, None)
+    ring = plan_once(None, "ring_attention", group, None, _plan,
+                     q, k, v, group, causal, scale, layout, algorithm, document_lengths, timeout)
     if ring.shared is None:
         return _RingAttention.apply(ring, q, k, v)
     # the ranks' document lengths compared on every call: their digest rides the K/V ring's own transfers

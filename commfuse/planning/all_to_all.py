@@ -19,7 +19,7 @@ from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning.calls import Call
 from commfuse.planning.consumers import Assembler, BySlice, Private, collect, handed_over
 from commfuse.planning.derive import capped, config_of
-from commfuse.planning.plans import new_plan, plan_for
+from commfuse.planning.plans import keep_plan, kept_plan, new_plan
 from commfuse.runtime.admission import enter_call
 from commfuse.runtime.compiled import Plan
 from commfuse.runtime.fingerprints import dtype_code
@@ -37,15 +37,14 @@ def _a2a_plan(call: Call, collective: Collective, label: str, shape, dtype, dim:
     per call, :func:`a2a_layout`); ``meta`` (ints, or None for the blocks' dtype and shape) is the
     fingerprint's op-specific part."""
     key_shape = _shape_less(shape, dim) if uneven else tuple(shape)
-
-    def make():
+    key = ("a2a", collective, call, label, key_shape, dtype, dim, uneven, None if meta is None else tuple(meta))
+    found = kept_plan(key)
+    if found is None:
         plan = new_plan(call if uneven else capped(call, shape[dim], label), collective, label)
         layout = None if uneven else AllToAllLayout(plan.compiled, dim, shape, dtype)
         values = list(meta) if meta is not None else [dtype_code(dtype), dim, len(shape), *key_shape]
-        return plan, layout, BufferPool.of(call.be), values + config_of(call)
-
-    return plan_for(("a2a", collective, call, label, key_shape, dtype, dim, uneven,
-                      None if meta is None else tuple(meta)), make)
+        found = keep_plan(key, (plan, layout, BufferPool.of(call.be), values + config_of(call)))
+    return found
 
 
 def _shape_less(shape, dim: int) -> tuple:

@@ -14,7 +14,6 @@ plans (``planning.gather``, ``planning.scatter``, ``planning.all_to_all``) call 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from commfuse.planning import table
 from commfuse.planning.calls import Call
@@ -24,12 +23,6 @@ from commfuse.schedule import AlgorithmSpec
 __all__ = ["capped", "config_of", "configured", "layer_config"]
 
 log = logging.getLogger("commfuse")
-
-
-def _remember(key: tuple, make: Callable[[], Call]) -> Call:
-    """The call :func:`capped` or :func:`configured` derived, by (call, what was added): one object per
-    derivation, so that the plans keyed by it are made once."""
-    return table.find(("derived", *key), make)
 
 
 class _Configured(Call):
@@ -69,13 +62,13 @@ def configured(call: Call | None, config: tuple | None) -> Call | None:
     its plans are made once."""
     if call is None or config is None:
         return call
-
-    def make() -> Call:
+    key = ("derived", call, config)
+    found = table.kept(key)
+    if found is None:
         values = config_values(config[0], config[1])
-        return _Configured(call.be, call.spec, call.timeout, call.check, call.reason,
-                           getattr(call, "config", ()) + values)
-
-    return _remember((call, config), make)
+        found = table.keep(key, _Configured(call.be, call.spec, call.timeout, call.check, call.reason,
+                                            getattr(call, "config", ()) + values))
+    return found
 
 
 def config_of(call: Call) -> list[int]:
@@ -108,14 +101,14 @@ def capped(call: Call, rows: int, label: str) -> Call:
     most = max(1, rows // halves)
     if parts <= most:
         return call
-
-    def make() -> Call:
+    key = ("derived", call, "capped", most)  # one object per derivation: the plans keyed by it are made once
+    found = table.kept(key)
+    if found is None:
         new = AlgorithmSpec(spec.name, most, spec.chunks)
         cut = f"{parts} slices" if halves == 1 else f"{parts} parts of {halves} halves"
         why = (f"algorithm {spec.shown!r} would cut shards of {rows} rows (the smallest shard of the layout) into "
                f"{cut}, {'some' if parts * halves < 2 * rows else 'most'} of them empty: capped to {new.shown!r} "
                "(at least one row per slice), alike on every rank")
         log.warning("rank %d: %s: %s", call.rank, label, why)
-        return _derive(call, new, f"{call.reason}; {why}")
-
-    return _remember((call, "capped", most), make)
+        found = table.keep(key, _derive(call, new, f"{call.reason}; {why}"))
+    return found

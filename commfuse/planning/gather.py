@@ -35,7 +35,7 @@ import torch
 from commfuse.planning.calls import Call
 from commfuse.planning.consumers import Assembler, BySlice, Private, handed_over
 from commfuse.planning.derive import capped, config_of
-from commfuse.planning.plans import SignaturePlan, new_plan, plan_for
+from commfuse.planning.plans import SignaturePlan, keep_plan, kept_plan, new_plan
 from commfuse.runtime.fingerprints import dtype_code
 from commfuse.runtime.programs import BufferPool, GatherLayout, GatherProgram, held_slots
 from commfuse.runtime.walks import execute, execute_into, execute_one_by_one, may_skip_program, ring_walk
@@ -46,13 +46,14 @@ __all__ = ["all_gather_consume_core", "gather_spans", "gather_walk", "prepare_ga
 
 
 def _gather_plan(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> tuple:
-    def make():
+    key = ("gather", call, label, shape, dtype, dim, sizes)
+    found = kept_plan(key)
+    if found is None:
         plan = new_plan(capped(call, min(sizes), label), Collective.ALL_GATHER, label)
         layout = GatherLayout(plan.compiled, sizes, dim, shape, dtype)
         layout.meta = (meta() if callable(meta) else list(meta)) + config_of(call)
-        return plan, layout, BufferPool.of(call.be)
-
-    return plan_for(("gather", call, label, shape, dtype, dim, sizes), make)
+        found = keep_plan(key, (plan, layout, BufferPool.of(call.be)))
+    return found
 
 
 def prepare_gather(call: Call, shape, dtype, dim: int, sizes: tuple, label: str, meta) -> SignaturePlan:

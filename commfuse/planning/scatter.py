@@ -30,7 +30,7 @@ import torch
 from commfuse.errors import CommfuseTypeError, CommfuseValueError
 from commfuse.planning.calls import Call
 from commfuse.planning.derive import capped, config_of
-from commfuse.planning.plans import SignaturePlan, new_plan, plan_for
+from commfuse.planning.plans import SignaturePlan, keep_plan, kept_plan, new_plan
 from commfuse.runtime.admission import enter_call
 from commfuse.runtime.fingerprints import dtype_code
 from commfuse.runtime.programs import BufferPool, ReduceScatterProgram, ScatterLayout
@@ -46,15 +46,16 @@ __all__ = [
 def _scatter_plan(call: Call, shape, dim: int, dtype, label: str, meta, *, whole: bool = True) -> tuple:
     """``shape`` is the whole tensor's (split over the ranks along ``dim``), or with ``whole=False`` one
     rank's shard (every shard alike)."""
-    def make():
+    key = ("scatter", call, label, tuple(shape), dim, dtype, whole)
+    found = kept_plan(key)
+    if found is None:
         n = call.be.world_size
         sizes = split_sizes(shape[dim], n) if whole else [shape[dim]] * n
         plan = new_plan(capped(call, min(sizes), label), Collective.REDUCE_SCATTER, label)
         layout = ScatterLayout(plan.compiled, sizes, dim, shape, dtype)
         layout.meta = (meta() if callable(meta) else list(meta)) + config_of(call)
-        return plan, layout, BufferPool.of(call.be)
-
-    return plan_for(("scatter", call, label, tuple(shape), dim, dtype, whole), make)
+        found = keep_plan(key, (plan, layout, BufferPool.of(call.be)))
+    return found
 
 
 def prepare_scatter(call: Call, out_shape: Sequence[int], dim: int, dtype: torch.dtype, label: str,

@@ -389,20 +389,35 @@ def forget_holding(obj: Any) -> int:
         return dropped
 
 
-def find(key: tuple, make: Callable[[], Any], *, held: Callable[[Any], dict] | None = None) -> Any:
-    """What is kept under ``key``, made by ``make()`` and kept the first time. An unhashable key (an
-    option the caller cannot hash) is made every time and never kept. ``held(value)``: the keyword
-    arguments of :func:`remember` that say what a made value holds (a plan's pool keys)."""
+def find(key: tuple, make: Callable[..., Any], *args, **kwargs) -> Any:
+    """What is kept under ``key``, made by ``make(*args, **kwargs)`` and kept the first time: for a value made
+    by a lower layer (a schedule, compiled steps), so that planning descends into it; a planning module that
+    makes the value itself looks it up with :func:`kept` and keeps it with :func:`keep`, and is not called
+    back. An unhashable key (an option the caller cannot hash) is made every time and never kept."""
+    found = kept(key)
+    return keep(key, make(*args, **kwargs)) if found is None else found
+
+
+def kept(key: tuple) -> Any:
+    """What is kept under ``key``, or None (an unhashable key finds nothing; :func:`keep` does not keep it).
+    A hit marks the entry used, as :func:`lookup`'s does."""
     try:
         found = _ENTRIES.get(key)
     except TypeError:
-        return make()
-    if found is None:
-        value = make()
-        found = remember(key, value, **held(value)) if held is not None else remember(key, value)
-    else:
+        return None
+    if found is not None:
         _FOUND.append(found)
     return found
+
+
+def keep(key: tuple, value: Any, **held) -> Any:
+    """:func:`remember` ``value`` under ``key`` (``held``: what it holds, as :func:`remember` takes it) and
+    return what is kept; an unhashable key keeps nothing and returns ``value``."""
+    try:
+        hash(key)
+    except TypeError:
+        return value
+    return remember(key, value, **held)
 
 
 def lookup(key: tuple) -> Any:

@@ -53,9 +53,9 @@ def test_a_call_with_gradients_runs_the_forward_its_op_planned(monkeypatch, algo
     try:
         group = dist.group.WORLD
         planned: list[str] = []
-        real = gather.plan_for  # the one function, bound by name in both modules that plan these ops
+        real = gather.kept_plan  # the one function, bound by name in both modules that plan these ops
         for module in (gather, scatter):
-            monkeypatch.setattr(module, "plan_for", lambda key, make: planned.append(key[2]) or real(key, make))
+            monkeypatch.setattr(module, "kept_plan", lambda key: planned.append(key[2]) or real(key))
         x = torch.randn(4, 8, requires_grad=True)
         w, w2 = torch.randn(8, 6, requires_grad=True), torch.randn(6, 8, requires_grad=True)
         seen = []
