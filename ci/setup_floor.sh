@@ -27,6 +27,6 @@ if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
     rm -rf "$venv/uv-cache"
 fi
 "$venv/bin/python" -m pip install --quiet "pluggy>=1.3,<2" "pytest>=7.4" "hypothesis>=6.80" numpy "matplotlib>=3.7" \
-    "import-linter>=2.1" "setuptools>=77"
+    "import-linter>=2.1" "setuptools>=77" "pytest-xdist>=3.5"
 "$venv/bin/python" -m pip install --quiet --no-deps -e .
 echo "commfuse torch-floor environment ready: $venv ($("$venv/bin/python" -c 'import torch, commfuse; print("torch", torch.__version__, "commfuse", commfuse.__version__)'))"

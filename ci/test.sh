@@ -48,7 +48,13 @@ venv="${COMMFUSE_VENV:-.venv}"
 stage "import layers (lint-imports)" env \
     PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
     "$venv/bin/lint-imports" --config .importlinter
-stage "main suite (pytest)" "$venv/bin/python" -m pytest "$@"
+# Two pytest workers (pytest-xdist, COMMFUSE_TEST_WORKERS; 0 runs the suite in one process): while one test's
+# ranks wait (a timeout on purpose, a rendezvous, a peer that is late by design) the other worker's use the CPU.
+workers="${COMMFUSE_TEST_WORKERS:-2}"
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
+export COMMFUSE_TEST_WORKERS="$workers"
+stage "main suite (pytest)" "$venv/bin/python" -m pytest "${parallel[@]}" "$@"
 stage "plain install" bash ci/test_plain_install.sh
 conformance() {
     for n in 2 3 4; do

@@ -61,4 +61,7 @@ if [ "${#cases[@]}" -lt 50 ]; then
     exit 1
 fi
 echo "torch floor: ${#cases[@]} gloo cases of ${gloo[*]}"
-"$venv/bin/python" -m pytest -p no:cacheprovider tests/unit tests/conformance "${cases[@]}" "$@"
+workers="${COMMFUSE_TEST_WORKERS:-2}"  # as ci/test.sh: 0 runs in one process
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
+"$venv/bin/python" -m pytest -p no:cacheprovider "${parallel[@]}" tests/unit tests/conformance "${cases[@]}" "$@"
