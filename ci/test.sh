@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up (ci/setup.sh), check the import layers (lint-imports, .importlinter; the vendor packages are found
-# from their folders), run the whole test suite, then the plain install (commfuse
-# with torch alone, no extras, on the newest torch pip installs: ci/test_plain_install.sh), the conformance suite
+# from their folders), run the whole test suite with the plain install beside it (commfuse
+# with torch alone, no extras, on the newest torch pip installs: ci/test_plain_install.sh), then the conformance suite
 # against gloo at world sizes 2, 3 and 4, then the vendor backends' stage
 # (ci/test_backends.sh), the transformers stage (ci/test_transformers.sh: whole transformers decoder models
 # under torch's and commfuse's tensor-parallel plans, against each model in one process), the JAX stage in its
@@ -38,24 +38,40 @@ stage "set-up (ci/setup.sh)" bash ci/setup.sh
 [ "$status" = 0 ] || exit 1
 # The later stages' own environments (the torch floor's, JAX's, torchtitan's) are made while the main suite runs:
 # their downloads and installs wait on the network and the disk more than on the CPU. One after another (each
-# installs this tree editable, which writes its metadata into the tree). Each set-up script is idempotent, so
-# its stage runs it again, quickly, and a set-up that failed here fails there, in that stage's output; this
-# one's is in ci-artifacts/setup-<name>.log.
+# installs this tree editable, which writes its metadata into the tree). A stage whose environment was made here
+# skips its own set-up (COMMFUSE_SET_UP names the environments made); one whose set-up failed here runs it
+# again, and fails there, in its own output. The logs are in ci-artifacts/setup-<name>.log.
 mkdir -p ci-artifacts
-(for name in floor jax torchtitan; do bash "ci/setup_$name.sh" > "ci-artifacts/setup-$name.log" 2>&1 || true; done) &
+rm -f ci-artifacts/setup-*.ok ci-artifacts/plain-install.*
+(for name in floor jax torchtitan; do
+    bash "ci/setup_$name.sh" > "ci-artifacts/setup-$name.log" 2>&1 && touch "ci-artifacts/setup-$name.ok"
+done) &
 environments=$!
+export COMMFUSE_SET_UP="main"
 venv="${COMMFUSE_VENV:-.venv}"
+# The plain install runs beside the main suite too: its fresh environment's torch download and install is most
+# of its time. Its output and its own time are printed after the main suite.
+(begin=$(date +%s); rc=0; bash ci/test_plain_install.sh > ci-artifacts/plain-install.log 2>&1 || rc=$?
+ echo "$rc $(($(date +%s) - begin))" > ci-artifacts/plain-install.rc) &
+plain=$!
 stage "import layers (lint-imports)" env \
     PYTHONPATH="backends/cuda:backends/npu:backends/xla:backends/jax:backends/tpu:backends/_template${PYTHONPATH:+:$PYTHONPATH}" \
     "$venv/bin/lint-imports" --config .importlinter
 # Two pytest workers (pytest-xdist, COMMFUSE_TEST_WORKERS; 0 runs the suite in one process): while one test's
 # ranks wait (a timeout on purpose, a rendezvous, a peer that is late by design) the other worker's use the CPU.
+# A file's tests stay on one worker (--dist loadfile): many files launch their ranks once and share the results
+# among their tests, which a second worker would launch again.
 workers="${COMMFUSE_TEST_WORKERS:-2}"
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
 export COMMFUSE_TEST_WORKERS="$workers"
 stage "main suite (pytest)" "$venv/bin/python" -m pytest "${parallel[@]}" "$@"
-stage "plain install" bash ci/test_plain_install.sh
+wait "$plain" || true
+cat ci-artifacts/plain-install.log
+read -r plain_rc plain_s < ci-artifacts/plain-install.rc || { plain_rc=1; plain_s=0; }
+times+=("$(printf '%-34s %4d:%02d  %s' "plain install (beside the suite)" $((plain_s / 60)) $((plain_s % 60)) \
+    "$([ "$plain_rc" = 0 ] && echo ok || echo "FAILED ($plain_rc)")")")
+[ "$plain_rc" = 0 ] || status=1
 conformance() {
     for n in 2 3 4; do
         "$venv/bin/commfuse" conformance --backend gloo --world-size "$n" \
@@ -74,7 +90,10 @@ for path in sorted(pathlib.Path("ci-artifacts").glob("conformance-w*.json")):
 PY
 stage "vendor backends" bash ci/test_backends.sh
 stage "transformers" bash ci/test_transformers.sh
-wait "$environments"
+wait "$environments" || true
+for name in floor jax torchtitan; do
+    if [ -e "ci-artifacts/setup-$name.ok" ]; then COMMFUSE_SET_UP="$COMMFUSE_SET_UP $name"; fi
+done
 stage "JAX" bash ci/test_jax.sh
 stage "torchtitan" bash ci/test_torchtitan.sh
 stage "torch floor" bash ci/test_torch_floor.sh

@@ -26,7 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export COMMFUSE_LAUNCH_START="${COMMFUSE_LAUNCH_START:-forkserver}"
-bash ci/setup_floor.sh
+case " ${COMMFUSE_SET_UP:-} " in *" floor "*) ;; *) bash ci/setup_floor.sh ;; esac  # ci/test.sh made it
 venv="${COMMFUSE_FLOOR_VENV:-$HOME/.cache/commfuse/venv-floor}"
 "$venv/bin/python" -c 'import commfuse, torch; print("torch floor:", torch.__version__, "commfuse from", commfuse.__file__)'
 gloo=(
@@ -63,5 +63,5 @@ fi
 echo "torch floor: ${#cases[@]} gloo cases of ${gloo[*]}"
 workers="${COMMFUSE_TEST_WORKERS:-2}"  # as ci/test.sh: 0 runs in one process
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
 "$venv/bin/python" -m pytest -p no:cacheprovider "${parallel[@]}" tests/unit tests/conformance "${cases[@]}" "$@"
