@@ -16,25 +16,12 @@ import commfuse as cf
 
 
 def held() -> dict[str, int]:
-    """What this process holds once its counts have settled: file descriptors, Python threads, native threads
-    (tasks), RSS bytes. A destroyed group's transport may still be closing its sockets and threads in the
-    background when the destroy returns (slower on a loaded machine): the counts are read every 20 ms until
-    five reads in a row agree (at most 3 s), so that what is compared is what stays held."""
-    import time
-
-    last, same, deadline = None, 0, time.monotonic() + 3.0
-    while True:
-        gc.collect()
-        now = {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
-               "tasks": len(os.listdir("/proc/self/task"))}
-        same = same + 1 if now == last else 0
-        if same >= 4 or time.monotonic() > deadline:
-            break
-        last = now
-        time.sleep(0.02)
+    """What this process holds now: file descriptors, Python threads, native threads (tasks), RSS bytes."""
+    gc.collect()
     with open("/proc/self/statm") as f:
-        now["rss"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return now
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+            "tasks": len(os.listdir("/proc/self/task")), "rss": rss}
 
 
 def _ints(shape, seed: int) -> torch.Tensor:
