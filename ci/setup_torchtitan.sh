@@ -32,6 +32,6 @@ if ! have; then
     "$venv/bin/python" -m pip install --quiet -c "$constraints" "torchtitan==$torchtitan_version"
     rm -f "$constraints"
 fi
-"$venv/bin/python" -m pip install --quiet "pluggy>=1.3,<2" "pytest>=7.4" "hypothesis>=6.80" "pytest-xdist>=3.5"
+"$venv/bin/python" -m pip install --quiet "pluggy>=1.3,<2" "pytest>=7.4" "hypothesis>=6.80"
 "$venv/bin/python" -m pip install --quiet --no-deps -e .
 echo "commfuse torchtitan environment ready: $venv ($("$venv/bin/python" -c 'import torch, commfuse; from importlib.metadata import version; print("torch", torch.__version__, "torchtitan", version("torchtitan"), "commfuse", commfuse.__version__)'))"

@@ -63,5 +63,5 @@ fi
 echo "torch floor: ${#cases[@]} gloo cases of ${gloo[*]}"
 workers="${COMMFUSE_TEST_WORKERS:-2}"  # as ci/test.sh: 0 runs in one process
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
 "$venv/bin/python" -m pytest -p no:cacheprovider "${parallel[@]}" tests/unit tests/conformance "${cases[@]}" "$@"

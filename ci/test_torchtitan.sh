@@ -9,7 +9,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case " ${COMMFUSE_SET_UP:-} " in *" torchtitan "*) ;; *) bash ci/setup_torchtitan.sh ;; esac  # ci/test.sh made it
 venv="${COMMFUSE_TORCHTITAN_VENV:-$HOME/.cache/commfuse/venv-torchtitan}"
-workers="${COMMFUSE_TEST_WORKERS:-2}"  # as ci/test.sh: 0 runs in one process; a file's tests on one worker
-parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadfile)
-"$venv/bin/python" -m pytest tests/torchtitan_stage -p no:cacheprovider "${parallel[@]}" "$@"
+"$venv/bin/python" -m pytest tests/torchtitan_stage -p no:cacheprovider "$@"
