@@ -25,7 +25,8 @@ PY
     -p no:cacheprovider "$@"
 # The template is tested from its own folder: its tests/conftest.py is the vendor's fixtures file. Its plugin
 # tests and two tiers show the fixtures file plugs the suite in; the whole suite runs against the template once,
-# at world size 3 below (gloo's runs at 2, 3 and 4 in ci/test.sh: the template at 2 as well would repeat them).
+# at world size 3 below (gloo's runs at 2 in the main suite and at 3 and 4 in ci/test.sh: the template at 2
+# as well would repeat them).
 (cd backends/_template && "$py" -m pytest -p no:cacheprovider -k "template_plugin or transport or determinism" "$@")
 report="${TMPDIR:-/tmp}/commfuse-template-conformance-n3.json"
 "$venv/bin/commfuse" conformance --backend template --world-size 3 \

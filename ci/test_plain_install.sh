@@ -9,20 +9,24 @@
 # before any work and say how to install it: conformance (pytest, the 'test' extra) and bench --plot
 # (matplotlib, the 'bench' extra). Every check says what it runs; the first failure ends the stage with
 # a non-zero status. About a minute; the environment lives in a temporary folder, removed at the end.
+# The fresh environment with torch alone is ci/setup_plain.sh's: made here, or, where COMMFUSE_SET_UP names
+# "plain", made by ci/test.sh while the main suite ran, in COMMFUSE_PLAIN_VENV (removed at the end all the same).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
-python="${PYTHON:-python3}"
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/commfuse-plain-install.XXXXXX")"
-trap 'rm -rf "$tmp"' EXIT
+venv=""
+trap 'rm -rf "$tmp" ${venv:+"$venv"}' EXIT
+case " ${COMMFUSE_SET_UP:-} " in
+    *" plain "*) venv="${COMMFUSE_PLAIN_VENV:?COMMFUSE_SET_UP names plain, yet COMMFUSE_PLAIN_VENV is not set}" ;;
+    *) venv="$tmp/venv"; COMMFUSE_PLAIN_VENV="$venv" bash ci/setup_plain.sh ;;
+esac
 
 # Build from a copy of what the build reads, so that pip's in-tree build/ never lands in the working tree.
 mkdir "$tmp/src"
 cp -r pyproject.toml README.md LICENSE commfuse "$tmp/src/"
-"$python" -m venv "$tmp/venv"
-py="$tmp/venv/bin/python"
-bin="$tmp/venv/bin"
-"$py" -m pip install --quiet "torch==${COMMFUSE_PLAIN_TORCH:-2.14.1}"
+py="$venv/bin/python"
+bin="$venv/bin"
 "$py" -m pip install --quiet "$tmp/src"
 cd "$tmp"  # run where the checkout is not importable: the installed commfuse only
 
