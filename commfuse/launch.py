@@ -15,9 +15,9 @@ Linux each rank also asks the kernel to kill it when its parent ends (``PR_SET_P
 that is itself killed (SIGTERM, SIGKILL) takes its ranks with it.
 
 Ranks start as fresh interpreters (``spawn``) by default. ``COMMFUSE_LAUNCH_START=forkserver`` forks them
-from one server process per launcher that has imported torch already (:data:`START_ENV`): a launch then costs
-about 0.2 s instead of 2 to 3 s on two cores, which is what a test suite of many launches wants (this
-project's sets it). Keep ``spawn`` where importing torch initialises a device runtime that a fork would
+from one server process per launcher that has imported torch and commfuse's layers already (:data:`START_ENV`,
+:data:`FORKSERVER_PRELOAD`, and :data:`PRELOAD_ENV` for more): a launch then costs about 0.2 s instead of 2 to
+3 s on two cores, which is what a test suite of many launches wants (this project's sets it). Keep ``spawn`` where importing torch initialises a device runtime that a fork would
 copy (a vendor's package that torch loads at import).
 """
 
@@ -35,8 +35,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from commfuse.errors import CommfuseError, first_line
-from commfuse.runtime.env import choice, flag
+from commfuse.errors import CommfuseError, CommfuseValueError, first_line
+from commfuse.runtime.env import choice, flag, names
 
 
 class LaunchError(CommfuseError, RuntimeError):
@@ -128,8 +128,30 @@ START_ENV = "COMMFUSE_LAUNCH_START"
 #: The values of :data:`START_ENV`.
 START_METHODS = ("spawn", "forkserver")
 
-#: What the forkserver imports once, before it forks any rank.
-FORKSERVER_PRELOAD = ("torch", "torch.distributed")
+#: What the forkserver imports once, before it forks any rank: torch, and commfuse with the modules a rank's work
+#: imports (the layers; the tensor-parallel styles, with DTensor), which each rank would otherwise import itself
+#: after the fork (about half a second of CPU a rank on two cores). :data:`PRELOAD_ENV` adds more.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "commfuse", "commfuse.nn",
+                      "commfuse.tp")
+
+#: More modules for the forkserver to import before it forks: dotted names separated by commas
+#: (``transformers``; the test suite names it where it is installed). Read when a launcher starts its server
+#: (its first ``forkserver`` launch); a name that is not a module name, or whose package is not installed,
+#: raises :class:`CommfuseValueError` naming the variable and the name.
+PRELOAD_ENV = "COMMFUSE_LAUNCH_PRELOAD"
+
+
+def _preload() -> list[str]:
+    """:data:`FORKSERVER_PRELOAD` and what :data:`PRELOAD_ENV` adds."""
+    import importlib.util
+
+    extra = names(PRELOAD_ENV)
+    for name in extra:
+        top = name.partition(".")[0]
+        if importlib.util.find_spec(top) is None:
+            raise CommfuseValueError(f"{PRELOAD_ENV} names {name!r}, and no package {top!r} is installed: "
+                                     "name installed modules, or leave it unset or empty for none")
+    return list(dict.fromkeys(FORKSERVER_PRELOAD + extra))
 
 
 def _context():
@@ -137,7 +159,7 @@ def _context():
     method = choice(START_ENV, "spawn", START_METHODS)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        ctx.set_forkserver_preload(_preload())
     return ctx
 
 

@@ -4,6 +4,7 @@ import os
 import signal
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,13 @@ settings.load_profile("commfuse")
 # never the working tree (the ranks that commfuse.launch spawns inherit it). A test that reads dumps sets its own.
 os.environ.setdefault("COMMFUSE_TRACE_DIR", tempfile.mkdtemp(prefix="commfuse-test-traces-"))
 
-# Launched ranks fork from a server that has imported torch (commfuse.launch.START_ENV): 0.2 s a launch instead
-# of 2 to 3 s, over the suite's hundreds of launches. test_launch_gloo and test_cli_processes run both ways.
+# Launched ranks fork from a server that has imported torch and commfuse's layers (commfuse.launch.START_ENV):
+# 0.2 s a launch instead of 2 to 3 s, over the suite's hundreds of launches. test_launch_gloo and
+# test_cli_processes run both ways. The server imports transformers too, where it is installed: the HF-style,
+# MoE-model and mask cases import it in every rank (commfuse.launch.PRELOAD_ENV).
 os.environ.setdefault("COMMFUSE_LAUNCH_START", "forkserver")
+if find_spec("transformers") is not None:
+    os.environ.setdefault("COMMFUSE_LAUNCH_PRELOAD", "transformers")
 
 
 

@@ -8,6 +8,7 @@ does not take.
 - :func:`number`: a number in a range (``COMMFUSE_TIMEOUT_S``, ``COMMFUSE_GRACE_S``, ``COMMFUSE_RECORDER``...).
 - :func:`size`: a number of bytes, with a binary unit or without (``COMMFUSE_PLAN_BYTES``).
 - :func:`text`: a path or a name, taken as it is but stripped (``COMMFUSE_TRACE_DIR``, ``COMMFUSE_PROFILE``).
+- :func:`names`: dotted names, separated by commas (``COMMFUSE_LAUNCH_PRELOAD``).
 
 Unset and empty mean the same, the default, except where a reader says what an empty value means
 (``COMMFUSE_PROFILE``). It imports nothing but :mod:`commfuse.errors`, so ``import commfuse`` reads
@@ -17,11 +18,12 @@ Unset and empty mean the same, the default, except where a reader says what an e
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 
 from commfuse.errors import CommfuseValueError
 
-__all__ = ["FALSE_WORDS", "TRUE_WORDS", "choice", "flag", "number", "size", "text"]
+__all__ = ["FALSE_WORDS", "TRUE_WORDS", "choice", "flag", "names", "number", "size", "text"]
 
 #: The words :func:`flag` reads as on and as off (after stripping and lower-casing).
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -83,6 +85,25 @@ def text(name: str, default=None, *, empty=None):
     if value:
         return value
     return default if empty is None else empty
+
+
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def names(name: str) -> tuple[str, ...]:
+    """The variable ``name`` as dotted names (``a.b``, ``c``) separated by commas, each stripped, in order,
+    without repeats; ``()`` when it is unset or empty. Anything else (an empty item, a name that is not dotted
+    words) raises :class:`CommfuseValueError` naming the variable, the value and the item."""
+    raw = _environ.get(name, "")
+    if not raw.strip():
+        return ()
+    items = [item.strip() for item in raw.split(",")]
+    for item in items:
+        if not _DOTTED.fullmatch(item):
+            raise CommfuseValueError(
+                f"{name}={raw!r}: {item!r} is not a dotted name: give names such as 'transformers' or 'a.b', "
+                "separated by commas, or leave it unset or empty for none")
+    return tuple(dict.fromkeys(items))
 
 
 def number(name: str, default, low, high, *, kind=float, unit: str = "seconds"):

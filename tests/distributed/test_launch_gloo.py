@@ -150,3 +150,59 @@ def test_the_conformance_suites_leftover_check_sees_the_ranks_either_way(start, 
     assert ranks <= seen, (ranks, seen)
     assert not seen - ranks, f"helpers counted as ranks: {seen - ranks}"
     assert not running_ranks() & ranks
+
+
+_PRELOAD_SCRIPT = """
+import sys
+
+from commfuse.launch import launch
+
+WATCHED = ("torch.distributed.tensor", "commfuse.nn", "commfuse.tp", "xml.dom.minidom")
+
+
+def body(rank, n):  # what the rank has imported before its body runs: nothing here imports them
+    return [m for m in WATCHED if m in sys.modules]
+
+
+if __name__ == "__main__":
+    print(launch(body, 2, timeout=60))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_forked_ranks_start_with_the_preloaded_modules_imported(method, tmp_path):
+    """Under ``forkserver`` the server imports ``FORKSERVER_PRELOAD`` and what ``COMMFUSE_LAUNCH_PRELOAD`` adds
+    once, and every rank forked from it starts with them; a spawned rank imports only what its body needs. Run in
+    a process of its own: a launcher reads the variable when it starts its server, and this suite's processes
+    have started theirs."""
+    import ast
+    import os
+    import subprocess
+
+    script = tmp_path / "preload_check.py"
+    script.write_text(_PRELOAD_SCRIPT)
+    env = {**os.environ, launch_module.START_ENV: method, launch_module.PRELOAD_ENV: " xml.dom.minidom "}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    if method == "forkserver":
+        assert got == [["torch.distributed.tensor", "commfuse.nn", "commfuse.tp", "xml.dom.minidom"]] * 2, got
+    else:
+        assert all("xml.dom.minidom" not in g and "commfuse.tp" not in g for g in got), got
+
+
+@pytest.mark.parametrize(("value", "says"), [("xml..dom", "'xml..dom' is not a dotted name"),
+                                             ("json,,xml", "'' is not a dotted name"),
+                                             ("json, no_such_package_here.sub", "no package 'no_such_package_here'")])
+def test_a_preload_list_that_cannot_be_imported_is_refused_by_name(monkeypatch, value, says):
+    from commfuse.errors import CommfuseValueError
+
+    monkeypatch.setenv(launch_module.PRELOAD_ENV, value)
+    with pytest.raises(CommfuseValueError, match="COMMFUSE_LAUNCH_PRELOAD") as caught:
+        launch_module._preload()
+    assert says in str(caught.value)
+    monkeypatch.setenv(launch_module.PRELOAD_ENV, " json , xml.dom,json ")
+    assert launch_module._preload() == [*launch_module.FORKSERVER_PRELOAD, "json", "xml.dom"]
+    monkeypatch.delenv(launch_module.PRELOAD_ENV)
+    assert launch_module._preload() == list(launch_module.FORKSERVER_PRELOAD)
