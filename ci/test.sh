@@ -64,9 +64,7 @@ stage "import layers (lint-imports)" env \
 # so that a file that launches its ranks once for all its tests does so once, measured slower: the floor 4:56
 # against 4:13, the suite 19:35 against 18:34 (that run with the plain install beside it); the longest files
 # were left running alone at the end.
-workers="${COMMFUSE_TEST_WORKERS:-2}"
-parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
+source ci/common.sh  # parallel, from COMMFUSE_TEST_WORKERS
 export COMMFUSE_TEST_WORKERS="$workers"
 stage "main suite (pytest)" "$venv/bin/python" -m pytest "${parallel[@]}" "$@"
 wait "$plain" || true

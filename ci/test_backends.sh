@@ -7,7 +7,8 @@
 #   COMMFUSE_VENV  the environment (default: .venv in the repo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case " ${COMMFUSE_SET_UP:-} " in *" main "*) ;; *) bash ci/setup.sh ;; esac  # ci/test.sh made it
+source ci/common.sh
+set_up main setup.sh
 venv="$(cd "${COMMFUSE_VENV:-.venv}" && pwd)"
 py="$venv/bin/python"
 torch_before="$("$py" -c 'import torch; print(torch.__version__)')"

@@ -8,7 +8,8 @@
 #   COMMFUSE_JAX_VENV  the JAX environment (default: ~/.cache/commfuse/venv-jax)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case " ${COMMFUSE_SET_UP:-} " in *" jax "*) ;; *) bash ci/setup_jax.sh ;; esac  # ci/test.sh made it
+source ci/common.sh
+set_up jax setup_jax.sh
 venv="${COMMFUSE_JAX_VENV:-$HOME/.cache/commfuse/venv-jax}"
 # XLA's compiled programs are kept beside the environment (JAX's persistent compilation cache, keyed by the
 # lowered HLO, the compile options and jaxlib's version): a case whose HLO did not change since the last run

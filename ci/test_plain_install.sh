@@ -17,10 +17,13 @@ repo="$(pwd)"
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/commfuse-plain-install.XXXXXX")"
 venv=""
 trap 'rm -rf "$tmp" ${venv:+"$venv"}' EXIT
-case " ${COMMFUSE_SET_UP:-} " in
-    *" plain "*) venv="${COMMFUSE_PLAIN_VENV:?COMMFUSE_SET_UP names plain, yet COMMFUSE_PLAIN_VENV is not set}" ;;
-    *) venv="$tmp/venv"; COMMFUSE_PLAIN_VENV="$venv" bash ci/setup_plain.sh ;;
-esac
+source ci/common.sh
+if made plain; then
+    venv="${COMMFUSE_PLAIN_VENV:?COMMFUSE_SET_UP names plain, yet COMMFUSE_PLAIN_VENV is not set}"
+else
+    venv="$tmp/venv"
+    COMMFUSE_PLAIN_VENV="$venv" bash ci/setup_plain.sh
+fi
 
 # Build from a copy of what the build reads, so that pip's in-tree build/ never lands in the working tree.
 mkdir "$tmp/src"

@@ -26,7 +26,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export COMMFUSE_LAUNCH_START="${COMMFUSE_LAUNCH_START:-forkserver}"
-case " ${COMMFUSE_SET_UP:-} " in *" floor "*) ;; *) bash ci/setup_floor.sh ;; esac  # ci/test.sh made it
+source ci/common.sh
+set_up floor setup_floor.sh
 venv="${COMMFUSE_FLOOR_VENV:-$HOME/.cache/commfuse/venv-floor}"
 "$venv/bin/python" -c 'import commfuse, torch; print("torch floor:", torch.__version__, "commfuse from", commfuse.__file__)'
 gloo=(
@@ -61,7 +62,4 @@ if [ "${#cases[@]}" -lt 50 ]; then
     exit 1
 fi
 echo "torch floor: ${#cases[@]} gloo cases of ${gloo[*]}"
-workers="${COMMFUSE_TEST_WORKERS:-2}"  # as ci/test.sh: 0 runs in one process
-parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist worksteal)
 "$venv/bin/python" -m pytest -p no:cacheprovider "${parallel[@]}" tests/unit tests/conformance "${cases[@]}" "$@"

@@ -7,6 +7,7 @@
 #   COMMFUSE_TORCHTITAN_VENV  the environment (default: ~/.cache/commfuse/venv-torchtitan)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case " ${COMMFUSE_SET_UP:-} " in *" torchtitan "*) ;; *) bash ci/setup_torchtitan.sh ;; esac  # ci/test.sh made it
+source ci/common.sh
+set_up torchtitan setup_torchtitan.sh
 venv="${COMMFUSE_TORCHTITAN_VENV:-$HOME/.cache/commfuse/venv-torchtitan}"
 "$venv/bin/python" -m pytest tests/torchtitan_stage -p no:cacheprovider "$@"

@@ -17,8 +17,9 @@ that is itself killed (SIGTERM, SIGKILL) takes its ranks with it.
 Ranks start as fresh interpreters (``spawn``) by default. ``COMMFUSE_LAUNCH_START=forkserver`` forks them
 from one server process per launcher that has imported torch and commfuse's layers already (:data:`START_ENV`,
 :data:`FORKSERVER_PRELOAD`, and :data:`PRELOAD_ENV` for more): a launch then costs about 0.2 s instead of 2 to
-3 s on two cores, which is what a test suite of many launches wants (this project's sets it). Keep ``spawn`` where importing torch initialises a device runtime that a fork would
-copy (a vendor's package that torch loads at import).
+3 s on two cores, which is what a test suite of many launches wants (this project's sets it). Keep ``spawn``
+where importing torch initialises a device runtime that a fork would copy (a vendor's package that torch loads
+at import).
 """
 
 from __future__ import annotations
